@@ -1,0 +1,1 @@
+"""spectrt: tree-based speculative decoding, deployable on NVIDIA TensorRT and Triton."""

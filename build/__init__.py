@@ -1,0 +1,1 @@
+"""Offline: checkpoint -> draft -> graph -> engine."""

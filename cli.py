@@ -1,0 +1,125 @@
+"""`spectrt` command line: generate, bench, draft."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
+from spectrt.runtime.tree import Tree, TreeError
+
+
+def _positive(value: str) -> int:
+    if not value.lstrip("-").isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    target = resolve_target(args.target, args.artifacts)
+    if getattr(args, "no_spec", False):
+        return target, None
+    draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
+    if not draft.is_dir():
+        raise CheckpointError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}`")
+    return target, draft
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
+    p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--backend", default="torch", choices=["torch"])
+    p.add_argument("--max-seq-len", type=_positive, default=2048)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from spectrt.runtime.pipeline import Pipeline
+
+    target, draft = _models(args)
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len)
+    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+    gen = pipe.generate(args.prompt, args.max_new_tokens, None if args.no_spec else args.tree,
+                        chat=not args.raw, on_text=on_text)
+    if args.json:
+        print(json.dumps(gen.as_dict()))
+        return 0
+    s = gen.stats
+    mode = "autoregressive" if args.no_spec else f"tree {args.tree_spec}"
+    print(f"\n\n[{mode}] {s.new_tokens} tokens in {s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s | "
+          f"tau {s.tau:.2f} | target passes {s.target_passes} | draft passes {s.draft_passes} | "
+          f"finish {gen.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from spectrt.runtime.bench import run_bench
+
+    target, draft = _models(args)
+    run_bench(target, draft, args)
+    return 0
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from spectrt.build.draft import make_draft
+
+    target = resolve_target(args.target, args.artifacts)
+    out = Path(args.out) if args.out else default_draft(target, args.artifacts)
+    make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spectrt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with tree speculative decoding")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--tree", dest="tree_spec", default=None, help="expansion per depth, e.g. 3,2,2,1,1")
+    g.add_argument("--max-new-tokens", type=_positive, default=128)
+    g.add_argument("--no-spec", action="store_true", help="run the target alone (autoregressive baseline)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="AR vs chain vs tree on a prompt set; writes bench/results")
+    _add_model_args(b)
+    b.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
+    b.add_argument("--trees", default=None, help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
+    b.add_argument("--max-new-tokens", type=_positive, default=128)
+    b.add_argument("--limit", type=_positive, help="use only the first N prompts")
+    b.add_argument("--out", type=Path, default=Path("bench/results"))
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("draft", help="slice the target and distill it on the target's own outputs")
+    d.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    d.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--budget-minutes", type=float, default=10.0)
+    d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
+    d.set_defaults(func=cmd_draft)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "tree_spec", "x") is None:
+        from spectrt.runtime.pipeline import DEFAULT_TREE
+
+        args.tree_spec = DEFAULT_TREE
+    if hasattr(args, "tree_spec"):
+        try:
+            args.tree = Tree.parse(args.tree_spec)
+        except TreeError as e:
+            parser.error(str(e))
+    try:
+        sys.exit(args.func(args))
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError, TreeError and input errors
+        print(f"spectrt: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,1 @@
+"""Offline: calibrate and quantize a target to INT8."""

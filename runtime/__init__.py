@@ -1,0 +1,1 @@
+"""Online: engines, token trees, verification, the decode loop."""

@@ -1,0 +1,57 @@
+"""The one engine interface shared by draft and target, and loading of a draft/target pair.
+
+Every backend implements `forward(tokens, positions, tree_mask, cache) -> logits` over a static
+cache it allocates once (`new_cache`); the decoder never sees which backend it drives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from spectrt.runtime.model import KVCache, ModelConfig, Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Engine(Protocol):
+    config: ModelConfig
+
+    def new_cache(self, capacity: int, max_window: int) -> KVCache: ...
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor: ...
+
+
+def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32") -> Engine:
+    """Load one model for the given backend (torch is the reference and the CPU path)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported: choose one of {sorted(DTYPES)}")
+    if backend != "torch":
+        raise ValueError(f"--backend {backend!r} is not available: choose torch")
+    return Transformer.load(Path(checkpoint), DTYPES[dtype])
+
+
+def _vocabulary_fingerprint(checkpoint: Path) -> str:
+    """Hash of the tokenizer's token->id map, so differently formatted files with one vocabulary agree."""
+    tokenizer_json = Path(checkpoint) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ValueError(f"{checkpoint} has no tokenizer.json: copy the target's tokenizer files next to the weights")
+    model = json.loads(tokenizer_json.read_text())
+    vocab = model.get("model", {}).get("vocab", {})
+    added = {t["content"]: t["id"] for t in model.get("added_tokens", [])}
+    canonical = json.dumps([sorted(vocab.items()) if isinstance(vocab, dict) else vocab, sorted(added.items())])
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_draft_matches(target: Path, draft: Path) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: its token ids would mean other tokens."""
+    t_cfg, d_cfg = ModelConfig.from_dir(target), ModelConfig.from_dir(draft)
+    if t_cfg.vocab_size != d_cfg.vocab_size or _vocabulary_fingerprint(target) != _vocabulary_fingerprint(draft):
+        raise ValueError(
+            f"draft {draft} does not share the target's tokenizer/vocabulary (vocab sizes {d_cfg.vocab_size} vs "
+            f"{t_cfg.vocab_size}): make a draft from this target with `spectrt draft --target {target}`"
+        )

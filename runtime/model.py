@@ -1,0 +1,222 @@
+"""The torch backend: a LLaMA-family decoder with a static KV cache and tree attention.
+
+gpt-fast style: weights are plain tensors (q/k/v and gate/up fused so each layer runs 4 GEMMs),
+the cache is allocated once, and each projection uses the kernel measured fastest for its shape
+on this machine at load time (see `KernelChoice`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dir(cls, checkpoint: Path) -> ModelConfig:
+        raw = json.loads((Path(checkpoint) / "config.json").read_text())
+        if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{checkpoint}: model_type {raw.get('model_type')!r} is not supported; "
+                f"spectrt runs {sorted(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{checkpoint}: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        )
+
+
+class KVCache:
+    """Static K/V buffers for `capacity` positions, allocated once and reused for every request.
+
+    Slots [0, length) hold committed tokens. Uncommitted "window" slots after them hold the tree
+    being drafted or verified; `compact` moves an accepted path into contiguous slots and commits it.
+    `attention` is a static bool buffer for the attention mask of one forward.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int, max_window: int, dtype: torch.dtype):
+        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.attention = torch.zeros(max_window, capacity, dtype=torch.bool)
+        self.capacity = capacity
+        self.max_window = max_window
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def commit(self, count: int) -> None:
+        """Window slots [0, count) become part of the committed prefix."""
+        self.length += count
+
+    def compact(self, window_indices: list[int]) -> None:
+        """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped."""
+        n = self.length
+        if window_indices != list(range(len(window_indices))):
+            src = torch.tensor(window_indices) + n
+            dst = slice(n, n + len(window_indices))
+            self.k[:, :, dst] = self.k[:, :, src]
+            self.v[:, :, dst] = self.v[:, :, src]
+        self.length += len(window_indices)
+
+
+class KernelChoice:
+    """Per weight shape, the fastest GEMM formulation for one row and for several rows, measured at load.
+
+    On some CPUs MKL's single-row `F.linear` is several times slower than `mm(W, X^T)` on a
+    duplicated row (the LM head above all), while small projections prefer `F.linear`.
+    """
+
+    def __init__(self, measure: bool = True):
+        self.measure = measure
+        self.choice: dict[tuple, bool] = {}
+
+    @staticmethod
+    def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return torch.mm(w, x.expand(2, -1).contiguous().T)[:, :1].T
+        return torch.mm(w, x.T).T
+
+    def _fastest(self, w: torch.Tensor, rows: int) -> bool:
+        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+        timings = []
+        for fn in (F.linear, self._mm_t):
+            fn(x, w)
+            start = time.perf_counter()
+            for _ in range(5):
+                fn(x, w)
+            timings.append(time.perf_counter() - start)
+        return timings[1] < timings[0]
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        key = (tuple(w.shape), w.dtype, x.shape[0] == 1)
+        use_mm = self.choice.get(key)
+        if use_mm is None:
+            use_mm = self.choice[key] = self.measure and self._fastest(w, 1 if key[2] else 8)
+        return self._mm_t(x, w) if use_mm else F.linear(x, w)
+
+
+class Transformer:
+    """LLaMA forward over new tokens with explicit positions and a tree mask, writing into a KVCache."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 measure_kernels: bool = True):
+        self.config = config
+        self.dtype = dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.head = w.get("lm_head.weight", self.embed) if config.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append({
+                "attn_norm": w[p + "input_layernorm.weight"],
+                "wqkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                "wo": w[p + "self_attn.o_proj.weight"],
+                "mlp_norm": w[p + "post_attention_layernorm.weight"],
+                "w13": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                "w2": w[p + "mlp.down_proj.weight"],
+            })
+        self.linear = KernelChoice(measure_kernels)
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+
+    @classmethod
+    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True) -> Transformer:
+        config = ModelConfig.from_dir(checkpoint)
+        weights = {}
+        for shard in sorted(Path(checkpoint).glob("*.safetensors")):
+            with safe_open(shard, "pt") as f:
+                for name in f.keys():
+                    weights[name] = f.get_tensor(name)
+        return cls(config, weights, dtype, measure_kernels)
+
+    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+        return KVCache(self.config, capacity, max_window, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """Logits [T, V] for `tokens` [T]; their K/V land in the last T slots of a W-slot window.
+
+        `tree_mask` [T, W] says which window slots each new token sees (the committed prefix is
+        always visible); the new tokens occupy window slots [W - T, W).
+        """
+        c = self.config
+        t, window = tree_mask.shape
+        n = cache.length
+        start, end = n + window - t, n + window
+        if end > cache.capacity or t > cache.max_window or tokens.shape[0] != t:
+            raise ValueError(f"forward of {t} tokens in a {window}-slot window after {n} exceeds the static cache")
+        mask = cache.attention[:t, :end]
+        mask[:, :n] = True
+        mask[:, n:] = tree_mask
+        cos, sin = self._rope(positions)
+        x = self.embed[tokens]
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["attn_norm"])
+            qkv = self.linear(h, layer["wqkv"])
+            q = qkv[:, :q_dim].view(t, c.num_heads, c.head_dim).transpose(0, 1)
+            k = qkv[:, q_dim:q_dim + kv_dim].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            v = qkv[:, q_dim + kv_dim:].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cache.k[i, :, start:end] = k
+            cache.v[i, :, start:end] = v
+            o = F.scaled_dot_product_attention(
+                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end], attn_mask=mask, enable_gqa=True
+            )
+            x = x + self.linear(o[0].transpose(0, 1).reshape(t, q_dim), layer["wo"])
+            h = self._rms_norm(x, layer["mlp_norm"])
+            gate, up = self.linear(h, layer["w13"]).chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, layer["w2"])
+        return self.linear(self._rms_norm(x, self.norm), self.head).float()

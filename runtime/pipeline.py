@@ -1,0 +1,92 @@
+"""Text in, text out: tokenizer + chat template + SpecDecoder over a target/draft pair.
+
+The CLI, the benchmark and the Triton model all go through `Pipeline`, so they share one
+loading path, one set of input checks and one streaming detokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from spectrt.runtime.decoder import DecodeStats, SpecDecoder
+from spectrt.runtime.engine import check_draft_matches, load_engine
+from spectrt.runtime.tree import Tree
+from transformers import AutoTokenizer
+
+DEFAULT_TREE = "2,1"
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: DecodeStats
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.as_dict()}
+
+
+class TextStream:
+    """Turns accepted token chunks into text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]):
+        self.tokenizer, self.emit = tokenizer, emit
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.sent:
+            self.emit(text[self.sent:])
+            self.sent = len(text)
+
+
+class Pipeline:
+    def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "fp32",
+                 max_seq_len: int = 2048, max_tree_tokens: int = 64):
+        target = Path(target)
+        if draft is not None:
+            check_draft_matches(target, Path(draft))
+        self.tokenizer = AutoTokenizer.from_pretrained(target)
+        eos = {self.tokenizer.eos_token_id}
+        gen_config = target / "generation_config.json"
+        if gen_config.is_file():
+            configured = json.loads(gen_config.read_text()).get("eos_token_id")
+            eos |= set(configured) if isinstance(configured, list) else {configured}
+        self.decoder = SpecDecoder(
+            load_engine(target, backend, dtype),
+            load_engine(Path(draft), backend, dtype) if draft is not None else None,
+            eos_ids={e for e in eos if e is not None},
+            max_seq_len=max_seq_len,
+            max_tree_tokens=max_tree_tokens,
+        )
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise ValueError("the prompt is empty: pass some text with --prompt")
+        if chat and self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | str | None = DEFAULT_TREE,
+                 chat: bool = True, on_text: Callable[[str], None] | None = None) -> Generation:
+        """Generate greedily; `tree=None` runs the target alone (the autoregressive baseline)."""
+        if isinstance(tree, str):
+            tree = Tree.parse(tree)
+        stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
+        result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree, on_tokens=stream)
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        if stream is not None and len(text) > stream.sent:
+            on_text(text[stream.sent:])
+        return Generation(text, result.token_ids, result.finish_reason, result.stats)

@@ -1,0 +1,223 @@
+"""Request sampling distributions and lossless verification of a sampled draft tree (pure tensor functions).
+
+The target decides: every emitted token is distributed exactly as if the target had sampled it from
+`sampling_probs(target_logits, params)` one token at a time, whatever the draft proposed. Two ways of
+choosing a node's children are supported, and the verifier must be told which one was used:
+
+- deterministic children (`torch.topk(q, k).indices`, EAGLE style): verify with `q=None`;
+- children drawn without replacement from the draft distribution q (`draw_children`, Sequoia style):
+  verify with that same q.
+
+Verification randomness comes only from the generator handed to the verifier; drafting must use a
+different generator, otherwise the draft tokens and the accept tests share random numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from, [..., V] -> [..., V]: temperature, then top-k, then top-p.
+
+    Temperature 0 gives the one-hot argmax (first index on ties, like `torch.argmax`), so the sampled
+    path degenerates to greedy decoding exactly. Top-k keeps every token tied with the k-th logit; top-p
+    keeps the smallest prefix of the sorted distribution reaching `top_p`, always at least the top token.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(dtype)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # mass before it suffices
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k distinct tokens per row of q [M, V], drawn without replacement in draw order -> [M, k].
+
+    Gumbel-top-k on log q, which is sequential sampling without replacement. A row with fewer than k
+    tokens of positive mass first yields all of those, then fills the remaining slots with untried
+    zero-mass tokens drawn uniformly without replacement: that is exactly the "uniform over untried
+    tokens once the draft mass is used up" rule `verify_sampled` applies, so the tree keeps its fixed
+    shape, every slot holds a real token, and verification stays exact (the filler tokens are accepted
+    only through the target's own residual mass).
+    """
+    vocab = q.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k={k} children per node must be in [1, {vocab}] (the vocabulary size)")
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=dtype)
+    gumbel = -(-u.clamp(min=torch.finfo(dtype).tiny).log()).log()
+    has_mass = q > 0
+    neg_inf = torch.tensor(float("-inf"), device=q.device, dtype=dtype)
+    by_mass = torch.where(has_mass, q.to(dtype).log() + gumbel, neg_inf).topk(k, dim=-1).indices
+    filler = torch.where(has_mass, neg_inf, gumbel).topk(k, dim=-1).indices
+    slot = torch.arange(k, device=q.device)
+    n_mass = has_mass.sum(-1, keepdim=True)
+    filler = filler.gather(-1, (slot - n_mass).clamp(min=0))
+    return torch.where(slot < n_mass, by_mass, filler)
+
+
+def verify_sampled(
+    tree: Tree,
+    tokens: list[int] | torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Lossless verification of one draft tree: accepted node indices (root first) and the emitted token.
+
+    `tokens[i]` is node i's token, `p[i]` [N, V] the target's `sampling_probs` after node i and `q[i]`
+    the draft distribution node i's children were drawn from without replacement (`None` for
+    deterministic top-k children). Same return convention as `greedy_accept`; a thin wrapper around
+    `verify_sampled_batch`.
+    """
+    tokens = torch.as_tensor(tokens, device=p.device)
+    path, token = verify_sampled_batch(tree, tokens[None], p[None], None if q is None else q[None], generator)
+    return [i for i in path[0].tolist() if i >= 0], int(token[0])
+
+
+def verify_sampled_batch(
+    tree: Tree,
+    tokens: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify B trees of one topology at once: tokens [B, N], p and q [B, N, V].
+
+    Returns the accepted paths [B, max_depth + 1] (node indices, root first, padded with -1) and the
+    emitted tokens [B] (the residual sample after a rejection, or the bonus token after a leaf).
+    Walks down one depth at a time, trying the children of each row's current node in order:
+    - `q` given (children drawn without replacement from q): accept x if r < R[x] / D[x]; on rejection
+      R <- normalize(max(R - D, 0)) and D <- q without the tried tokens, renormalized (uniform over the
+      untried tokens once that mass is gone);
+    - `q is None` (deterministic children): accept x with probability R[x]; on rejection R[x] <- 0,
+      renormalized; repeated tokens are skipped. This is "sample y ~ p, follow the child holding y".
+    A row whose children are all rejected, or which reaches a leaf, emits y ~ R. The residual arithmetic
+    runs in float64. Raises ValueError if a child could not have been drawn from q (zero draft mass).
+    """
+    batch, n_nodes, vocab = p.shape
+    if (
+        len(tree) != n_nodes
+        or tuple(tokens.shape) != (batch, n_nodes)
+        or (q is not None and q.shape != p.shape)
+    ):
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)}, p {tuple(p.shape)} and q must be [B, N], [B, N, V] and "
+            f"[B, N, V] (or None) with N={len(tree)} tree nodes"
+        )
+    device = p.device
+    rows = torch.arange(batch, device=device)
+    tokens = tokens.to(device=device, dtype=torch.long)
+    width = max(len(c) for c in tree.children)
+    kids = torch.tensor([c + (-1,) * (width - len(c)) for c in tree.children], device=device)
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    live = torch.ones(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, tree.max_depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    emit_from = torch.zeros(batch, vocab, dtype=torch.float64, device=device)
+    impossible = torch.zeros(batch, dtype=torch.bool, device=device)
+    for depth, level in enumerate(tree.levels):
+        resid = _normalize(p[rows, node].double())
+        if q is not None:
+            q_node = _normalize(q[rows, node].double())
+            draft = q_node
+        tried = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+        moved = torch.zeros(batch, dtype=torch.bool, device=device)
+        nxt = node
+        for slot in range(max(len(tree.children[i]) for i in level)):
+            child = kids[node, slot]
+            x = tokens[rows, child.clamp(min=0)]
+            try_it = live & ~moved & (child >= 0)
+            r = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
+            r_x = resid[rows, x]
+            if q is None:
+                try_it &= ~tried[rows, x]
+                accept = try_it & (r < r_x)
+                new_resid = _renormalize_or_keep(resid.scatter(1, x[:, None], 0.0), resid)
+            else:
+                d_x = draft[rows, x]
+                impossible |= try_it & (d_x <= 0)
+                accept = try_it & (r * d_x < r_x)  # r < R[x] / D[x] without dividing by zero
+                new_resid = _renormalize_or_keep(_residual(resid, draft), resid)
+            reject = (try_it & ~accept)[:, None]
+            resid = torch.where(reject, new_resid, resid)
+            tried = tried | (reject & (torch.arange(vocab, device=device) == x[:, None]))
+            if q is not None:
+                draft = torch.where(reject, _untried(q_node, tried), draft)
+            moved |= accept
+            nxt = torch.where(accept, child, nxt)
+        stop = live & ~moved
+        emit_from = torch.where(stop[:, None], resid, emit_from)
+        if depth < tree.max_depth:
+            path[:, depth + 1] = torch.where(moved, nxt, -1)
+        node, live = nxt, moved
+    if impossible.any():
+        raise ValueError(
+            "a child token has zero draft probability: with q given, children must be drawn "
+            "from q without replacement (draw_children); pass q=None for top-k children"
+        )
+    return path, torch.multinomial(emit_from, 1, generator=generator).squeeze(1)
+
+
+def _normalize(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _renormalize_or_keep(mass: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Normalize rows of `mass`; a row with no mass left only arises from a rejection whose probability
+    was at rounding level, so it keeps its previous distribution instead of becoming NaN."""
+    total = mass.sum(-1, keepdim=True)
+    return torch.where(total > 0, mass / torch.where(total > 0, total, 1.0), fallback)
+
+
+def _residual(resid: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """What the target still owes after a draft token was rejected (unnormalized)."""
+    return (resid - draft).clamp(min=0)
+
+
+def _untried(q_node: torch.Tensor, tried: torch.Tensor) -> torch.Tensor:
+    """The draft distribution of the next sibling: q without the tried tokens, or uniform over the
+    untried tokens once q's mass is used up (matching `draw_children`)."""
+    rest = q_node.masked_fill(tried, 0.0)
+    total = rest.sum(-1, keepdim=True)
+    uniform = (~tried).double()
+    uniform = uniform / uniform.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(total > 0, rest / torch.where(total > 0, total, 1.0), uniform)

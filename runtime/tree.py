@@ -1,0 +1,128 @@
+"""Token-tree topology, tree attention masks, position ids and greedy acceptance (pure functions).
+
+A tree is stored flattened in breadth-first order: node 0 is the root (the last accepted token,
+not yet verified), every parent comes before its children and siblings are ordered by draft rank.
+Node i attends to itself and its ancestors (plus the whole committed prefix, implicit here);
+its position id is prefix length + depth, so siblings share a position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+class TreeError(ValueError):
+    """A malformed tree specification; the message says the accepted form."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A static tree topology: `parents[i]` is node i's parent index (-1 for the root)."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parents or self.parents[0] != -1:
+            raise TreeError("a tree needs a root: parents[0] must be -1")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise TreeError(f"node {i} has parent {p}: parents must precede their children (BFS order)")
+        if list(self.depths) != sorted(self.depths):
+            raise TreeError("nodes must be in breadth-first order: every level after the one above it")
+
+    @classmethod
+    def from_expansion(cls, expansion: list[int] | tuple[int, ...]) -> Tree:
+        """SpecInfer expansion vector: every node at depth d gets `expansion[d]` children (top-k ranks)."""
+        if not expansion or any(int(k) < 1 for k in expansion):
+            raise TreeError(f"expansion {list(expansion)} must be a non-empty list of integers >= 1, e.g. 3,2,2,1,1")
+        parents, level = [-1], [0]
+        for k in expansion:
+            nxt = []
+            for p in level:
+                for _ in range(int(k)):
+                    parents.append(p)
+                    nxt.append(len(parents) - 1)
+            level = nxt
+        return cls(tuple(parents))
+
+    @classmethod
+    def parse(cls, spec: str) -> Tree:
+        """Parse a CLI expansion string such as "3,2,2,1,1"."""
+        try:
+            expansion = [int(x) for x in spec.replace(" ", "").split(",")]
+        except ValueError:
+            raise TreeError(f"--tree {spec!r} is malformed: give branching per depth as integers, e.g. 3,2,2,1,1") from None
+        return cls.from_expansion(expansion)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        depths = [0] * len(self)
+        for i, p in enumerate(self.parents[1:], start=1):
+            depths[i] = depths[p] + 1
+        return tuple(depths)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], start=1):
+            kids[p].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """Each node's index among its siblings: the draft's top-k rank it takes."""
+        ranks = [0] * len(self)
+        for kids in self.children:
+            for r, c in enumerate(kids):
+                ranks[c] = r
+        return tuple(ranks)
+
+    @cached_property
+    def levels(self) -> tuple[tuple[int, ...], ...]:
+        """Node indices per depth, each level a contiguous block of the flattened order."""
+        return tuple(tuple(i for i, d in enumerate(self.depths) if d == depth) for depth in range(self.max_depth + 1))
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """Bool [N, N]: mask[i, j] is True when node i may attend node j (j is i or an ancestor of i)."""
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parents[1:], start=1):
+            mask[i] |= mask[p]
+        return mask
+
+    @cached_property
+    def depth_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.depths, dtype=torch.long)
+
+    def positions(self, prefix_len: int) -> torch.Tensor:
+        """Position ids of the nodes when the root sits at position `prefix_len`."""
+        return self.depth_tensor + prefix_len
+
+
+def greedy_accept(tree: Tree, tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
+    """Longest root path whose tokens equal the target's argmax at their parent, plus the bonus token.
+
+    `tokens[i]` is node i's token, `target_argmax[i]` the target's greedy next token after node i.
+    Returns the accepted node indices (root first) and the bonus token (the target's token after
+    the last accepted node), so the decoded output equals the target's own greedy decoding.
+    """
+    path = [0]
+    node = 0
+    while True:
+        want = target_argmax[node]
+        nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        node = nxt

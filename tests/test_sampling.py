@@ -1,0 +1,396 @@
+"""Sampling distributions, drawing children and lossless tree verification.
+
+The exactness tests run tree speculative sampling end to end on synthetic models (fixed logit tables
+over a 6-token vocabulary, conditioned on the previous two tokens; target and draft differ) and compare
+the empirical joint distribution of the first three generated tokens with the exactly enumerated target
+distribution by a chi-square goodness-of-fit test at alpha = 1e-4. The same check must reject
+known-wrong verification rules, which shows it discriminates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from spectrt.runtime import sampling
+from spectrt.runtime.sampling import (
+    SamplingParams,
+    draw_children,
+    sampling_probs,
+    verify_sampled,
+    verify_sampled_batch,
+)
+from spectrt.runtime.tree import Tree, greedy_accept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tensors are small: intra-op threads only add overhead (20x on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+V = 6  # vocabulary of the synthetic models
+CONTEXT = (0, 1)  # the two tokens before the first generated one
+LENGTH = 3  # generated tokens compared
+SAMPLES = 100_000
+ALPHA = 1e-4
+
+
+# ---------------------------------------------------------------- chi-square goodness of fit
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, stat/2)."""
+    a, x = df / 2, stat / 2
+    if x <= 0:
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # series for the lower part P
+        term = total = 1 / a
+        n = a
+        while term > total * 1e-16:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1 - math.exp(log_front) * total)
+    tiny = 1e-300  # Lentz continued fraction for Q
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = b + an / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        if abs(d * c - 1) < 1e-16:
+            break
+    return math.exp(log_front) * h
+
+
+def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson chi-square of counts against probs (cells expecting < 5 pooled): (stat, df, p-value).
+
+    Cells of probability 0 are excluded here; the callers assert separately that they stay empty.
+    """
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    expected = probs * counts.sum()
+    big = expected >= 5
+    small = (~big) & (probs > 0)
+    obs = torch.cat([counts[big], counts[small].sum()[None]])
+    exp = torch.cat([expected[big], expected[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    return stat, df, chi2_sf(stat, df)
+
+
+def test_chi2_sf_matches_tables():
+    assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
+    assert chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)
+    assert chi2_sf(2.0, 10) == pytest.approx(0.996340, abs=1e-6)
+    assert chi2_sf(124.342113, 100) == pytest.approx(0.05, abs=1e-6)
+
+
+# ---------------------------------------------------------------- synthetic models and the simulator
+
+
+def _tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and draft logits [V, V, V]: next-token logits after (second-to-last, last) token."""
+    g = torch.Generator().manual_seed(1234)
+    target = 1.5 * torch.randn(V, V, V, generator=g)
+    draft = 0.6 * target + torch.randn(V, V, V, generator=g)
+    return target, draft
+
+
+TARGET_LOGITS, DRAFT_LOGITS = _tables()
+
+
+def exact_joint(params: SamplingParams) -> torch.Tensor:
+    """The target's own distribution of the first three tokens, [V, V, V]."""
+    p = sampling_probs(TARGET_LOGITS.double(), params)
+    a, b = CONTEXT
+    return p[a, b][:, None, None] * p[b][:, :, None] * p
+
+
+def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int) -> torch.Tensor:
+    """Tree speculative sampling until LENGTH tokens per sample; returns their joint counts [V, V, V].
+
+    mode "topk": deterministic children, verified with q=None; "sampled": children drawn without
+    replacement from q by `draw_children`, verified with q; "topk-qratio": deterministic children
+    verified with the q-ratio rule (a known-wrong combination); "sampled-delta": sampled children
+    verified with the point-mass rule (exact, since that rule works for any child choice).
+    """
+    p_tab = sampling_probs(TARGET_LOGITS, params)
+    q_tab = sampling_probs(DRAFT_LOGITS, params)
+    draft_gen = torch.Generator().manual_seed(seed)
+    verify_gen = torch.Generator().manual_seed(seed + 1)
+    out = torch.full((SAMPLES, LENGTH), -1, dtype=torch.long)
+    count = torch.zeros(SAMPLES, dtype=torch.long)
+    ctx = torch.tensor(CONTEXT).repeat(SAMPLES, 1)
+    while True:
+        todo = (count < LENGTH).nonzero().squeeze(1)
+        if todo.numel() == 0:
+            break
+        m = todo.numel()
+        tok = torch.zeros(m, len(tree), dtype=torch.long)
+        prev = torch.zeros(m, len(tree), dtype=torch.long)
+        prev[:, 0], tok[:, 0] = ctx[todo, 0], ctx[todo, 1]
+        for i, kids in enumerate(tree.children):
+            if kids:
+                q_i = q_tab[prev[:, i], tok[:, i]]
+                if mode.startswith("topk"):
+                    picks = q_i.topk(len(kids), dim=-1).indices
+                else:
+                    picks = draw_children(q_i, len(kids), draft_gen)
+                tok[:, list(kids)] = picks
+                prev[:, list(kids)] = tok[:, i : i + 1]
+        p = p_tab[prev, tok]
+        q = q_tab[prev, tok] if mode in ("sampled", "topk-qratio") else None
+        path, y = verify_sampled_batch(tree, tok, p, q, verify_gen)
+        accepted = (path[:, 1:] >= 0).sum(1)
+        emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
+        emitted[torch.arange(m), accepted] = y
+        for j in range(emitted.shape[1]):
+            pos = count[todo] + j
+            ok = (j <= accepted) & (pos < LENGTH)
+            out[todo[ok], pos[ok]] = emitted[ok, j]
+        before_y = torch.where(
+            accepted > 0, emitted.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0], tok[:, 0]
+        )
+        ctx[todo] = torch.stack([before_y, y], 1)
+        count[todo] += accepted + 1
+    return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
+
+
+def check(tree: Tree, mode: str, params: SamplingParams, seed: int = 0) -> tuple[float, int, float]:
+    """Simulate, assert that zero-probability sequences never occur, and return the chi-square fit."""
+    counts = simulate(tree, mode, params, seed)
+    probs = exact_joint(params)
+    assert counts.sum() == SAMPLES
+    assert counts[probs == 0].sum() == 0, "emitted a token sequence the target gives probability 0"
+    return goodness_of_fit(counts, probs)
+
+
+SHAPES = [(2,), (2, 1), (3, 2), (1, 1, 1)]
+SETTINGS = [(t, top_p) for t in (0.7, 1.0, 1.5) for top_p in (1.0, 0.8)]
+
+
+@pytest.mark.parametrize("mode", ["topk", "sampled"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tree_sampling_is_exact(shape, mode):
+    """Every shape x temperature x top-p: the generated tokens follow the target distribution."""
+    tree = Tree.from_expansion(shape)
+    for seed, (temperature, top_p) in enumerate(SETTINGS):
+        stat, df, pval = check(tree, mode, SamplingParams(temperature=temperature, top_p=top_p), seed)
+        assert pval > ALPHA, f"T={temperature} top_p={top_p}: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_point_mass_rule_is_exact_for_sampled_children():
+    """Verifying with q=None is exact whatever chose the children (it is "sample y ~ p, follow y")."""
+    stat, df, pval = check(Tree.from_expansion((3, 2)), "sampled-delta", SamplingParams(temperature=1.0))
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_top_k_filter_is_exact():
+    stat, df, pval = check(Tree.from_expansion((2, 1)), "sampled", SamplingParams(temperature=1.0, top_k=3))
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+# ---------------------------------------------------------------- the check rejects wrong rules
+
+
+def test_check_rejects_q_ratio_rule_on_top_k_children():
+    stat, df, pval = check(Tree.from_expansion((2, 1)), "topk-qratio", SamplingParams(temperature=1.0))
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_check_rejects_missing_residual_update(monkeypatch):
+    """On rejection keep R = p (no subtraction of the draft): the classic bias."""
+    monkeypatch.setattr(sampling, "_residual", lambda resid, draft: resid)
+    stat, df, pval = check(Tree.from_expansion((2, 1)), "sampled", SamplingParams(temperature=1.0))
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_check_rejects_iid_rule_on_children_drawn_without_replacement(monkeypatch):
+    """SpecInfer's i.i.d. rule (D unchanged after a rejection) applied to without-replacement children."""
+    monkeypatch.setattr(sampling, "_untried", lambda q_node, tried: q_node)
+    stat, df, pval = check(Tree.from_expansion((3, 2)), "sampled", SamplingParams(temperature=1.0))
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+# ---------------------------------------------------------------- verifier edge cases
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_child_with_zero_target_probability_is_never_accepted(monkeypatch, with_q):
+    """Even for r = 0, the smallest uniform draw: the test is r < p/q, never r <= p/q."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.zeros_like(real_rand(*a, **kw)))
+    tree = Tree.from_expansion((3,))
+    p = torch.full((4, V), 1.0 / V)
+    p[0] = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.0])
+    q = torch.full((4, V), 1.0 / V) if with_q else None
+    path, token = verify_sampled(tree, [5, 0, 1, 3], p, q, torch.Generator().manual_seed(0))
+    assert path == [0, 3]  # children 1 and 2 (tokens 0 and 1) have p = 0; child 3 (token 3) accepted
+
+
+@pytest.mark.parametrize("with_q, p_reject", [(False, 0.2), (True, 1 / 6)])
+def test_all_rejected_emits_from_the_residual(with_q, p_reject):
+    """p = (.5, .3, .2), children tokens 0 and 1: after both are rejected only token 2 is left to emit.
+
+    Point-mass rule: rejected with (1 - .5)(1 - .3/.5) = .2. With q = (.6, .4): token 0 accepted with
+    .5/.6; after its rejection R = (0, 0, 1) and D = (0, 1), so token 1 is always rejected: 1/6.
+    """
+    tree = Tree.from_expansion((2,))
+    batch = 20_000
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0]).expand(batch, 3, V)
+    q = torch.tensor([0.6, 0.4, 0.0, 0.0, 0.0, 0.0]).expand(batch, 3, V) if with_q else None
+    tokens = torch.tensor([4, 0, 1]).expand(batch, 3)
+    path, y = verify_sampled_batch(tree, tokens, p, q, torch.Generator().manual_seed(0))
+    rejected = path[:, 1] < 0
+    assert (y[rejected] == 2).all()
+    assert (y[~rejected] <= 2).all()  # bonus tokens from p at the leaf
+    assert rejected.double().mean().item() == pytest.approx(p_reject, abs=0.015)
+
+
+def test_q_mode_refuses_children_not_drawn_from_q():
+    tree = Tree.from_expansion((2,))
+    p = torch.full((3, V), 1.0 / V)
+    q = torch.tensor([1.0, 0, 0, 0, 0, 0]).expand(3, V)
+    with pytest.raises(ValueError, match="draw_children"):
+        verify_sampled(tree, [0, 3, 4], p, q, torch.Generator().manual_seed(0))  # q could not give 3
+
+
+def _random_tree(g: torch.Generator, max_nodes: int = 12) -> Tree:
+    """A random tree in breadth-first order with 0-3 children per node."""
+    parents = [-1]
+    for node in itertools.count():
+        if node == len(parents) or len(parents) >= max_nodes:
+            return Tree(tuple(parents))
+        n_kids = int(torch.randint(0 if node else 1, 4, (), generator=g))
+        parents += [node] * min(n_kids, max_nodes - len(parents))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1e-6, top_p=0.8, top_k=3)])
+def test_temperature_zero_reproduces_greedy_accept(params):
+    g = torch.Generator().manual_seed(7)
+    vocab, deep = 5, 0
+    for _ in range(150):
+        tree = _random_tree(g)
+        logits = torch.randn(len(tree), vocab, generator=g)
+        argmax = logits.argmax(-1).tolist()
+        tokens = [int(torch.randint(vocab, (), generator=g))] * len(tree)
+        for i, kids in enumerate(tree.children):  # distinct children, often including the argmax
+            if kids:
+                perm = torch.randperm(vocab, generator=g)[: len(kids)].tolist()
+                if argmax[i] not in perm and torch.rand((), generator=g) < 0.6:
+                    perm[int(torch.randint(len(kids), (), generator=g))] = argmax[i]
+                for c, t in zip(kids, perm, strict=True):
+                    tokens[c] = t
+        p = sampling_probs(logits, params)
+        q = torch.softmax(torch.randn(len(tree), vocab, generator=g), -1)
+        expected = greedy_accept(tree, tokens, argmax)
+        for q_arg in (None, q):
+            got = verify_sampled(tree, tokens, p, q_arg, torch.Generator().manual_seed(1))
+            assert got == expected
+        deep += len(expected[0]) >= 3
+    assert deep >= 20, "too few random trees exercise paths of two or more accepted tokens"
+
+
+def test_verify_sampled_matches_batch_and_accepts_lists():
+    g = torch.Generator().manual_seed(3)
+    tree = Tree.from_expansion((3, 2, 1))
+    p = torch.softmax(torch.randn(len(tree), V, generator=g), -1)
+    tokens = torch.stack([torch.randperm(V, generator=g)[0] for _ in range(len(tree))])
+    single = verify_sampled(tree, tokens.tolist(), p, None, torch.Generator().manual_seed(9))
+    path, y = verify_sampled_batch(tree, tokens[None], p[None], None, torch.Generator().manual_seed(9))
+    assert single == ([i for i in path[0].tolist() if i >= 0], int(y[0]))
+    assert single[0][0] == 0 and all(tree.parents[b] == a for a, b in itertools.pairwise(single[0]))
+
+
+# ---------------------------------------------------------------- draw_children
+
+
+def _without_replacement_probs(q: list[float], k: int) -> dict[tuple[int, ...], float]:
+    """Exact law of k sequential draws without replacement, uniform over untried once q's mass is gone."""
+    law = {}
+    for seq in itertools.permutations(range(len(q)), k):
+        prob, left = 1.0, list(q)
+        for n_tried, t in enumerate(seq):
+            mass = sum(left)
+            prob *= left[t] / mass if mass > 0 else 1 / (len(q) - n_tried)
+            left[t] = 0.0
+        law[seq] = prob
+    return law
+
+
+@pytest.mark.parametrize("q", [[0.5, 0.25, 0.15, 0.1, 0.0], [0.7, 0.3, 0.0, 0.0, 0.0]])
+def test_draw_children_samples_without_replacement(q):
+    k, rows = 3, 200_000
+    picks = draw_children(torch.tensor(q).expand(rows, -1), k, torch.Generator().manual_seed(0))
+    assert picks.shape == (rows, k)
+    law = _without_replacement_probs(q, k)
+    cells = list(law)
+    index = {seq: i for i, seq in enumerate(cells)}
+    ids = torch.tensor([index[tuple(r)] for r in picks.tolist()])
+    counts = torch.bincount(ids, minlength=len(cells))
+    stat, df, pval = goodness_of_fit(counts, torch.tensor([law[c] for c in cells]))
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_draw_children_distinct_and_mass_first():
+    g = torch.Generator().manual_seed(5)
+    q = torch.softmax(torch.randn(500, 8, generator=g), -1)
+    q[torch.rand(500, 8, generator=g) < 0.5] = 0.0
+    q[:, 0] += 1e-3  # every row has some mass
+    for k in (1, 3, 8):
+        picks = draw_children(q, k, g)
+        assert (picks.sort(-1).values.diff(dim=-1) > 0).all(), "repeated token in a row"
+        has_mass = q.gather(1, picks) > 0
+        n_mass = (q > 0).sum(-1, keepdim=True)
+        assert torch.equal(has_mass, torch.arange(k) < n_mass), "zero-mass token before a positive one"
+    with pytest.raises(ValueError, match="k=9"):
+        draw_children(q, 9, g)
+
+
+# ---------------------------------------------------------------- sampling_probs and SamplingParams
+
+
+def test_sampling_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]]).expand(2, 3, 5)
+    assert torch.allclose(sampling_probs(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
+    assert torch.allclose(sampling_probs(logits, SamplingParams(temperature=2.0)), (logits / 2).softmax(-1))
+    greedy = sampling_probs(logits, SamplingParams())
+    assert greedy.shape == (2, 3, 5) and torch.equal(greedy[0, 0], torch.tensor([0.0, 0, 0, 0, 1]))
+    top2 = sampling_probs(logits, SamplingParams(temperature=1.0, top_k=2))[0, 0]
+    assert torch.allclose(top2, torch.tensor([2.0, -9, -9, -9, 3.0]).softmax(-1), atol=1e-3)
+    assert (top2[1:4] == 0).all()
+    base = logits[0, 0].softmax(-1)  # sorted: 0.636 (tok 4), 0.234 (tok 0), 0.086, 0.032, 0.012
+    nucleus = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))[1, 2]
+    assert torch.allclose(
+        nucleus, torch.where(torch.tensor([1, 0, 0, 0, 1]).bool(), base, 0) / 0.870, atol=1e-3
+    )
+    one = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=1e-9))
+    assert torch.equal(one, greedy), "top-p must keep at least the top token"
+
+
+def test_sampling_params_validation():
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    for kwargs, name in [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
