@@ -36,14 +36,30 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=_positive, default=2048)
 
 
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
+    p.add_argument("--seed", type=int, default=None, help="same seed + same engine -> same output")
+    p.add_argument("--children", default="sample", choices=["sample", "topk"],
+                   help="with sampling: draft children drawn without replacement, or the draft's top-k")
+
+
+def _sampling(args: argparse.Namespace):
+    from spectrt.runtime.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from spectrt.runtime.pipeline import Pipeline
 
+    params = _sampling(args)  # validate before loading models
     target, draft = _models(args)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len)
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
     gen = pipe.generate(args.prompt, args.max_new_tokens, None if args.no_spec else args.tree,
-                        chat=not args.raw, on_text=on_text)
+                        chat=not args.raw, on_text=on_text, params=params, children=args.children)
     if args.json:
         print(json.dumps(gen.as_dict()))
         return 0
@@ -68,6 +84,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
     target = resolve_target(args.target, args.artifacts)
     out = Path(args.out) if args.out else default_draft(target, args.artifacts)
+    if (out / "config.json").is_file() and (out / "draft_report.json").is_file() and not args.force:
+        print(f"reusing the draft in {out} (--force rebuilds it)")
+        return 0
     make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes)
     print(out)
     return 0
@@ -85,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-spec", action="store_true", help="run the target alone (autoregressive baseline)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="AR vs chain vs tree on a prompt set; writes bench/results")
@@ -102,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--budget-minutes", type=float, default=10.0)
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
+    d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.set_defaults(func=cmd_draft)
     return parser
 

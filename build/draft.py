@@ -1,13 +1,48 @@
-"""Draft maker: slice the target's first layers into a normal Hugging Face checkpoint.
+"""Draft maker: slice the target's first layers, distill the slice on the target's own outputs.
 
 A slice shares the target's tokenizer, embeddings, final norm and LM head, so its proposals live
-in exactly the target's vocabulary; the runtime loads it like any model.
+in exactly the target's vocabulary; the runtime loads the result like any model.
+
+Pipeline (`make_draft`), all inside one wall-clock budget:
+
+1. **slice** (`slice_target`): embeddings + first K decoder layers + final norm + LM head.
+2. **data** (`generate_distill_data`): sequence-level distillation. The target answers every prompt
+   of `build/prompts/distill.txt` (chat template + generation prompt, exactly as served), batched
+   with left padding. For every generated token we keep the target's top-k log-probabilities
+   (computed on the full vocabulary, so the k probabilities are exact and `1 - sum` is the mass of
+   the rest). These come for free during generation; recomputing target logits during training
+   would cost a full 30-layer forward plus the 576x49152 head per token, more than the draft's own
+   forward+backward. Results are cached per (target weights, generation settings, conversation) and
+   reused; a corpus edit only generates the new conversations.
+3. **train** (`train_draft`): loss = kl_weight * KL(target || draft) + ce_weight * CE(target argmax)
+   at the generated positions. The KL is exact on the coarsened distribution
+   {top-k ids, "everything else"}. Embeddings and LM head (tied in SmolLM2) are frozen and stay
+   bit-identical to the target's (the saved draft copies them byte for byte from the slice).
+   The final norm is trainable by default (`train_norm`): it is 576 numbers that let 4 layers
+   rescale their output for the shared head, and measured +1.5 points top-1 (see DEFAULTS note);
+   the runtime never shares it with the target. AdamW, bf16 autocast (3.8x faster than fp32 on
+   this CPU's avx512_bf16), WSD schedule (warmup, constant, linear decay over the last part of the
+   time budget), checkpoint + resume, tqdm bar with loss and ETA.
+4. **report** (`evaluate`): top-1/top-3 agreement with the target's greedy answers to the held-out
+   prompts (`build/prompts/heldout.txt`), before and after training, in `draft_report.json`.
+
+Corpus format (`read_prompts`): one conversation per line; `#` lines and blank lines are ignored;
+a plain line is one user message; a line starting with `[` is a JSON list of
+`{"role", "content"}` messages (multi-turn or custom system message) ending with a user message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+import math
+import os
 import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +56,15 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "tokenizer.model",
 )
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
+HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
+DEFAULT_BUDGET_MINUTES = 10.0
+REPORT_NAME = "draft_report.json"
+STATE_NAME = "train_state.pt"
+
+Conversation = list[dict[str, str]]
 
 
 def load_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -56,3 +100,686 @@ def slice_target(target: Path, layers: int, out_dir: Path) -> Path:
         if (target / name).is_file():
             shutil.copy(target / name, out_dir / name)
     return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Hyper-parameters
+
+
+@dataclass
+class DistillConfig:
+    """Everything that shapes the draft; the defaults are the measured choices for a 2-core CPU.
+
+    Measured on SmolLM2-135M-Instruct, 4-layer slice (see the report returned by make_draft):
+    - generation in bf16 (body) + fp32 head: 1.6-2x the tokens/s of fp32 at batch 32;
+    - greedy data beat temperature-0.7 sampled data on greedy held-out agreement at equal time;
+    - bf16 autocast training: ~1100 tok/s vs ~280 tok/s fp32 (fwd+bwd, 4 layers + head);
+    - lr 1e-3 with WSD beat 3e-4 and 3e-3 in 2-minute runs.
+    """
+
+    # data generation
+    max_new_tokens: int = 160
+    temperature: float = 0.0  # 0 = greedy
+    gen_batch_size: int = 32
+    gen_dtype: str = "bfloat16"  # decoder body; the LM head always runs in fp32
+    eval_dtype: str = "float32"  # held-out answers are the fp32 target's, as served
+    eval_max_new_tokens: int = 128
+    top_k: int = 32  # target log-probs kept per generated token
+    max_prompt_tokens: int = 512  # longer conversations keep their last tokens
+    data_fraction: float = 0.5  # at most this share of the budget goes to generating training data
+    # loss
+    kl_weight: float = 1.0
+    ce_weight: float = 1.0
+    kl_temperature: float = 1.0
+    # optimisation
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    decay_fraction: float = 0.3  # linear decay to min_lr_ratio over the last 30% of the run
+    min_lr_ratio: float = 0.05
+    grad_clip: float = 1.0
+    batch_tokens: int = 4096  # padded tokens per step
+    train_norm: bool = True
+    amp: bool = True  # bf16 autocast
+    seed: int = 0
+    checkpoint_every_s: float = 120.0
+    eval_batch_size: int = 16
+
+    def generation_key(self, eval_set: bool) -> dict:
+        if eval_set:
+            return {"dtype": self.eval_dtype, "temperature": 0.0, "max_new_tokens": self.eval_max_new_tokens,
+                    "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "v": 1}
+        return {"dtype": self.gen_dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
+                "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 1}
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def read_prompts(path: Path) -> list[Conversation]:
+    """Conversations of a corpus file (format in the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt corpus {path} does not exist: pass a text file with one prompt per line")
+    convs: list[Conversation] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            try:
+                conv = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: a line starting with '[' must be a JSON list of messages ({e})") from e
+            if (
+                not isinstance(conv, list)
+                or not conv
+                or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conv)
+                or conv[-1]["role"] != "user"
+            ):
+                raise ValueError(
+                    f"{path}:{n}: expected a JSON list of {{\"role\", \"content\"}} messages ending with a user message"
+                )
+            convs.append([{"role": m["role"], "content": m["content"]} for m in conv])
+        else:
+            convs.append([{"role": "user", "content": line}])
+    if not convs:
+        raise ValueError(f"prompt corpus {path} is empty: add one prompt per line (see build/prompts/distill.txt)")
+    return convs
+
+
+def _conv_key(conv: Conversation) -> str:
+    return hashlib.sha1(json.dumps(conv, sort_keys=True).encode()).hexdigest()
+
+
+def _encode(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
+    text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[-max_tokens:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Target data
+
+
+def target_fingerprint(target: Path) -> str:
+    """Content hash of a checkpoint's config and weights (0.7 s for 517 MB)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((Path(target) / "config.json").read_bytes())
+    for shard in sorted(Path(target).glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            h.update(hashlib.file_digest(f, "blake2b").digest())
+    return h.hexdigest()
+
+
+def _eos_ids(target: Path, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    gen = Path(target) / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, {"eos_token_id": tokenizer.eos_token_id}):
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class _TargetGenerator:
+    """The target's decoder body in `dtype`, its LM head in fp32; batched left-padded generation."""
+
+    def __init__(self, target: Path, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        if model.get_output_embeddings() is None:
+            raise ValueError(f"{target} has no LM head: the draft needs the target's logits")
+        self.head = model.get_output_embeddings().weight.detach().clone()
+        self.body = model.model.to(_dtype(dtype)).eval()
+        self.config = model.config
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        eos: Sequence[int],
+        pad_id: int,
+        top_k: int,
+        generator: torch.Generator,
+    ) -> list[dict]:
+        from transformers import DynamicCache
+
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((batch, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True).last_hidden_state[:, -1]
+        next_pos = pos[:, -1] + 1
+        rows = torch.arange(batch)  # original index of each live row
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        top_ids: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        top_logp: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        eos_t = torch.tensor(list(eos), dtype=torch.long)
+        for step in range(max_new_tokens):
+            logits = hidden.float() @ self.head.T
+            logp = logits.log_softmax(-1)
+            values, indices = logp.topk(top_k, dim=-1)
+            if temperature > 0:
+                tok = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(1)
+            else:
+                tok = indices[:, 0]
+            for j, r in enumerate(rows.tolist()):
+                tokens[r].append(int(tok[j]))
+                top_ids[r].append(indices[j].to(torch.int32))
+                top_logp[r].append(values[j].to(torch.float16))
+            live = ~torch.isin(tok, eos_t)
+            if step == max_new_tokens - 1 or not live.any():
+                break
+            if not live.all():
+                keep = live.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+            hidden = self.body(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                               past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            next_pos = next_pos + 1
+        return [
+            {
+                "input_ids": torch.tensor(list(prompts[i]) + tokens[i], dtype=torch.int32),
+                "prompt_len": len(prompts[i]),
+                "top_ids": torch.stack(top_ids[i]),
+                "top_logp": torch.stack(top_logp[i]),
+            }
+            for i in range(batch)
+        ]
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def generate_distill_data(
+    target: Path,
+    conversations: Sequence[Conversation],
+    cache_dir: Path,
+    cfg: DistillConfig,
+    eval_set: bool = False,
+    deadline: float | None = None,
+    progress: bool = True,
+) -> tuple[list[dict], dict]:
+    """The target's answers (token ids + top-k log-probs) to `conversations`, from cache when possible.
+
+    Generation stops starting new batches at `deadline` (time.monotonic()); what is done is cached and
+    the rest is generated by the next call. Returns (records in corpus order, stats).
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    if not conversations:
+        raise ValueError("no prompts to generate from: the corpus is empty")
+    target, cache_dir = Path(target), Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = cfg.generation_key(eval_set)
+    fp = hashlib.sha1(json.dumps({"target": target_fingerprint(target), **key}, sort_keys=True).encode()).hexdigest()
+    path = cache_dir / f"{'eval' if eval_set else 'distill'}-{fp[:16]}.pt"
+    cache: dict[str, dict] = torch.load(path, weights_only=True) if path.is_file() else {}
+    keys = [_conv_key(c) for c in conversations]
+    missing = sorted({k: c for k, c in zip(keys, conversations, strict=True) if k not in cache}.items())
+    t0 = time.monotonic()
+    generated_tokens = 0
+    if missing:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        eos = _eos_ids(target, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+        gen = _TargetGenerator(target, key["dtype"])
+        encoded = sorted(((_encode(tokenizer, c, cfg.max_prompt_tokens), k) for k, c in missing),
+                         key=lambda x: len(x[0]))
+        torch_gen = torch.Generator().manual_seed(cfg.seed + len(cache))
+        bs = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
+        bar = tqdm(total=len(encoded), desc="target answers" + (" (held-out)" if eval_set else ""),
+                   unit="prompt", disable=not progress)
+        for s in range(0, len(encoded), bs):
+            if deadline is not None and time.monotonic() > deadline and len(cache) > 0:
+                break
+            chunk = encoded[s:s + bs]
+            recs = gen.generate([c[0] for c in chunk], key["max_new_tokens"], key["temperature"], eos, pad,
+                                cfg.top_k, torch_gen)
+            for (_, k), rec in zip(chunk, recs, strict=True):
+                cache[k] = rec
+                generated_tokens += len(rec["top_ids"])
+            _atomic_save(cache, path)
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
+        bar.close()
+        del gen
+    records = [cache[k] for k in keys if k in cache]
+    stats = {
+        "cache": str(path),
+        "prompts": len(conversations),
+        "prompts_answered": len(records),
+        "tokens": int(sum(len(r["top_ids"]) for r in records)),
+        "generated_tokens": generated_tokens,
+        "generation_s": round(time.monotonic() - t0, 1),
+        **key,
+    }
+    if not records:
+        raise ValueError("no target answers were generated: raise budget_minutes or data_fraction")
+    return records, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+
+
+def _load_draft(slice_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(slice_dir, dtype=torch.float32)
+
+
+def _trainable_names(model, train_norm: bool) -> list[str]:
+    names = [n for n, _ in model.named_parameters() if n.startswith("model.layers.")]
+    if train_norm:
+        names.append("model.norm.weight")
+    return names
+
+
+def frozen_names(model, train_norm: bool) -> list[str]:
+    """Parameters that must stay bit-identical to the target's (embeddings, LM head, maybe the norm)."""
+    trainable = set(_trainable_names(model, train_norm))
+    return [n for n in model.state_dict() if n not in trainable]
+
+
+def _batches(records: Sequence[dict], batch_tokens: int) -> list[list[int]]:
+    """Record indices grouped by length so each batch holds <= batch_tokens padded tokens."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["input_ids"]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        width = len(records[i]["input_ids"]) - 1
+        if cur and (len(cur) + 1) * width > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _collate(records: Sequence[dict], idx: Sequence[int], pad_id: int):
+    """Inputs (right-padded), loss positions and target top-k for one batch."""
+    seqs = [records[i] for i in idx]
+    width = max(len(r["input_ids"]) - 1 for r in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    rows, cols = [], []
+    for b, r in enumerate(seqs):
+        x = r["input_ids"][:-1].long()
+        ids[b, : len(x)] = x
+        n = len(r["top_ids"])
+        rows.append(torch.full((n,), b, dtype=torch.long))
+        cols.append(torch.arange(r["prompt_len"] - 1, r["prompt_len"] - 1 + n))
+    top_ids = torch.cat([r["top_ids"] for r in seqs]).long()
+    top_logp = torch.cat([r["top_logp"] for r in seqs]).float()
+    return ids, torch.cat(rows), torch.cat(cols), top_ids, top_logp
+
+
+def distill_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor, cfg: DistillConfig):
+    """Per-token sums (loss, kl, ce, top-1 hits) for draft `logits` [N, V] against target top-k.
+
+    T = 1: exact KL between the target and the draft on the partition {k ids, all others}.
+    T != 1: KL between both distributions conditioned on the target's top-k (the target's full
+    tempered normaliser is not stored), scaled by T^2 (Hinton).
+    """
+    logits = logits.float()
+    t = cfg.kl_temperature
+    p_logp = top_logp
+    if t == 1.0:
+        q_logp_all = logits.log_softmax(-1)
+        q_logp = q_logp_all.gather(1, top_ids)
+        p = p_logp.exp()
+        p_rest = (1 - p.sum(-1)).clamp(min=0)
+        q_rest = (1 - q_logp.exp().sum(-1)).clamp(min=1e-8)
+        kl = (p * (p_logp - q_logp)).sum(-1) + p_rest * (p_rest.clamp(min=1e-8).log() - q_rest.log())
+    else:
+        q_logp_all = logits.log_softmax(-1)
+        pt = (p_logp / t).log_softmax(-1)
+        qt = (logits.gather(1, top_ids) / t).log_softmax(-1)
+        kl = (pt.exp() * (pt - qt)).sum(-1) * t * t
+    ce = -q_logp_all.gather(1, top_ids[:, :1]).squeeze(1)
+    loss = cfg.kl_weight * kl + cfg.ce_weight * ce
+    hits = (logits.argmax(-1) == top_ids[:, 0]).sum()
+    return loss.sum(), kl.detach().sum(), ce.detach().sum(), hits
+
+
+def _lr_factor(cfg: DistillConfig, step: int, start_step: int, progress: float) -> float:
+    """WSD: linear warmup (fresh runs), constant, linear decay over the last `decay_fraction`."""
+    warm = 1.0
+    if start_step == 0 and cfg.warmup_steps > 0:
+        warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    decay = 1.0
+    if cfg.decay_fraction > 0 and progress > 1 - cfg.decay_fraction:
+        frac = min(1.0, (progress - (1 - cfg.decay_fraction)) / cfg.decay_fraction)
+        decay = 1 - frac * (1 - cfg.min_lr_ratio)
+    return warm * decay
+
+
+def _save_state(path: Path, model, names: list[str], opt, step: int, epoch: int, pos: int, meta: dict,
+                finished: bool) -> None:
+    params = dict(model.named_parameters())
+    _atomic_save(
+        {
+            "step": step,
+            "epoch": epoch,
+            "pos": pos,
+            "params": {n: params[n].detach().clone() for n in names},
+            "optimizer": opt.state_dict(),
+            "meta": meta,
+            "finished": finished,
+        },
+        path,
+    )
+
+
+def train_draft(
+    slice_dir: Path,
+    records: Sequence[dict],
+    state_path: Path,
+    cfg: DistillConfig,
+    budget_s: float | None = None,
+    max_steps: int | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    on_step: Callable[[int, dict], None] | None = None,
+):
+    """Distill the slice on `records`; returns (model with trained weights, stats).
+
+    Stops at `budget_s` seconds or `max_steps` total steps (whichever first; one is required).
+    The LR schedule follows the time budget, or the step budget when `max_steps` is given (then a run
+    is deterministic and an interrupted + resumed run matches an uninterrupted one). State (trainable
+    weights, AdamW moments, step, data position) is written to `state_path` every
+    `checkpoint_every_s`, at the end, and on KeyboardInterrupt; a later call with `resume=True`
+    continues from it.
+    """
+    from tqdm.auto import tqdm
+
+    if budget_s is None and max_steps is None:
+        raise ValueError("train_draft needs budget_s or max_steps")
+    if not records:
+        raise ValueError("no training data: the distillation corpus produced no target answers")
+    torch.manual_seed(cfg.seed)
+    model = _load_draft(slice_dir)
+    model.train()
+    names = _trainable_names(model, cfg.train_norm)
+    params = dict(model.named_parameters())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for n in names:
+        params[n].requires_grad_(True)
+    opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, betas=cfg.betas,
+                            weight_decay=cfg.weight_decay)
+    meta = {"layers": model.config.num_hidden_layers, "train_norm": cfg.train_norm,
+            "trainable": names, "records": len(records)}
+    step = epoch = pos = 0
+    if resume and Path(state_path).is_file():
+        state = torch.load(state_path, weights_only=True)
+        if state["meta"]["layers"] == meta["layers"] and state["meta"]["trainable"] == names:
+            with torch.no_grad():
+                for n in names:
+                    params[n].copy_(state["params"][n])
+            opt.load_state_dict(state["optimizer"])
+            step, epoch, pos = state["step"], state["epoch"], state["pos"]
+    start_step = step
+    head = model.get_output_embeddings().weight
+    head_c = head.detach().to(torch.bfloat16) if cfg.amp else head.detach()
+    body = model.model
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    batches = _batches(records, cfg.batch_tokens)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.amp else contextlib.nullcontext()
+    t0 = time.monotonic()
+    last_ckpt = t0
+    run = {"loss": 0.0, "kl": 0.0, "ce": 0.0, "top1": 0.0}
+    seen_tokens = 0
+    total = budget_s if max_steps is None or budget_s is not None else None
+    bar = tqdm(total=round(budget_s) if budget_s else max_steps - start_step, disable=not progress,
+               desc=f"distill {meta['layers']}-layer draft", unit="s" if budget_s else "step",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+    del total
+    chunk = 1024
+    stopped_by = "budget"
+    try:
+        while True:
+            elapsed = time.monotonic() - t0
+            if max_steps is not None and step >= max_steps:
+                stopped_by = "max_steps"
+                break
+            if budget_s is not None and elapsed >= budget_s:
+                break
+            if max_steps is not None:
+                prog = (step - start_step) / max(1, max_steps - start_step)
+            else:
+                prog = elapsed / budget_s
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * _lr_factor(cfg, step, start_step, prog)
+            order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+            ids, rows, cols, top_ids, top_logp = _collate(records, batches[int(order[pos])], pad)
+            with amp:
+                hidden = body(input_ids=ids).last_hidden_state
+            sel = hidden[rows, cols]
+            leaf = sel.detach().requires_grad_(True)
+            n_tok = len(rows)
+            sums = torch.zeros(4)
+            for s in range(0, n_tok, chunk):
+                h = leaf[s:s + chunk]
+                logits = h.to(head_c.dtype) @ head_c.T
+                loss, kl, ce, hits = distill_loss(logits, top_ids[s:s + chunk], top_logp[s:s + chunk], cfg)
+                (loss / n_tok).backward()
+                sums += torch.stack([loss.detach(), kl, ce, hits.float()])
+            sel.backward(leaf.grad.to(sel.dtype))
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_([params[n] for n in names], cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            seen_tokens += n_tok
+            pos += 1
+            if pos >= len(batches):
+                epoch, pos = epoch + 1, 0
+            m = (sums / n_tok).tolist()
+            for k, v in zip(run, m, strict=True):
+                run[k] = v if step == start_step + 1 else 0.9 * run[k] + 0.1 * v
+            if on_step is not None:
+                on_step(step, dict(run))
+            now = time.monotonic()
+            if budget_s:
+                bar.n = min(round(now - t0), bar.total)
+            else:
+                bar.update(1)
+            bar.set_postfix_str(f"step {step} loss {run['loss']:.3f} kl {run['kl']:.3f} top1 {run['top1']:.2f}")
+            if now - last_ckpt > cfg.checkpoint_every_s:
+                _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=False)
+                last_ckpt = now
+    except KeyboardInterrupt:
+        _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=False)
+        bar.close()
+        raise
+    bar.close()
+    _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=True)
+    stats = {
+        "steps": step,
+        "steps_this_run": step - start_step,
+        "resumed_from_step": start_step,
+        "train_s": round(time.monotonic() - t0, 1),
+        "tokens_this_run": seen_tokens,
+        "epochs": round(epoch + pos / len(batches), 2),
+        "batches_per_epoch": len(batches),
+        "stopped_by": stopped_by,
+        "final_running": {k: round(v, 4) for k, v in run.items()},
+    }
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation and output
+
+
+@torch.inference_mode()
+def evaluate(model, records: Sequence[dict], batch_tokens: int = 4096) -> dict:
+    """Agreement of `model` (fp32) with the target at every generated position of `records`.
+
+    top1: the draft's argmax is the target's argmax; top3: the target's argmax is in the draft's
+    top 3; kl: mean KL(target || draft) on {target top-k, rest}.
+    """
+    model.eval()
+    cfg = DistillConfig()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    head = model.get_output_embeddings().weight
+    n = hit1 = hit3 = 0
+    kl_sum = 0.0
+    for idx in _batches(records, batch_tokens):
+        ids, rows, cols, top_ids, top_logp = _collate(records, idx, pad)
+        hidden = model.model(input_ids=ids).last_hidden_state[rows, cols]
+        logits = hidden.float() @ head.T
+        top3 = logits.topk(3, dim=-1).indices
+        want = top_ids[:, :1]
+        hit1 += int((top3[:, :1] == want).sum())
+        hit3 += int((top3 == want).any(-1).sum())
+        kl_sum += float(distill_loss(logits, top_ids, top_logp, cfg)[1])
+        n += len(rows)
+    return {"tokens": n, "top1": round(hit1 / n, 4), "top3": round(hit3 / n, 4), "kl": round(kl_sum / n, 4)}
+
+
+def save_draft(model, slice_dir: Path, out_dir: Path, trainable: Sequence[str], extra_config: dict) -> Path:
+    """Write a normal HF checkpoint: the slice's tensors with the trained ones replaced.
+
+    Frozen tensors are copied from the slice file itself, so they are bit-identical to the target's;
+    this is checked against the live model too.
+    """
+    slice_dir, out_dir = Path(slice_dir), Path(out_dir)
+    state = load_file(slice_dir / "model.safetensors")
+    live = model.state_dict()
+    for name, tensor in state.items():
+        if name in trainable:
+            state[name] = live[name].detach().to(tensor.dtype).contiguous()
+        elif name in live and not torch.equal(live[name], tensor):
+            raise RuntimeError(f"frozen tensor {name} changed during training: refusing to write the draft")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, out_dir / "model.safetensors")
+    config = json.loads((slice_dir / "config.json").read_text())
+    config["spectrt_draft"] = {**config.get("spectrt_draft", {}), **extra_config}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (slice_dir / name).is_file():
+            shutil.copy(slice_dir / name, out_dir / name)
+    return out_dir
+
+
+def make_draft(
+    target: Path,
+    out_dir: Path,
+    layers: int = 4,
+    budget_minutes: float = DEFAULT_BUDGET_MINUTES,
+    prompts: Path = DISTILL_PROMPTS,
+    heldout: Path = HELDOUT_PROMPTS,
+    work_dir: Path | None = None,
+    resume: bool = True,
+    max_steps: int | None = None,
+    progress: bool = True,
+    config: DistillConfig | None = None,
+    **overrides,
+) -> Path:
+    """Slice `target`'s first `layers` layers, distill them within `budget_minutes`, write a HF checkpoint.
+
+    `out_dir` receives config.json + model.safetensors + tokenizer files + draft_report.json.
+    Intermediate files (slice, cached target answers, training state) live in `work_dir`
+    (default: `<out_dir>.work`); the cached answers are reused whenever the target and corpus are
+    unchanged, and then the whole budget goes to training. `overrides` set DistillConfig fields.
+    """
+    t_start = time.monotonic()
+    target, out_dir = Path(target), Path(out_dir)
+    cfg = dataclasses.replace(config or DistillConfig(), **overrides)
+    if budget_minutes <= 0:
+        raise ValueError(f"budget_minutes must be positive, got {budget_minutes}")
+    if not (target / "config.json").is_file():
+        raise ValueError(f"{target} is not a Hugging Face checkpoint (no config.json): pass the target's directory")
+    train_convs = read_prompts(prompts)
+    eval_convs = read_prompts(heldout)
+    overlap = {_conv_key(c) for c in train_convs} & {_conv_key(c) for c in eval_convs}
+    if overlap:
+        raise ValueError(f"{len(overlap)} held-out conversations also appear in {prompts}: remove them from one file")
+    work_dir = Path(work_dir) if work_dir else out_dir.with_name(out_dir.name + ".work")
+    slice_dir = slice_target(target, layers, work_dir / f"slice-{layers}")
+    budget_s = budget_minutes * 60
+    deadline = t_start + budget_s
+
+    # held-out answers first (small, needed for the report), then as much training data as allowed
+    eval_records, eval_stats = generate_distill_data(target, eval_convs, work_dir, cfg, eval_set=True,
+                                                     progress=progress)
+    data_deadline = t_start + cfg.data_fraction * budget_s
+    records, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=data_deadline,
+                                                progress=progress)
+
+    untrained = evaluate(_load_draft(slice_dir), eval_records)
+    eval_reserve = 5 + 2 * untrained["tokens"] / 1000  # measured ~1.5 s per 1000 eval tokens, plus save
+    train_budget = max(1.0, deadline - time.monotonic() - eval_reserve)
+    model, train_stats = train_draft(
+        slice_dir, records, work_dir / f"{STATE_NAME[:-3]}-{out_dir.name}-{layers}.pt", cfg,
+        budget_s=None if max_steps is not None else train_budget, max_steps=max_steps, resume=resume,
+        progress=progress,
+    )
+    distilled = evaluate(model, eval_records)
+    names = _trainable_names(model, cfg.train_norm)
+    report = {
+        "target": str(target),
+        "layers": layers,
+        "budget_minutes": budget_minutes,
+        "heldout": {"prompts": len(eval_convs), "tokens": untrained["tokens"], "untrained": untrained,
+                    "distilled": distilled},
+        "data": data_stats,
+        "heldout_data": eval_stats,
+        "train": train_stats,
+        "frozen": frozen_names(model, cfg.train_norm),
+        "config": dataclasses.asdict(cfg),
+    }
+    save_draft(model, slice_dir, out_dir, names,
+               {"distilled": True, "trainable": "layers+norm" if cfg.train_norm else "layers",
+                "heldout_top1": distilled["top1"], "heldout_top3": distilled["top3"]})
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    return out_dir
+
+
+__all__ = [
+    "DistillConfig",
+    "make_draft",
+    "slice_target",
+    "load_state_dict",
+    "read_prompts",
+    "generate_distill_data",
+    "train_draft",
+    "evaluate",
+    "save_draft",
+    "distill_loss",
+    "frozen_names",
+    "target_fingerprint",
+]
+del math

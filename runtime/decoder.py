@@ -7,13 +7,18 @@ Both caches are allocated once here; a request only moves their committed length
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from spectrt.runtime.engine import Engine
+from spectrt.runtime.sampling import SamplingParams, draw_children, sampling_probs, verify_sampled
 from spectrt.runtime.tree import Tree, greedy_accept
+
+GREEDY = SamplingParams()
+CHILD_MODES = ("sample", "topk")
 
 ROOT_ONLY = Tree((-1,))
 
@@ -63,7 +68,12 @@ class DecodeResult:
 
 
 class SpecDecoder:
-    """Greedy tree speculative decoding over a target and an optional draft engine."""
+    """Tree speculative decoding (greedy or lossless sampling) over a target and an optional draft engine.
+
+    With sampling, a node's children are either drawn without replacement from the draft's
+    distribution ("sample", verified by recursive rejection sampling against that distribution) or
+    are the draft's top-k ("topk", verified by the point-mass rule); both are exact.
+    """
 
     def __init__(self, target: Engine, draft: Engine | None, eos_ids: set[int], max_seq_len: int = 2048,
                  max_tree_tokens: int = 64):
@@ -81,6 +91,7 @@ class SpecDecoder:
         self.draft_cache = draft.new_cache(capacity, max_tree_tokens) if draft is not None else None
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.node_tokens = torch.zeros(max_tree_tokens, dtype=torch.long)
+        self.node_q = torch.zeros(max_tree_tokens, target.config.vocab_size) if draft is not None else None
 
     def _catch_up(self, engine: Engine, cache, ids: list[int]) -> torch.Tensor:
         """Feed ids[cache.length:] causally in window-sized chunks; return the last token's logits."""
@@ -93,16 +104,23 @@ class SpecDecoder:
             cache.commit(t)
         return logits[-1]
 
-    def _draft_tree(self, tree: Tree, ids: list[int], n: int, stats: DecodeStats) -> None:
-        """Fill node_tokens[1:] with the draft's top-k children, one draft pass per tree level."""
+    def _draft_tree(self, tree: Tree, ids: list[int], n: int, stats: DecodeStats, params: SamplingParams,
+                    children: str, generator: torch.Generator) -> None:
+        """Fill node_tokens[1:] with the draft's children, one draft pass per tree level."""
         logits = self._catch_up(self.draft, self.draft_cache, ids)[None]
         stats.draft_passes += 1
         for depth in range(1, tree.max_depth + 1):
-            level = tree.levels[depth]
+            level, parents = tree.levels[depth], tree.levels[depth - 1]
             first, last = level[0], level[-1]
-            parent_row = torch.tensor([tree.parents[i] for i in level]) - tree.levels[depth - 1][0]
+            parent_row = torch.tensor([tree.parents[i] for i in level]) - parents[0]
             rank = torch.tensor([tree.ranks[i] for i in level])
-            top = logits.topk(max(rank.tolist()) + 1, dim=-1).indices
+            k = int(rank.max()) + 1
+            if params.greedy or children == "topk":
+                top = logits.topk(k, dim=-1).indices
+            else:
+                q = sampling_probs(logits, params)
+                self.node_q[parents[0]:parents[-1] + 1] = q
+                top = draw_children(q, k, generator)
             self.node_tokens[first:last + 1] = top[parent_row, rank]
             if depth < tree.max_depth:
                 logits = self.draft.forward(
@@ -112,9 +130,16 @@ class SpecDecoder:
                 stats.draft_passes += 1
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> DecodeResult:
-        """Decode greedily; `tree=None` (or a draft-less decoder) is plain autoregressive decoding."""
+                 on_tokens: Callable[[list[int]], None] | None = None, params: SamplingParams = GREEDY,
+                 children: str = "sample") -> DecodeResult:
+        """Decode; `tree=None` (or a draft-less decoder) is plain autoregressive decoding."""
         tree = tree if (tree is not None and self.draft is not None) else ROOT_ONLY
+        if children not in CHILD_MODES:
+            raise ValueError(f"children must be one of {CHILD_MODES}, got {children!r}")
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**62)
+        # drafting and verification draw from independent streams (a shared stream would bias acceptance)
+        draft_gen = torch.Generator().manual_seed(2 * seed)
+        verify_gen = torch.Generator().manual_seed(2 * seed + 1)
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if max_new_tokens <= 0:
@@ -144,11 +169,15 @@ class SpecDecoder:
             n = self.target_cache.length
             self.node_tokens[0] = ids[-1]
             if len(tree) > 1:
-                self._draft_tree(tree, ids, n, stats)
+                self._draft_tree(tree, ids, n, stats, params, children, draft_gen)
             tokens = self.node_tokens[:len(tree)]
             logits = self.target.forward(tokens, tree.positions(n), tree.mask, self.target_cache)
             stats.target_passes += 1
-            path, bonus = greedy_accept(tree, tokens.tolist(), logits.argmax(-1).tolist())
+            if params.greedy:
+                path, bonus = greedy_accept(tree, tokens.tolist(), logits.argmax(-1).tolist())
+            else:
+                q = self.node_q[:len(tree)] if len(tree) > 1 and children == "sample" else None
+                path, bonus = verify_sampled(tree, tokens, sampling_probs(logits, params), q, verify_gen)
             stats.accepted.append(len(path) - 1)
             self.target_cache.compact(path)
             if len(tree) > 1:

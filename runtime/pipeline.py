@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spectrt.runtime.decoder import DecodeStats, SpecDecoder
+from spectrt.runtime.decoder import GREEDY, DecodeStats, SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
+from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 from transformers import AutoTokenizer
 
@@ -80,12 +81,14 @@ class Pipeline:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | str | None = DEFAULT_TREE,
-                 chat: bool = True, on_text: Callable[[str], None] | None = None) -> Generation:
-        """Generate greedily; `tree=None` runs the target alone (the autoregressive baseline)."""
+                 chat: bool = True, on_text: Callable[[str], None] | None = None,
+                 params: SamplingParams = GREEDY, children: str = "sample") -> Generation:
+        """Generate; `tree=None` runs the target alone (the autoregressive baseline)."""
         if isinstance(tree, str):
             tree = Tree.parse(tree)
         stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
-        result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree, on_tokens=stream)
+        result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree, on_tokens=stream,
+                                       params=params, children=children)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         if stream is not None and len(text) > stream.sent:
             on_text(text[stream.sent:])

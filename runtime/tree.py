@@ -54,7 +54,9 @@ class Tree:
         try:
             expansion = [int(x) for x in spec.replace(" ", "").split(",")]
         except ValueError:
-            raise TreeError(f"--tree {spec!r} is malformed: give branching per depth as integers, e.g. 3,2,2,1,1") from None
+            raise TreeError(
+                f"--tree {spec!r} is malformed: give branching per depth as integers, e.g. 3,2,2,1,1"
+            ) from None
         return cls.from_expansion(expansion)
 
     def __len__(self) -> int:

@@ -1,0 +1,93 @@
+"""The torch engine: parity with Hugging Face, tree attention == per-branch causal attention, KV compaction."""
+
+import pytest
+import torch
+from spectrt.runtime.model import Transformer
+from spectrt.runtime.tree import Tree
+from transformers import AutoModelForCausalLM
+
+
+def causal_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    cache = model.new_cache(256, 64)
+    t = len(ids)
+    return model.forward(torch.tensor(ids), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), cache)
+
+
+def test_matches_hugging_face(target_dir, target):
+    ids = torch.randint(0, target.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0]
+    assert torch.allclose(causal_logits(target, ids.tolist()), expected, atol=2e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def target64(target_dir) -> Transformer:
+    """float64 copy: tree-vs-causal comparisons then measure the masking, not fp32 GEMM-shape rounding."""
+    return Transformer.load(target_dir, torch.float64)
+
+
+def test_chain_tree_equals_causal_forward(target64):
+    target = target64
+    prefix, chain = [1, 504, 3458, 28, 2368], [314, 2143, 30, 10135]
+    cache = target.new_cache(256, 64)
+    target.forward(torch.tensor(prefix), torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril(), cache)
+    cache.commit(5)
+    tree = Tree.parse("1,1,1")
+    got = target.forward(torch.tensor(chain), tree.positions(5), tree.mask, cache)
+    expected = causal_logits(target, prefix + chain)[5:]
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+
+
+def test_tree_logits_equal_per_branch_causal_forward(target64):
+    target = target64
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 49152, (7,), generator=gen).tolist()
+    tree = Tree.parse("3,2,1")
+    tokens = torch.randint(0, 49152, (len(tree),), generator=gen)
+    cache = target.new_cache(256, 64)
+    target.forward(torch.tensor(prefix), torch.arange(7), torch.ones(7, 7, dtype=torch.bool).tril(), cache)
+    cache.commit(7)
+    got = target.forward(tokens, tree.positions(7), tree.mask, cache)
+    for node in [0, 2, 5, 9, 12, len(tree) - 1]:
+        branch, i = [], node
+        while i >= 0:
+            branch.insert(0, int(tokens[i]))
+            i = tree.parents[i]
+        expected = causal_logits(target, prefix + branch)[-1]
+        assert torch.allclose(got[node], expected, atol=1e-5, rtol=0), f"node {node}"
+
+
+def test_compaction_keeps_exactly_the_accepted_path(target):
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 49152, (6,), generator=gen).tolist()
+    tree = Tree.parse("2,2,2")
+    tokens = torch.randint(0, 49152, (len(tree),), generator=gen)
+    cache = target.new_cache(256, 64)
+    k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
+    target.forward(torch.tensor(prefix), torch.arange(6), torch.ones(6, 6, dtype=torch.bool).tril(), cache)
+    cache.commit(6)
+    target.forward(tokens, tree.positions(6), tree.mask, cache)
+    path = [0, 2, 6, 14]  # root -> second child -> its second child -> its second child
+    cache.compact(path)
+    assert cache.length == 10
+    reference = target.new_cache(256, 64)
+    ids = prefix + tokens[path].tolist()
+    target.forward(torch.tensor(ids), torch.arange(10), torch.ones(10, 10, dtype=torch.bool).tril(), reference)
+    assert torch.allclose(cache.k[:, :, :10], reference.k[:, :, :10], atol=1e-5)
+    assert torch.allclose(cache.v[:, :, :10], reference.v[:, :, :10], atol=1e-5)
+    assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
+
+
+def test_bf16_agrees_with_fp32(target_dir, target):
+    bf16 = Transformer.load(target_dir, torch.bfloat16)
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411]
+    a, b = causal_logits(target, ids), causal_logits(bf16, ids)
+    assert b.dtype == torch.float32 and bf16.embed.dtype == torch.bfloat16
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+
+
+def test_window_overflow_is_refused(target):
+    cache = target.new_cache(16, 8)
+    with pytest.raises(ValueError, match="static cache"):
+        target.forward(torch.zeros(9, dtype=torch.long), torch.arange(9), torch.ones(9, 9, dtype=torch.bool), cache)

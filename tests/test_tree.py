@@ -1,0 +1,71 @@
+"""Tree topology, masks, positions and greedy acceptance on small hand-checked inputs."""
+
+import pytest
+import torch
+from spectrt.runtime.tree import Tree, TreeError, greedy_accept
+
+
+def test_seed_example_mask():
+    # root; A, B under root; C, D under A; E under B  (flattened: root A B C D E)
+    tree = Tree((-1, 0, 0, 1, 1, 2))
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],  # root
+        [1, 1, 0, 0, 0, 0],  # A
+        [1, 0, 1, 0, 0, 0],  # B
+        [1, 1, 0, 1, 0, 0],  # C
+        [1, 1, 0, 0, 1, 0],  # D
+        [1, 0, 1, 0, 0, 1],  # E
+    ], dtype=torch.bool)
+    assert torch.equal(tree.mask, expected)
+    assert tree.positions(10).tolist() == [10, 11, 11, 12, 12, 12]
+    assert tree.levels == ((0,), (1, 2), (3, 4, 5))
+    assert tree.ranks == (0, 0, 1, 0, 1, 0)
+
+
+def test_expansion_vector_shape():
+    tree = Tree.parse("3,2,2,1,1")
+    assert len(tree) == 1 + 3 + 6 + 12 + 12 + 12
+    assert [len(level) for level in tree.levels] == [1, 3, 6, 12, 12, 12]
+    assert all(len(tree.children[i]) == 3 for i in tree.levels[0])
+    assert all(len(tree.children[i]) == 2 for i in tree.levels[1] + tree.levels[2])
+    # siblings share a position: prefix length + depth, never the flattened index
+    positions = tree.positions(100)
+    for level, nodes in enumerate(tree.levels):
+        assert set(positions[list(nodes)].tolist()) == {100 + level}
+    # every row of the mask is exactly the node's ancestor chain
+    for i in range(len(tree)):
+        chain, node = {i}, i
+        while tree.parents[node] >= 0:
+            node = tree.parents[node]
+            chain.add(node)
+        assert set(torch.nonzero(tree.mask[i]).flatten().tolist()) == chain
+
+
+def test_chain_is_causal():
+    tree = Tree.parse("1,1,1,1")
+    assert torch.equal(tree.mask, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("spec", ["", "3,,2", "a,b", "2,0", "-1", "1.5"])
+def test_malformed_tree_spec(spec):
+    with pytest.raises(TreeError, match="e.g. 3,2,2,1,1"):
+        Tree.parse(spec)
+
+
+def test_non_bfs_parents_refused():
+    with pytest.raises(TreeError, match="breadth-first"):
+        Tree((-1, 0, 1, 0))
+    with pytest.raises(TreeError, match="precede"):
+        Tree((-1, 2, 0))
+
+
+def test_greedy_accept_follows_target_argmax():
+    tree = Tree((-1, 0, 0, 1, 1, 2))
+    tokens = [7, 10, 11, 20, 21, 22]
+    # target says: after root -> 11 (B), after B -> 22 (E), after E -> 5 (bonus)
+    argmax = [11, 99, 22, 99, 99, 5]
+    assert greedy_accept(tree, tokens, argmax) == ([0, 2, 5], 5)
+    # nothing matches at the root: only the target's own token comes out
+    assert greedy_accept(tree, tokens, [3, 0, 0, 0, 0, 0]) == ([0], 3)
+    # second sibling at depth 2 (D under A)
+    assert greedy_accept(tree, tokens, [10, 21, 0, 0, 8, 0]) == ([0, 1, 4], 8)
