@@ -55,6 +55,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from spectrt.runtime.pipeline import Pipeline
 
     params = _sampling(args)  # validate before loading models
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: pass some text with --prompt")
     target, draft = _models(args)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len)
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trees", default=None, help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
     b.add_argument("--max-new-tokens", type=_positive, default=128)
     b.add_argument("--limit", type=_positive, help="use only the first N prompts")
+    b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"))
     b.set_defaults(func=cmd_bench)
 

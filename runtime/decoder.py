@@ -27,6 +27,7 @@ ROOT_ONLY = Tree((-1,))
 class DecodeStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
+    emitted_tokens: int = 0  # new tokens plus the end-of-sequence token, which a target pass also produced
     target_passes: int = 0
     draft_passes: int = 0
     prefill_seconds: float = 0.0
@@ -36,7 +37,7 @@ class DecodeStats:
     @property
     def tau(self) -> float:
         """Mean tokens emitted per target pass (accepted draft tokens + the target's own token)."""
-        return self.new_tokens / max(self.target_passes, 1)
+        return self.emitted_tokens / max(self.target_passes, 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -185,6 +186,7 @@ class SpecDecoder:
             new = [int(self.node_tokens[i]) for i in path[1:]] + [bonus]
             new = new[:limit - len(out)]
             eos = next((j for j, tok in enumerate(new) if tok in self.eos_ids), None)
+            stats.emitted_tokens += len(new) if eos is None else eos + 1
             if eos is not None:
                 new, finish = new[:eos], "stop"
             out.extend(new)

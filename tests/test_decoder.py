@@ -49,9 +49,9 @@ def ar_outputs(target, prompt_ids) -> list[list[int]]:
 
 @pytest.mark.parametrize("draft_name, spec", [
     ("weak", "3,2,2,1"),      # untrained 4-layer slice, wide tree: mostly rejections
-    ("mid", "2,2,1"),         # partial acceptances at every depth
-    ("mid", "1,1,1,1,1"),     # long chain
+    ("mid", "2,2,1"),         # untrained 20-layer slice: partial paths, second-ranked children
     ("target", "2,1,1"),      # the target drafting for itself: whole paths accepted every pass
+    ("target", "1,1,1,1"),    # chain
 ])
 def test_greedy_tree_decoding_is_lossless(request, target, prompt_ids, ar_outputs, draft_name, spec):
     draft = {"weak": "draft", "mid": "mid_draft", "target": "target"}[draft_name]
@@ -62,17 +62,19 @@ def test_greedy_tree_decoding_is_lossless(request, target, prompt_ids, ar_output
         result = decoder.generate(ids, 128, tree)
         assert result.token_ids == expected
         accepted += result.stats.accepted
-    if draft_name != "weak":
-        assert max(accepted) == tree.max_depth  # whole paths were accepted and compacted
+    if draft_name == "target":
+        assert min(accepted[:8]) == tree.max_depth  # whole paths were accepted and compacted
+    else:
+        assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # a mix of acceptances and rejections
 
 
-def test_lossless_across_300_tokens_of_compaction(target, mid_draft, prompt_ids):
-    # no end-of-sequence: force 320 new tokens through many compactions
+def test_lossless_across_300_tokens_of_compaction(target, prompt_ids):
+    # no end-of-sequence: force 320 new tokens through ~80 compactions of non-contiguous tree paths
     ar = SpecDecoder(target, None, set(), max_seq_len=512).generate(prompt_ids[1], 320)
-    spec = SpecDecoder(target, mid_draft, set(), max_seq_len=512).generate(prompt_ids[1], 320, Tree.parse("2,2,1"))
+    spec = SpecDecoder(target, target, set(), max_seq_len=512).generate(prompt_ids[1], 320, Tree.parse("2,2,1"))
     assert len(ar.token_ids) == 320
     assert spec.token_ids == ar.token_ids
-    assert spec.stats.target_passes < 320 / 1.5
+    assert spec.stats.target_passes < 320 / 3
 
 
 def test_kv_cache_is_static(target, draft, prompt_ids):

@@ -1,0 +1,3 @@
+from spectrt.cli import main
+
+main()

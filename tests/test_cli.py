@@ -1,0 +1,79 @@
+"""The `spectrt` command as a user runs it: JSON output, the AR baseline, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from spectrt.build.checkpoint import CheckpointError, resolve_target
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spectrt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spectrt", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_generate_json_equals_autoregressive(draft_dir):
+    prompt = ["generate", "--prompt", "Name three colors.", "--max-new-tokens", "24", "--json"]
+    spec = spectrt(*prompt, "--draft", str(draft_dir), "--tree", "2,1")
+    ar = spectrt(*prompt, "--no-spec")
+    assert spec.returncode == 0, spec.stderr
+    assert ar.returncode == 0, ar.stderr
+    spec_out, ar_out = json.loads(spec.stdout), json.loads(ar.stdout)
+    assert spec_out["token_ids"] == ar_out["token_ids"] and spec_out["text"] == ar_out["text"]
+    assert spec_out["text"].strip() and spec_out["finish_reason"] in {"stop", "length"}
+    assert ar_out["stats"]["draft_passes"] == 0 and ar_out["stats"]["tau"] == 1.0
+    assert spec_out["stats"]["draft_passes"] > 0
+    assert spec_out["stats"]["new_tokens"] == len(spec_out["token_ids"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "hi", "--tree", "3,,2"], "--tree '3,,2' is malformed"),
+    (["--prompt", "hi", "--tree", "2,0"], "integers >= 1"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "must be a positive integer"),
+    (["--prompt", "  "], "the prompt is empty"),
+    (["--prompt", "hi", "--target", "/nonexistent/model"], "does not exist"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    result = spectrt("generate", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_prompt_longer_than_context(draft_dir):
+    result = spectrt("generate", "--prompt", "word " * 100, "--max-seq-len", "32", "--draft", str(draft_dir))
+    assert result.returncode == 2 and "shorten the prompt or raise --max-seq-len" in result.stderr
+
+
+def test_mismatched_draft_is_refused(draft_dir, tmp_path):
+    bad = tmp_path / "bad-draft"
+    shutil.copytree(draft_dir, bad)
+    tokenizer = json.loads((bad / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["spectrt-not-a-token"] = vocab.pop(next(iter(vocab)))  # same size, different vocabulary
+    (bad / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = spectrt("generate", "--prompt", "hi", "--draft", str(bad))
+    assert result.returncode == 2 and "does not share the target's tokenizer" in result.stderr
+
+
+def test_unusable_model_paths(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_target(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        resolve_target(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="'gpt2' model"):
+        resolve_target(tmp_path)
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(CheckpointError, match="not a .gguf"):
+        resolve_target(tmp_path / "weights.bin")
