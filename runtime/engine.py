@@ -30,8 +30,18 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32") -
     """Load one model for the given backend (torch is the reference and the CPU path)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported: choose one of {sorted(DTYPES)}")
+    if backend == "onnxruntime":  # `checkpoint` is a model of an engines dir: engines/<name>/{target,draft}
+        if dtype != "fp32":
+            raise ValueError("--backend onnxruntime runs the exported fp32 graph: use --dtype fp32")
+        from spectrt.runtime.onnx_engine import OnnxEngine
+
+        return OnnxEngine.load(Path(checkpoint))
+    if backend == "tensorrt":  # precision is the plan's (manifest.json), not --dtype
+        from spectrt.runtime.trt_engine import TensorRTEngine
+
+        return TensorRTEngine.load(Path(checkpoint))
     if backend != "torch":
-        raise ValueError(f"--backend {backend!r} is not available: choose torch")
+        raise ValueError(f"--backend {backend!r} is not available: choose torch, onnxruntime or tensorrt")
     return Transformer.load(Path(checkpoint), DTYPES[dtype])
 
 

@@ -1,0 +1,401 @@
+"""`spectrt engines` / `make engines`: draft + target -> engines/<name>/ (graphs, plans, tokenizer, manifest).
+
+    engines/<name>/manifest.json          model configs, precision, profiles, max lengths, tree defaults,
+                                          tool versions, sha256 + size of every file below
+    engines/<name>/<role>/                role = target | draft
+        config.json, tokenizer files      (so the runtime and the tokenizer load from here alone)
+        model.fp32.onnx(.data)            tree-verify graph, fp32: the onnxruntime backend and parity tests
+        model.fp16.onnx(.data)            fp16 graph (PRECISION=fp16): what the FP16 plan is built from
+        model.<precision>.plan            TensorRT plan (one file for all ARCH compute capabilities)
+
+Re-running with unchanged inputs reuses every file whose recorded inputs (source weights' sha256, exporter
+version, precision, profiles, archs, TensorRT module/version) and checksum are unchanged; `--force`
+rebuilds everything. Draft/target pairs whose vocabulary or config do not fit together are refused
+before anything is built.
+
+Measured on this project's 2-core CPU (embedded SmolLM2-135M target + 4-layer draft): export fp32 target
+~32 s (538 MB), fp16 ~20 s (269 MB), draft ~10 s / 4 s; TensorRT-RTX plans: target FP16 ~15 s (289 MB),
+draft FP16 ~1.2 s (89 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from spectrt.build.compile import (
+    RTX_ARCHS,
+    CompileError,
+    Profile,
+    build_plan,
+    default_profiles,
+    resolve_archs,
+    trt_module,
+)
+from spectrt.build.export import EXPORT_VERSION, adopt_graph, export_graph, graph_files, graph_io
+from spectrt.runtime.model import ModelConfig
+from spectrt.runtime.onnx_engine import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    TOKENIZER_FILES,
+    config_dict,
+    sha256_file,
+)
+
+PRECISIONS = ("fp16", "int8", "fp32")
+ROLES = ("target", "draft")
+DEFAULT_ENGINES = Path("engines")
+DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_MAX_TREE_TOKENS = 64
+
+
+class EngineBuildError(ValueError):
+    """Inputs that cannot make an engines directory; the message says why and what to do."""
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def source_sha256(checkpoint: Path) -> str:
+    """One digest over a checkpoint's config and weights (what an export depends on)."""
+    h = hashlib.sha256()
+    for p in [checkpoint / "config.json", *sorted(checkpoint.glob("*.safetensors"))]:
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def _special_ids(checkpoint: Path) -> dict:
+    """bos/eos ids as each of config.json and generation_config.json states them."""
+    ids = {}
+    for name in ("config.json", "generation_config.json"):
+        p = checkpoint / name
+        if p.is_file():
+            raw = json.loads(p.read_text())
+            for k in ("bos_token_id", "eos_token_id"):
+                if raw.get(k) is not None:
+                    ids[f"{k} ({name})"] = raw[k]
+    return ids
+
+
+def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int) -> tuple[ModelConfig, ModelConfig]:
+    """Refuse, with the reason, a draft whose vocabulary/config does not fit the target, or lengths that don't fit."""
+    from spectrt.runtime.engine import check_draft_matches
+
+    try:
+        t_cfg, d_cfg = ModelConfig.from_dir(target), ModelConfig.from_dir(draft)
+        check_draft_matches(target, draft)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise EngineBuildError(f"refusing to build engines: {e}") from e
+    t_ids, d_ids = _special_ids(target), _special_ids(draft)
+    for k in sorted(t_ids.keys() & d_ids.keys()):
+        if t_ids[k] != d_ids[k]:
+            raise EngineBuildError(f"refusing to build engines: draft {k} {d_ids[k]} differs from the target's "
+                                   f"{t_ids[k]}: use a draft made from this target (`spectrt draft`)")
+    for role, path, cfg in (("target", target, t_cfg), ("draft", draft, d_cfg)):
+        if cfg.head_dim % 2:
+            raise EngineBuildError(f"{role} {path}: head_dim {cfg.head_dim} is odd; RoPE needs an even head_dim")
+        limit = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        if limit and max_seq_len + max_tree_tokens > limit:
+            raise EngineBuildError(
+                f"{role} {path} supports {limit} positions, fewer than max_seq_len + max_tree_tokens = "
+                f"{max_seq_len + max_tree_tokens}: lower --max-seq-len"
+            )
+    return t_cfg, d_cfg
+
+
+def tool_versions(module: str | None = None) -> dict:
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "onnx", "onnxruntime", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:
+            versions[name] = None
+    try:
+        trt = trt_module(module)
+        versions["tensorrt_module"] = trt.__name__
+        versions["tensorrt"] = trt.__version__
+    except CompileError:
+        versions["tensorrt_module"] = versions["tensorrt"] = None
+    try:
+        from importlib.metadata import version
+
+        versions["spectrt"] = version("spectrt")
+    except Exception:
+        versions["spectrt"] = None
+    return versions
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    if dst.is_file() and dst.stat().st_size == src.stat().st_size and dst.read_bytes() == src.read_bytes():
+        return
+    shutil.copyfile(src, dst)
+
+
+def _file_entry(path: Path) -> dict:
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def _still_valid(root: Path, old_files: dict, rels: list[str]) -> bool:
+    """Every file exists and matches its previously recorded checksum."""
+    for rel in rels:
+        want, p = old_files.get(rel), root / rel
+        if want is None or not p.is_file() or p.stat().st_size != want["bytes"] or sha256_file(p) != want["sha256"]:
+            return False
+    return True
+
+
+def _qdq_exporter():
+    """The quantization step's Q/DQ exporter, once it exists (`spectrt.quant.export_qdq_graph`)."""
+    try:
+        from spectrt.quant import export_qdq_graph
+    except ImportError:
+        return None
+    return export_qdq_graph
+
+
+def _check_int8_inputs(int8_graphs: dict[str, Path] | None) -> None:
+    given = int8_graphs or {}
+    for role, path in given.items():
+        if role not in ROLES or not Path(path).is_file():
+            raise EngineBuildError(f"--int8-graph {role}={path}: expected target=PATH or draft=PATH to an existing "
+                                   "Q/DQ tree-verify ONNX")
+    if "target" not in given and _qdq_exporter() is None:
+        raise EngineBuildError(
+            "PRECISION=int8 needs the target's Q/DQ tree-verify graph from the quantization step "
+            "(spectrt.quant.export_qdq_graph is not available yet): use PRECISION=fp16, or pass "
+            "--int8-graph target=PATH to a Q/DQ ONNX with the tree-verify contract (build/export.py)"
+        )
+
+
+def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] | None, log) -> Path | None:
+    """The Q/DQ graph for INT8: a given file, else the quantization step's exporter (target only)."""
+    if given and role in given:
+        log(f"  taking {given[role]} as the {role}'s INT8 graph")
+        try:
+            return adopt_graph(Path(given[role]), out)
+        except ValueError as e:
+            raise EngineBuildError(str(e)) from e
+    exporter = _qdq_exporter()
+    if role == "draft" or exporter is None:
+        return None  # the draft stays FP16 unless a Q/DQ draft graph is given
+    log(f"  exporting the {role}'s INT8 Q/DQ graph")
+    return Path(exporter(checkpoint, out))
+
+
+def make_engines(target: Path, draft: Path, out: Path | None = None, precision: str = "fp16",
+                 archs: list[str] | None = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+                 max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS, plans: bool = True, module: str | None = None,
+                 force: bool = False, int8_graphs: dict[str, Path] | None = None,
+                 profiles: list[Profile] | None = None, log: Callable[[str], None] = print) -> Path:
+    """Build (or reuse) engines/<name>/ for a target/draft pair; returns the directory."""
+    target, draft = Path(target), Path(draft)
+    if precision not in PRECISIONS:
+        raise EngineBuildError(f"PRECISION={precision!r} is not supported: choose one of {', '.join(PRECISIONS)}")
+    if max_tree_tokens < 1 or max_seq_len < 1:
+        raise EngineBuildError("max_seq_len and max_tree_tokens must be positive")
+    t_cfg, d_cfg = check_pair(target, draft, max_seq_len, max_tree_tokens)
+    if precision == "int8":
+        _check_int8_inputs(int8_graphs)
+    out = Path(out) if out else DEFAULT_ENGINES / f"{target.name}-{precision}"
+    capacity = max_seq_len + max_tree_tokens
+    profiles = profiles or default_profiles(max_tree_tokens, capacity)
+    trt = None
+    if plans:
+        trt = trt_module(module)  # fails here, before any export, with what is needed
+        archs = resolve_archs(trt, archs)
+    out.mkdir(parents=True, exist_ok=True)
+    old = {}
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file() and not force:
+        try:
+            old = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+    if old.get("format") != MANIFEST_FORMAT:
+        old = {}
+    old_files = old.get("files", {})
+    files: dict[str, dict] = {}
+    models: dict[str, dict] = {}
+    started = time.perf_counter()
+    log(f"engines -> {out} (precision {precision}, max_seq_len {max_seq_len}, max_tree_tokens {max_tree_tokens})")
+
+    for role, src, cfg in (("target", target, t_cfg), ("draft", draft, d_cfg)):
+        role_dir = out / role
+        role_dir.mkdir(exist_ok=True)
+        log(f"[{role}] {src}")
+        support = []
+        for name in ("config.json", *TOKENIZER_FILES):
+            if (src / name).is_file():
+                _copy_if_changed(src / name, role_dir / name)
+                support.append(f"{role}/{name}")
+        src_sha = source_sha256(src)
+        old_model = old.get("models", {}).get(role, {})
+        entry = {"dir": role, "config": config_dict(cfg), "source": {"path": str(src.resolve()), "sha256": src_sha},
+                 "graphs": {}, "plans": {}}
+
+        # fp32 always (onnxruntime, parity); the plan's graph: fp16, or int8 where a Q/DQ graph exists for this
+        # role (the target; a draft without one gets an FP16 plan in an INT8 build)
+        has_int8 = precision == "int8" and (role in (int8_graphs or {}) or (role == "target" and _qdq_exporter()))
+        graph_precisions = ["fp32"]
+        if plans and (precision == "fp16" or (precision == "int8" and not has_int8)):
+            graph_precisions.append("fp16")
+        if has_int8:
+            graph_precisions.append("int8")
+        for gp in graph_precisions:
+            rel = f"{role}/model.{gp}.onnx"
+            rels = [rel, rel + ".data"]
+            given = (int8_graphs or {}).get(role) if gp == "int8" else None
+            given_sha = [sha256_file(f) for f in graph_files(Path(given))] if given else None
+            key = _key(src_sha, EXPORT_VERSION, gp, given_sha)
+            prev = old_model.get("graphs", {}).get(gp)
+            reused = bool(prev and prev.get("key") == key and _still_valid(out, old_files, rels))
+            if reused:
+                log(f"  reusing {rel}")
+            elif gp == "int8":
+                if _int8_graph(role, src, out / rel, int8_graphs, log) is None:
+                    continue
+            else:
+                export_graph(src, out / rel, gp, log=log)
+            for r in rels:
+                if (out / r).is_file():
+                    os.chmod(out / r, 0o644)
+                    files[r] = old_files[r] if reused else _file_entry(out / r)
+            entry["graphs"][gp] = {"file": rel, "data": rel + ".data", "io": graph_io(out / rel), "key": key}
+
+        if plans:
+            plan_graph = "int8" if precision == "int8" and "int8" in entry["graphs"] else (
+                "fp32" if precision == "fp32" else "fp16")
+            plan_precision = plan_graph
+            graph_rel = entry["graphs"][plan_graph]["file"]
+            rel = f"{role}/model.{plan_precision}.plan"
+            key = _key(files[graph_rel]["sha256"], files[graph_rel + ".data"]["sha256"], trt.__name__,
+                       trt.__version__, archs, [p.as_dict() for p in profiles], plan_precision)
+            prev = old_model.get("plans", {}).get(plan_precision)
+            if prev and prev.get("key") == key and _still_valid(out, old_files, [rel]):
+                log(f"  reusing {rel}")
+                entry["plans"][plan_precision] = prev
+                files[rel] = old_files[rel]
+            else:
+                info = build_plan(out / graph_rel, out / rel, cfg, profiles, archs, plan_precision,
+                                  timing_cache=out / "timing.cache", module=trt.__name__, log=log)
+                entry["plans"][plan_precision] = {**info.as_dict(out), "graph": plan_graph, "key": key}
+                files[rel] = _file_entry(out / rel)
+        for r in support:
+            files[r] = _file_entry(out / r)
+        models[role] = entry
+
+    from spectrt.runtime.pipeline import DEFAULT_TREE
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "name": out.name,
+        "precision": precision,
+        "max_seq_len": max_seq_len,
+        "max_tree_tokens": max_tree_tokens,
+        "capacity": capacity,
+        "tree_defaults": {"tree": DEFAULT_TREE, "max_tree_tokens": max_tree_tokens},
+        "profiles": [p.as_dict() for p in profiles],
+        "archs": archs if plans else [],
+        "tools": tool_versions(trt.__name__ if trt else module),
+        "models": models,
+        "files": dict(sorted(files.items())),
+    }
+    if old.get("created") and old.get("models") == models:
+        manifest["created"] = old["created"]
+    else:
+        manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    tmp = manifest_path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(manifest_path)
+    log(f"engines ready in {out} ({time.perf_counter() - started:.1f}s)")
+    return out
+
+
+def engine_models(engines: Path, backend: str) -> tuple[Path, Path]:
+    """(target, draft) paths for `--engines DIR --backend B`: the role dirs, or for torch the source checkpoints."""
+    engines = Path(engines)
+    manifest_path = engines / MANIFEST
+    if not manifest_path.is_file():
+        raise EngineBuildError(f"{engines} is not an engines directory (no {MANIFEST}): build one with "
+                               "`spectrt engines` (make engines)")
+    if backend != "torch":
+        return engines / "target", engines / "draft"
+    models = json.loads(manifest_path.read_text())["models"]
+    paths = []
+    for role in ROLES:
+        src = Path(models[role]["source"]["path"])
+        if not (src / "config.json").is_file():
+            raise EngineBuildError(f"--backend torch runs the source checkpoint {src} recorded in {manifest_path}, "
+                                   "which is gone: pass --target/--draft, or use --backend onnxruntime|tensorrt")
+        paths.append(src)
+    return paths[0], paths[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line (wired into `spectrt engines` by cli.py; also `python -m spectrt.build.engines`)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
+
+    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
+    p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
+    p.add_argument("--out", type=Path, help="engines directory (default: engines/<target>-<precision>)")
+    p.add_argument("--precision", default="fp16", choices=PRECISIONS, help="TensorRT plan precision")
+    p.add_argument("--arch", default=None,
+                   help=f"compute capabilities for TensorRT-RTX plans, e.g. sm80,sm86 (default: {','.join(RTX_ARCHS)})")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
+    p.add_argument("--max-tree-tokens", type=int, default=DEFAULT_MAX_TREE_TOKENS)
+    p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
+    p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
+                   help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
+    p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
+                   help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")
+    p.add_argument("--force", action="store_true", help="rebuild everything")
+
+
+def run(args: argparse.Namespace) -> Path:
+    from spectrt.build.checkpoint import default_draft, resolve_target
+
+    target = resolve_target(args.target, args.artifacts)
+    draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
+    if not (draft / "config.json").is_file():
+        raise EngineBuildError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
+                               "or pass --draft")
+    int8 = {}
+    for item in args.int8_graph:
+        role, _, path = item.partition("=")
+        if role not in ROLES or not path:
+            raise EngineBuildError(f"--int8-graph {item!r}: expected target=PATH or draft=PATH")
+        int8[role] = Path(path)
+    archs = [a.strip().lower() for a in args.arch.split(",") if a.strip()] if args.arch else None
+    out = make_engines(target, draft, args.out, args.precision, archs, args.max_seq_len, args.max_tree_tokens,
+                       plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8)
+    print(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="spectrt engines", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError, CompileError) as e:
+        print(f"spectrt engines: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

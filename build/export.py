@@ -1,0 +1,351 @@
+"""Export a LLaMA-family checkpoint as a **tree-verify graph** (ONNX), the graph every non-torch backend runs.
+
+Graph contract (the same for draft and target, for ONNX Runtime and for TensorRT):
+
+| input            | dtype          | shape            | meaning                                              |
+|------------------|----------------|------------------|------------------------------------------------------|
+| `input_ids`      | int32          | [T]              | the new tokens (a prompt chunk, a tree level, a tree) |
+| `position_ids`   | int32          | [T]              | their positions (siblings share one)                 |
+| `attention_mask` | bool           | [T, S]           | which of the S context columns each new token sees   |
+| `cache_k`        | float32/16     | [L, Hkv, C, D]   | the static K cache (the runtime's `KVCache.k`)       |
+| `cache_v`        | float32/16     | [L, Hkv, C, D]   | the static V cache                                   |
+
+| output   | dtype      | shape           |                                                    |
+|----------|------------|-----------------|----------------------------------------------------|
+| `logits` | float32    | [T, V]          |                                                    |
+| `new_k`  | float32/16 | [L, Hkv, T, D]  | the new tokens' K (RoPE applied); the runtime writes them into its cache |
+| `new_v`  | float32/16 | [L, Hkv, T, D]  |                                                    |
+
+The attention context of a layer is `cache[:, :S-T]` followed by the new tokens' own K/V, so column j < S-T of
+the mask is cache slot j and the last T columns are the new tokens. Both ways of driving it are exact:
+
+- **dynamic span** (ONNX Runtime): S = committed length + window, the columns are exactly the used slots;
+- **static span** (TensorRT + CUDA graphs): S = C, every shape except T is fixed, so one CUDA graph per T
+  can be captured; stale slots are simply masked out.
+
+Why the whole static cache is an input rather than a growing past K/V (chosen by measurement): with the
+cache as an input the runtime binds `KVCache.k/.v` once by address (no copy, no allocation per step, shapes
+static except T and S); a past-K/V graph needs `cache[:, :, :P]` made contiguous every step (the cache is
+[L, Hkv, capacity, D], so that slice is strided) and its shape changes every step, which defeats CUDA
+graphs. Measured with ONNX Runtime on the embedded target (1 thread, busy 2-core machine, medians):
+past 200: 87 vs 76 ms (T=1, within noise); past 1000: 66 vs 76 ms (T=1), 123 vs 129 ms (T=8);
+past 2000: 114 vs 167 ms (T=1), 178 vs 263 ms (T=8) for static cache vs copied past K/V. The graph returns
+only the T new K/V rows; copying them into their cache slots is a few KB.
+
+FP16 graphs (for TensorRT, whose RTX edition builds strongly typed networks only: precision comes from the
+graph, not from a builder flag) keep the residual stream, RMSNorm, softmax and logits in fp32 and run the
+GEMMs, K/V and attention matmuls in fp16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from spectrt.runtime.model import ModelConfig
+from torch import nn
+
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_k", "cache_v")
+OUTPUT_NAMES = ("logits", "new_k", "new_v")
+GRAPH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+OPSET = 17  # what the legacy exporter, ModelOpt's Q/DQ export and TensorRT's ONNX parser all accept
+EXPORT_VERSION = 1  # bump when the graph changes: engines built by an older exporter are rebuilt
+
+
+def io_spec(config: ModelConfig, precision: str) -> dict:
+    """Names, dtypes and (symbolic) shapes of the graph's inputs and outputs, as recorded in manifest.json."""
+    kv = "float16" if precision == "fp16" else "float32"
+    cache = [config.num_layers, config.num_kv_heads, "C", config.head_dim]
+    new = [config.num_layers, config.num_kv_heads, "T", config.head_dim]
+    return {
+        "inputs": {
+            "input_ids": {"dtype": "int32", "shape": ["T"]},
+            "position_ids": {"dtype": "int32", "shape": ["T"]},
+            "attention_mask": {"dtype": "bool", "shape": ["T", "S"]},
+            "cache_k": {"dtype": kv, "shape": cache},
+            "cache_v": {"dtype": kv, "shape": cache},
+        },
+        "outputs": {
+            "logits": {"dtype": "float32", "shape": ["T", config.vocab_size]},
+            "new_k": {"dtype": kv, "shape": new},
+            "new_v": {"dtype": kv, "shape": new},
+        },
+    }
+
+
+ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 6: "int32", 7: "int64", 9: "bool", 3: "int8"}
+
+
+def graph_io(graph: Path) -> dict:
+    """Inputs/outputs of an ONNX file in `io_spec`'s form (symbolic dims by name), without loading weights."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+
+    def one(v):
+        t = v.type.tensor_type
+        return {"dtype": ONNX_DTYPES.get(t.elem_type, str(t.elem_type)),
+                "shape": [d.dim_param or d.dim_value for d in t.shape.dim]}
+
+    return {"inputs": {v.name: one(v) for v in proto.graph.input},
+            "outputs": {v.name: one(v) for v in proto.graph.output}}
+
+
+def graph_files(graph: Path) -> list[Path]:
+    """The ONNX file and the external data files it references."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    return [Path(graph)] + [Path(graph).parent / loc for loc in sorted(locations)]
+
+
+def adopt_graph(src: Path, out: Path) -> Path:
+    """Take a graph made elsewhere (e.g. a Q/DQ INT8 export) into an engines dir as `out` + `out.data`,
+    refusing it unless it has the tree-verify contract's inputs and outputs."""
+    import onnx
+
+    io = graph_io(src)
+    if list(io["inputs"]) != list(INPUT_NAMES) or list(io["outputs"]) != list(OUTPUT_NAMES):
+        raise ValueError(f"{src} is not a tree-verify graph: inputs {list(io['inputs'])}, outputs "
+                         f"{list(io['outputs'])}; expected {list(INPUT_NAMES)} -> {list(OUTPUT_NAMES)} "
+                         "(see build/export.py)")
+    proto = onnx.load(str(src))  # with its external data, wherever it lives
+    for stale in (out, out.with_name(out.name + ".data")):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=out.name + ".data", size_threshold=0)
+    return out
+
+
+class TreeVerifyModel(nn.Module):
+    """The LLaMA forward of `runtime/model.py` as a pure function of (tokens, positions, mask, cache).
+
+    Projections are `nn.Linear` modules (q/k/v fused, gate/up fused, as in the torch engine) so a
+    quantizer that swaps linear layers (ModelOpt) can produce a Q/DQ graph with the same contract.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        def linear(w: torch.Tensor) -> nn.Linear:
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
+            lin.weight.data.copy_(w)
+            return lin
+
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.embed.weight.data.copy_(weights["model.embed_tokens.weight"])
+        self.layers = nn.ModuleList()
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            layer = nn.Module()
+            layer.wqkv = linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            layer.wo = linear(weights[p + "self_attn.o_proj.weight"])
+            layer.w13 = linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
+            layer.w2 = linear(weights[p + "mlp.down_proj.weight"])
+            # norms stay fp32: they scale the fp32 residual stream
+            layer.register_buffer("attn_norm", weights[p + "input_layernorm.weight"].float().clone())
+            layer.register_buffer("mlp_norm", weights[p + "post_attention_layernorm.weight"].float().clone())
+            self.layers.append(layer)
+        self.register_buffer("norm", weights["model.norm.weight"].float().clone())
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        if c.tie_word_embeddings:
+            self.head.weight = self.embed.weight  # one initializer in the graph, not two
+        else:
+            self.head.weight.data.copy_(weights["lm_head.weight"])
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        self.register_buffer("inv_freq", inv_freq)
+
+    @classmethod
+    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32) -> TreeVerifyModel:
+        from spectrt.build.draft import load_state_dict
+
+        return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # x is fp32; same arithmetic as runtime/model.py in fp32
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids, position_ids, attention_mask, cache_k, cache_v):
+        c, dt = self.config, self.dtype
+        t = input_ids.shape[0]
+        past = attention_mask.shape[1] - t  # context columns taken from the cache
+        group = c.num_heads // c.num_kv_heads
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        scale = 1.0 / math.sqrt(c.head_dim)
+
+        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        # [T, S] -> [1, 1, T, S], broadcast over kv heads and the query heads sharing each
+        visible = attention_mask[None, None]
+        hidden = ~visible
+        neg = torch.finfo(torch.float32).min
+
+        x = self.embed(input_ids).float()  # residual stream in fp32
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm).to(dt)
+            qkv = layer.wqkv(h)
+            q = qkv[:, :q_dim].reshape(-1, c.num_heads, c.head_dim).transpose(0, 1)
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            new_k.append(k)
+            new_v.append(v)
+            keys = torch.cat([cache_k[i, :, :past], k], dim=1)  # [Hkv, S, D]
+            values = torch.cat([cache_v[i, :, :past], v], dim=1)
+            # grouped-query attention without repeating K/V: [Hkv, G, T, D] x [Hkv, 1, D, S]
+            qg = q.reshape(c.num_kv_heads, group, -1, c.head_dim)
+            scores = torch.matmul(qg, keys.transpose(1, 2)[:, None]).float() * scale
+            probs = torch.softmax(scores.masked_fill(hidden, neg), dim=-1).to(dt)
+            o = torch.matmul(probs, values[:, None])  # [Hkv, G, T, D]
+            o = o.reshape(c.num_heads, -1, c.head_dim).transpose(0, 1).reshape(-1, q_dim)
+            x = x + layer.wo(o).float()
+            h = self._rms_norm(x, layer.mlp_norm).to(dt)
+            gate, up = layer.w13(h).chunk(2, dim=-1)
+            x = x + layer.w2(F.silu(gate) * up).float()
+        logits = self.head(self._rms_norm(x, self.norm).to(dt)).float()
+        return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def example_inputs(config: ModelConfig, dtype: torch.dtype, t: int = 3, past: int = 5, capacity: int = 16):
+    """Small inputs for tracing: a causal chunk of t tokens after `past` cached ones."""
+    mask = torch.ones(t, past + t, dtype=torch.bool)
+    mask[:, past:] = torch.ones(t, t, dtype=torch.bool).tril()
+    shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+    return (
+        torch.arange(t, dtype=torch.int32) + 7,
+        torch.arange(past, past + t, dtype=torch.int32),
+        mask,
+        torch.randn(shape).to(dtype),
+        torch.randn(shape).to(dtype),
+    )
+
+
+DYNAMIC_AXES = {
+    "input_ids": {0: "T"},
+    "position_ids": {0: "T"},
+    "attention_mask": {0: "T", 1: "S"},
+    "cache_k": {2: "C"},
+    "cache_v": {2: "C"},
+    "logits": {0: "T"},
+    "new_k": {2: "T"},
+    "new_v": {2: "T"},
+}
+
+
+def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Trace `model` (a TreeVerifyModel, or a quantized copy of one) into `out` (+ `out.data` for weights).
+
+    The legacy TorchScript exporter is used on purpose: ModelOpt's quantized modules export Q/DQ only
+    through it, so fp32, fp16 and INT8 graphs come from one code path.
+    """
+    import onnx
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = out.parent / (out.name + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
+    try:
+        raw = tmp_dir / "raw.onnx"
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
+            torch.onnx.export(
+                model, example_inputs(config, dtype), str(raw), input_names=list(INPUT_NAMES),
+                output_names=list(OUTPUT_NAMES), dynamic_axes=DYNAMIC_AXES, opset_version=OPSET,
+                do_constant_folding=True, dynamo=False,
+            )
+        proto = onnx.load(str(raw))
+        _tie_head(proto, config)
+        _name_output_dims(proto, config)
+        proto.producer_name = "spectrt"
+        proto.doc_string = "spectrt tree-verify graph: " + json.dumps({"export_version": EXPORT_VERSION})
+        data = out.name + ".data"
+        for stale in (out, out.parent / data):
+            stale.unlink(missing_ok=True)
+        onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data, size_threshold=1024)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out
+
+
+def _tie_head(proto, config: ModelConfig) -> None:
+    """Make a tied LM head read the embedding table (Gemm transB=1) instead of a folded transposed copy.
+
+    The exporter folds `x @ embed.T` into a second [hidden, vocab] initializer, doubling the biggest
+    tensor of the graph (113 MB for SmolLM2); this rewrites it back to one shared initializer.
+    """
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if not config.tie_word_embeddings:
+        return
+    inits = {i.name: i for i in proto.graph.initializer}
+    gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    embed = next((inits[n.input[0]] for n in gathers if list(inits[n.input[0]].dims) ==
+                  [config.vocab_size, config.hidden_size]), None)
+    if embed is None:
+        return
+    for idx, node in enumerate(proto.graph.node):
+        if node.op_type != "MatMul" or node.input[1] not in inits:
+            continue
+        b = inits[node.input[1]]
+        if list(b.dims) != [config.hidden_size, config.vocab_size]:
+            continue
+        if not np.array_equal(numpy_helper.to_array(b), numpy_helper.to_array(embed).T):
+            continue
+        gemm = helper.make_node("Gemm", [node.input[0], embed.name], list(node.output), name=node.name + "_tied",
+                                transB=1)
+        proto.graph.node.remove(node)
+        proto.graph.node.insert(idx, gemm)
+        proto.graph.initializer.remove(b)
+        return
+
+
+def _name_output_dims(proto, config: ModelConfig) -> None:
+    """Give the outputs the contract's shapes (the exporter leaves generated names for static dims)."""
+    from onnx import TensorShapeProto
+
+    want = {"logits": ["T", config.vocab_size],
+            "new_k": [config.num_layers, config.num_kv_heads, "T", config.head_dim],
+            "new_v": [config.num_layers, config.num_kv_heads, "T", config.head_dim]}
+    for out in proto.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        del dims[:]
+        for d in want[out.name]:
+            dim = TensorShapeProto.Dimension()
+            if isinstance(d, str):
+                dim.dim_param = d
+            else:
+                dim.dim_value = d
+            dims.append(dim)
+
+
+def export_graph(checkpoint: Path, out: Path, precision: str = "fp32", log=print) -> Path:
+    """Export `checkpoint` as a tree-verify graph in fp32 (ONNX Runtime, parity) or fp16 (TensorRT)."""
+    if precision not in GRAPH_DTYPES:
+        raise ValueError(f"graph precision {precision!r} is not exportable here: choose one of {sorted(GRAPH_DTYPES)}")
+    start = time.perf_counter()
+    dtype = GRAPH_DTYPES[precision]
+    model = TreeVerifyModel.load(Path(checkpoint), dtype).eval()
+    export_module(model, model.config, out, dtype)
+    log(f"  exported {out.name} ({precision}) in {time.perf_counter() - start:.1f}s")
+    return out

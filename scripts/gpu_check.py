@@ -1,0 +1,409 @@
+"""Prepared device check (called by scripts/gpu_check.sh): TensorRT tree decoding vs the torch backend.
+
+On a machine with an NVIDIA GPU:
+1. the embedded pair (artifacts/smollm2-135m-instruct + its draft) when present, else **random weights of
+   the real SmolLM2-135M shapes** (the checkpoint cannot travel to every GPU machine; said in the JSON);
+2. if a TensorRT module is importable (`tensorrt`, or `tensorrt_rtx` on a GPU it supports): build (or load,
+   --engines DIR) FP32 and FP16 plans, run greedy tree decoding with the `tensorrt` backend and assert the
+   FP32 plan's output (AR and trees) equals the torch backend's greedy AR output (FP16: agreement with AR
+   and with torch reported as rates: near-ties flip in half precision);
+3. always: the torch engine on CUDA (fp32, bf16): tree == AR asserted in fp32, verify cost vs T (1..64)
+   and tokens/s for AR and trees; with TensorRT the same numbers for the plans.
+Without TensorRT it says so in the JSON (`tensorrt.available: false` + the reason) and measures the torch
+engine alone. `--device cpu` runs the same code on a CPU (a smoke test of this script; with --engines also
+the onnxruntime backend). Results: one JSON file (--out). Exit status 0 = all assertions held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2 = {  # SmolLM2-135M-Instruct's config.json (what random weights are shaped like)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+    "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+TREES = ["2,1", "3,2,1", "1,1,1"]
+TOKENS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class Check:
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.start = time.perf_counter()
+        self.results: dict = {"checks": [], "skipped": []}
+        self.failed = False
+
+    def left(self) -> float:
+        return self.deadline - (time.perf_counter() - self.start)
+
+    def log(self, msg: str) -> None:
+        print(f"[gpu_check {time.perf_counter() - self.start:6.1f}s] {msg}", flush=True)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        self.results["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+        self.failed |= not ok
+        self.log(f"{'PASS' if ok else 'FAIL'} {name} {detail}")
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+def random_weights(config: dict, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    rnd = lambda *shape: torch.randn(*shape, generator=g, device=device) * 0.02  # noqa: E731
+    w = {"model.embed_tokens.weight": rnd(config["vocab_size"], h), "model.norm.weight": torch.ones(h, device=device)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": rnd(q, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+              p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, q),
+              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+              p + "mlp.down_proj.weight": rnd(h, inter),
+              p + "input_layernorm.weight": torch.ones(h, device=device),
+              p + "post_attention_layernorm.weight": torch.ones(h, device=device)}
+    return w
+
+
+def write_checkpoint(weights: dict, config: dict, layers: int, out: Path) -> Path:
+    """A HF-style dir (config.json, safetensors, a stand-in tokenizer.json) that build/engines.py accepts."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    keep = {k: v.detach().float().cpu().contiguous() for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    (out / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {}}, "added_tokens": []}))
+    return out
+
+
+class TorchOn:
+    """The torch engine (runtime/model.py) on a device, returning host logits like the tensorrt engine."""
+
+    def __init__(self, config, weights, dtype: torch.dtype, device: torch.device):
+        from spectrt.runtime.model import Transformer
+
+        self.device = device
+        self.model = Transformer(config, weights, dtype, measure_kernels=device.type == "cpu")
+        self.model.inv_freq = self.model.inv_freq.to(device)
+        self.config = config
+
+    def new_cache(self, capacity: int, max_window: int):
+        from spectrt.runtime.model import KVCache
+
+        with torch.device(self.device):
+            return KVCache(self.config, capacity, max_window, self.model.dtype)
+
+    def forward(self, tokens, positions, tree_mask, cache):
+        d = self.device
+        return self.model.forward(tokens.to(d), positions.to(d), tree_mask.to(d), cache).cpu()
+
+
+def smollm2_config(layers: int | None = None):
+    from spectrt.runtime.model import ModelConfig
+
+    c = SMOLLM2
+    return ModelConfig(c["vocab_size"], c["hidden_size"], c["intermediate_size"], layers or c["num_hidden_layers"],
+                       c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rms_norm_eps"],
+                       c["rope_theta"], c["tie_word_embeddings"])
+
+
+def load_pair(device: torch.device, dtype: torch.dtype, target_dir: Path | None, draft_dir: Path | None,
+              weights: dict | None = None):
+    """(target, draft, target weights): the checkpoint's, or random real-shaped ones (draft = first 4 layers)."""
+    from spectrt.runtime.model import ModelConfig
+
+    if target_dir is None:
+        weights = weights if weights is not None else random_weights(SMOLLM2, device)
+        return (TorchOn(smollm2_config(), weights, dtype, device), TorchOn(smollm2_config(4), weights, dtype, device),
+                weights)
+    from spectrt.build.draft import load_state_dict
+
+    config = ModelConfig.from_dir(target_dir)
+    weights = {k: v.to(device) for k, v in load_state_dict(target_dir).items()}
+    if draft_dir is not None:
+        d_config = ModelConfig.from_dir(draft_dir)
+        d_weights = {k: v.to(device) for k, v in load_state_dict(draft_dir).items()}
+    else:
+        d_config, d_weights = dataclasses.replace(config, num_layers=4), weights
+    return TorchOn(config, weights, dtype, device), TorchOn(d_config, d_weights, dtype, device), weights
+
+
+def prompts(target_dir: Path | None, n: int) -> list[list[int]]:
+    texts = ["Write a Python function that checks whether a number is prime.",
+             "Explain what photosynthesis is to a child.", "List five animals that live in the ocean.",
+             "Give three tips for learning a new language."][:n]
+    if target_dir is not None and (target_dir / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 49152, (60 + 10 * i,), generator=g).tolist() for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# measurements
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_cost(engine, device: torch.device, tokens=TOKENS, past: int = 256, iters: int = 20) -> dict:
+    """Median ms of one forward of T causal new tokens after `past` cached ones."""
+    cache = engine.new_cache(past + max(tokens) + 64, max(tokens))
+    out = {}
+    for t in tokens:
+        cache.length = past
+        ids = torch.randint(3, engine.config.vocab_size, (t,))
+        pos = torch.arange(past, past + t)
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        for _ in range(3):
+            engine.forward(ids, pos, mask, cache)
+        sync(device)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            engine.forward(ids, pos, mask, cache)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        out[t] = round(statistics.median(times) * 1000, 3)
+    return out
+
+
+def decode_all(target, draft, ids_list, tree_spec: str | None, new_tokens: int, max_seq_len: int = 512):
+    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.tree import Tree
+
+    decoder = SpecDecoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
+    outs, tokens, seconds, passes = [], 0, 0.0, 0
+    for ids in ids_list:
+        r = decoder.generate(ids, new_tokens, Tree.parse(tree_spec) if tree_spec else None)
+        outs.append(r.token_ids)
+        tokens += r.stats.new_tokens
+        seconds += r.stats.seconds
+        passes += r.stats.target_passes
+    return outs, {"tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+                  "tau": round(tokens / max(passes, 1), 3)}
+
+
+def bench_engine(ck: Check, label: str, target, draft, device, ids_list, new_tokens: int, exact: bool,
+                 reference: list[list[int]] | None = None, trees=TREES, tokens=TOKENS) -> tuple[dict, list]:
+    """Verify cost vs T, tokens/s for AR and trees, tree == AR (and == reference when given)."""
+    res: dict = {}
+    ck.log(f"{label}: verify cost vs T")
+    res["verify_ms"] = verify_cost(target, device, tokens)
+    ck.log(f"{label}: verify ms {res['verify_ms']}")
+    ar, res["autoregressive"] = decode_all(target, None, ids_list, None, new_tokens)
+    if reference is not None:
+        same = sum(a == b for a, b in zip(ar, reference, strict=True))
+        if exact:
+            ck.check(f"{label} AR == torch AR", same == len(ar), f"{same}/{len(ar)} prompts")
+        res["ar_equal_to_torch_fp32"] = f"{same}/{len(ar)}"
+    for spec in trees:
+        if ck.left() < 30:
+            ck.results["skipped"].append(f"{label} tree {spec} (time)")
+            continue
+        for name, d in (("draft", draft), ("self", target)):
+            outs, stats = decode_all(target, d, ids_list, spec, new_tokens)
+            same = sum(a == b for a, b in zip(outs, ar, strict=True))
+            res[f"tree {spec} ({name}-drafted)"] = {**stats, "equal_to_ar": f"{same}/{len(ar)}"}
+            if exact:  # fp32: greedy tree decoding is lossless token for token
+                ck.check(f"{label} tree {spec} ({name}-drafted) == AR", same == len(ar), f"{same}/{len(ar)}; {stats}")
+            else:  # fp16/bf16: near-ties flip when GEMM shapes change, so this is a rate, not an assertion
+                ck.log(f"{label} tree {spec} ({name}-drafted): equal to AR {same}/{len(ar)}; {stats}")
+            if reference is not None and exact:
+                ref_same = sum(a == b for a, b in zip(outs, reference, strict=True))
+                ck.check(f"{label} tree {spec} ({name}-drafted) == torch AR", ref_same == len(ar),
+                         f"{ref_same}/{len(ar)}")
+    return res, ar
+
+
+# --------------------------------------------------------------------------------------------------
+# TensorRT
+
+
+def trt_available() -> tuple[object | None, str]:
+    try:
+        from spectrt.build.compile import trt_module
+
+        trt = trt_module()
+        return trt, f"{trt.__name__} {trt.__version__}"
+    except Exception as e:
+        return None, str(e)
+
+
+def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_list, reference, trees=TREES,
+                tokens=TOKENS) -> dict:
+    from spectrt.build.compile import RTX_ARCHS
+    from spectrt.runtime.trt_engine import TensorRTEngine, device_arch
+
+    trt, why = trt_available()
+    if trt is None:
+        return {"available": False, "reason": f"no TensorRT Python module on this machine ({why}); measured the "
+                "torch engine on CUDA instead"}
+    arch = device_arch()
+    if trt.__name__ == "tensorrt_rtx" and arch not in RTX_ARCHS:
+        return {"available": False, "module": why, "reason": f"TensorRT-RTX has no {arch} target (supports "
+                f"{','.join(RTX_ARCHS)}); install NVIDIA's `tensorrt` here to build native plans"}
+    out: dict = {"available": True, "module": why, "arch": arch}
+    from spectrt.build.engines import make_engines
+
+    if args.engines is not None and (args.engines / "manifest.json").is_file():  # plans built elsewhere
+        manifest = json.loads((args.engines / "manifest.json").read_text())
+        built = {manifest["precision"]: args.engines}
+    else:
+        built = {}
+    work = Path(args.engines) if args.engines and not built else Path(tempfile.mkdtemp(prefix="spectrt-engines-"))
+    if not built and target_dir is None:
+        target_dir = write_checkpoint(weights, SMOLLM2, SMOLLM2["num_hidden_layers"], work / "random-target")
+        draft_dir = write_checkpoint(weights, SMOLLM2, 4, work / "random-draft")
+    elif not built and draft_dir is None:
+        from spectrt.build.draft import slice_target
+
+        draft_dir = slice_target(target_dir, 4, work / "slice4")
+    for precision in list(built) or ["fp32", "fp16"]:
+        if ck.left() < 120:
+            ck.results["skipped"].append(f"tensorrt {precision} (time)")
+            continue
+        start = time.perf_counter()
+        if precision in built:
+            engines = built[precision]
+            ck.log(f"tensorrt {precision}: loading the plans in {engines}")
+        else:
+            ck.log(f"tensorrt {precision}: building plans in {work}")
+            engines = make_engines(target_dir, draft_dir, work / f"pair-{precision}", precision=precision,
+                                   archs=[arch], max_seq_len=1024, max_tree_tokens=64, log=ck.log)
+        build_s = time.perf_counter() - start
+        target = TensorRTEngine.load(engines / "target")
+        draft = TensorRTEngine.load(engines / "draft")
+        res, _ = bench_engine(ck, f"tensorrt {precision}", target, draft, device, ids_list, args.new_tokens,
+                              exact=precision == "fp32", reference=reference, trees=trees, tokens=tokens)
+        res["build_or_load_seconds"] = round(build_s, 1)
+        res["plan_bytes"] = {p.relative_to(engines).as_posix(): p.stat().st_size for p in engines.glob("*/*.plan")}
+        out[precision] = res
+        del target, draft
+        torch.cuda.empty_cache()
+    return out
+
+
+def ort_section(ck: Check, args, device, ids_list, reference, trees, tokens) -> dict:
+    """CPU only: the onnxruntime backend from an engines dir, same measurements (the CPU benchmark)."""
+    from spectrt.runtime.engine import load_engine
+
+    target = load_engine(args.engines / "target", "onnxruntime")
+    draft = load_engine(args.engines / "draft", "onnxruntime")
+    res, _ = bench_engine(ck, "onnxruntime fp32", target, draft, device, ids_list, args.new_tokens, exact=True,
+                          reference=reference, trees=trees, tokens=tokens)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--target", type=Path, default=REPO / "artifacts" / "smollm2-135m-instruct")
+    p.add_argument("--draft", type=Path, default=None, help="default: <target>-draft if present, else a 4-layer slice")
+    p.add_argument("--engines", type=Path, default=None,
+                   help="an engines dir (manifest.json) to load plans from / run onnxruntime on (--device cpu), "
+                        "else a work dir to build FP32+FP16 plans in (default: a temp dir)")
+    p.add_argument("--random-weights", action="store_true", help="ignore the checkpoint; random real-shaped weights")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new parts after this")
+    p.add_argument("--trees", default=";".join(TREES), help="semicolon-separated trees, e.g. '2,1;3,2,1'")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="T values for the verify cost, e.g. 1,8,32")
+    p.add_argument("--no-bf16", action="store_true", help="skip the torch bf16 measurements")
+    p.add_argument("--quick", action="store_true", help="small smoke run (few T, few tokens)")
+    args = p.parse_args(argv)
+
+    ck = Check(args.budget_s)
+    r = ck.results
+    r["started"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    r["machine"] = {"python": platform.python_version(), "torch": torch.__version__,
+                    "cuda_available": torch.cuda.is_available()}
+    device = torch.device(args.device)
+    status = 1
+    try:
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                r["status"] = "no_gpu"
+                r["reason"] = "torch.cuda.is_available() is False: run this on a machine with an NVIDIA GPU"
+                ck.log(r["reason"])
+                return 2
+            torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 for the equality checks
+            torch.backends.cudnn.allow_tf32 = False
+            r["machine"] |= {"gpu": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+                             "torch_cuda": torch.version.cuda}
+        tokens = [1, 4, 16] if args.quick else [int(t) for t in args.tokens.split(",")]
+        trees = ["2,1"] if args.quick else [t for t in args.trees.split(";") if t]
+        target_dir = None if args.random_weights or not (args.target / "config.json").is_file() else args.target
+        draft_dir = args.draft
+        if target_dir is not None and draft_dir is None:
+            distilled = target_dir.with_name(target_dir.name + "-draft")
+            draft_dir = distilled if (distilled / "config.json").is_file() else None
+        r["weights"] = (f"real checkpoint {target_dir}" if target_dir is not None else
+                        "random weights with SmolLM2-135M's real shapes (the checkpoint is not on this machine): "
+                        "speed numbers are real, acceptance rates are not")
+        r["draft"] = str(draft_dir) if draft_dir else "the target's first 4 layers (untrained slice)"
+        ids_list = prompts(target_dir, args.prompts)
+        ck.log(f"device {device}; {r['weights']}")
+
+        target, draft, weights = load_pair(device, torch.float32, target_dir, draft_dir)
+        res, reference = bench_engine(ck, "torch fp32", target, draft, device, ids_list, args.new_tokens, exact=True,
+                                      trees=trees, tokens=tokens)
+        r["torch"] = {"fp32": res}
+        del target, draft
+        if args.no_bf16:
+            pass
+        elif ck.left() > 60:
+            t16, d16, _ = load_pair(device, torch.bfloat16, target_dir, draft_dir, weights)
+            r["torch"]["bf16"], _ = bench_engine(ck, "torch bf16", t16, d16, device, ids_list, args.new_tokens,
+                                                 exact=False, reference=reference, trees=trees[:1], tokens=tokens)
+            del t16, d16
+        else:
+            r["skipped"].append("torch bf16 (time)")
+        if args.engines is not None and device.type == "cpu":
+            r["onnxruntime"] = ort_section(ck, args, device, ids_list, reference, trees, tokens)
+        if device.type == "cuda":
+            r["tensorrt"] = trt_section(ck, args, device, weights, target_dir, draft_dir, ids_list, reference,
+                                        trees, tokens)
+        status = 1 if ck.failed else 0
+    except Exception as e:
+        r["error"] = f"{type(e).__name__}: {e}"
+        r["traceback"] = traceback.format_exc()
+        ck.log(r["traceback"])
+        status = 1
+    finally:
+        r.setdefault("status", "pass" if status == 0 else "fail")
+        r["seconds"] = round(time.perf_counter() - ck.start, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(r, indent=2, default=str) + "\n")
+        ck.log(f"status {r['status']}; results in {args.out}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

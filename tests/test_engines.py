@@ -1,0 +1,397 @@
+"""Engines: tree-verify ONNX export, ONNX Runtime backend, TensorRT plans built with tensorrt_rtx, manifest checks.
+
+The embedded target and a 4-layer draft are built once into an engines directory (graphs fp32 + fp16,
+FP16 TensorRT-RTX plans): ~75 s on 2 cores. The `tensorrt` backend cannot execute here (no GPU); its
+class is driven on the CPU through a stand-in TensorRT module that runs the same fp16 graph with ONNX
+Runtime, which checks its buffers, shapes, static-span masks and cache writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from spectrt.build.compile import default_profiles, network_io, parse_onnx, trt_module
+from spectrt.build.engines import EngineBuildError, make_engines
+from spectrt.build.export import io_spec
+from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.engine import load_engine
+from spectrt.runtime.model import ModelConfig
+from spectrt.runtime.onnx_engine import EngineDirError, OnnxEngine
+from spectrt.runtime.tree import Tree
+from spectrt.runtime.trt_engine import TensorRTEngine
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+ARCHS = ["sm80", "sm86"]
+EOS = {2}
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "List five animals that live in the ocean.",
+]
+
+
+@pytest.fixture(scope="session")
+def engines(target_dir, draft_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "smollm2"
+    yield make_engines(target_dir, draft_dir, out, precision="fp16", archs=ARCHS)
+    shutil.rmtree(out, ignore_errors=True)  # ~1.7 GB of graphs and plans
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(target_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
+
+
+def _scenario(engine, cache) -> list[torch.Tensor]:
+    """Prompt chunk at past 0, a second chunk, a chain, a branching tree, a draft-style level (W > T)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, engine.config.vocab_size, (80,), generator=g)
+    out = []
+
+    def step(tokens, positions, mask):
+        out.append(engine.forward(tokens, positions, mask, cache).clone().float())
+
+    causal = torch.ones(24, 24, dtype=torch.bool).tril()
+    step(ids[:24], torch.arange(24), causal)                          # prompt chunk, past 0
+    cache.commit(24)
+    step(ids[24:37], torch.arange(24, 37), causal[:13, :13])          # prompt chunk, past 24
+    cache.commit(13)
+    step(ids[37:41], torch.arange(37, 41), causal[:4, :4])            # chain, past 37
+    cache.compact([0, 1])
+    tree = Tree.parse("3,2,1")
+    step(ids[41:41 + len(tree)], tree.positions(39), tree.mask)       # branching tree, past 39
+    cache.compact([0, 2, 7])
+    level = Tree.parse("2,2")                                         # draft expands depth 2 with W = 6
+    step(ids[60:64], level.positions(42)[3:], level.mask[3:, 1:])
+    return out
+
+
+def _parity(reference, engine, ref_cache, cache):
+    ref_out = _scenario(reference, ref_cache)
+    got_out = _scenario(engine, cache)
+    logit_err = max(float((a - b).abs().max()) for a, b in zip(ref_out, got_out, strict=True))
+    # excess over a 1e-5 relative part: 30 fp32 layers with other GEMM kernels (MKL vs MLAS) reach ~1e-4 absolute
+    # on logits of magnitude ~20
+    logit_excess = max(float(((a - b).abs() - 1e-5 * a.abs()).max()) for a, b in zip(ref_out, got_out, strict=True))
+    used = ref_cache.length + 6
+    kv_err = max(float((ref_cache.k[:, :, :used] - cache.k[:, :, :used].float()).abs().max()),
+                 float((ref_cache.v[:, :, :used] - cache.v[:, :, :used].float()).abs().max()))
+    return logit_err, logit_excess, kv_err, ref_out, got_out
+
+
+@pytest.mark.parametrize("span", ["dynamic", "static"])
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_onnx_graph_parity_with_torch(request, engines, role, span):
+    """ONNX Runtime logits and new K/V equal the torch engine's (fp32) on chunks, chains and trees."""
+    torch_engine = request.getfixturevalue(role)
+    graph = engines / role / "model.fp32.onnx"
+    ort_engine = OnnxEngine(graph, torch_engine.config, optimization="basic", span=span)
+    logit_err, logit_excess, kv_err, _, _ = _parity(torch_engine, ort_engine, torch_engine.new_cache(128, 32),
+                                                    ort_engine.new_cache(128, 32))
+    print(f"{role} {span}: max |logits diff| {logit_err:.2e}, max |K/V diff| {kv_err:.2e}")
+    assert kv_err <= 1e-4
+    assert logit_excess <= 1e-4  # |ort - torch| <= 1e-4 + 1e-5 |torch|
+
+
+def test_graph_io_matches_manifest(engines):
+    import onnx
+
+    manifest = json.loads((engines / "manifest.json").read_text())
+    for role in ("target", "draft"):
+        config = ModelConfig(**manifest["models"][role]["config"])
+        for precision, entry in manifest["models"][role]["graphs"].items():
+            proto = onnx.load(str(engines / entry["file"]), load_external_data=False)
+            dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+            got = {"inputs": [(i.name, dims(i)) for i in proto.graph.input],
+                   "outputs": [(o.name, dims(o)) for o in proto.graph.output]}
+            spec = io_spec(config, precision)
+            assert got == {k: [(n, v["shape"]) for n, v in spec[k].items()] for k in spec}
+            assert entry["io"] == spec
+            inits = [int(np.prod(i.dims)) for i in proto.graph.initializer]
+            assert inits.count(config.vocab_size * config.hidden_size) == 1, "tied LM head must not be duplicated"
+
+
+def test_tensorrt_plans_match_manifest(engines):
+    """Real plans built with TensorRT's API: non-trivial, with the manifest's inputs/outputs and profiles."""
+    trt = trt_module()
+    manifest = json.loads((engines / "manifest.json").read_text())
+    assert manifest["tools"]["tensorrt_module"] == trt.__name__
+    profiles = default_profiles(manifest["max_tree_tokens"], manifest["capacity"])
+    assert manifest["profiles"] == [p.as_dict() for p in profiles]
+    for role in ("target", "draft"):
+        model = manifest["models"][role]
+        config = ModelConfig(**model["config"])
+        plan = model["plans"]["fp16"]
+        path = engines / plan["file"]
+        data = path.read_bytes()
+        graph_bytes = (engines / model["graphs"]["fp16"]["data"]).stat().st_size
+        print(f"{role}: plan {len(data) / 1e6:.1f} MB built in {plan['build_seconds']}s ({plan['archs']})")
+        assert len(data) == plan["bytes"] == manifest["files"][plan["file"]]["bytes"]
+        assert len(data) > 0.9 * graph_bytes, "a plan holds the fp16 weights"
+        assert plan["archs"] == ARCHS and plan["module"] == trt.__name__
+        for name in list(plan["io"]["inputs"]) + list(plan["io"]["outputs"]):
+            assert name.encode() in data, f"{name} not in the plan"
+        # inputs/outputs as TensorRT sees them (deserializing needs a GPU: read them from the network)
+        _builder, network, _parser = parse_onnx(trt, engines / model["graphs"]["fp16"]["file"])
+        assert network_io(network) == plan["io"]
+        assert plan["io"]["inputs"]["cache_k"]["dtype"] == "float16"
+        assert plan["io"]["outputs"]["logits"] == {"dtype": "float32", "shape": [-1, config.vocab_size]}
+        shapes = profiles[0].shapes(config)
+        assert plan["profiles"] == [{"name": "tree", **{k: [list(s) for s in v] for k, v in shapes.items()}}]
+
+
+def test_rebuild_reuses_unchanged_files(engines, target_dir, draft_dir):
+    stamps = {p: p.stat().st_mtime_ns for p in engines.rglob("*.onnx*")} | {
+        p: p.stat().st_mtime_ns for p in engines.rglob("*.plan")}
+    before = json.loads((engines / "manifest.json").read_text())
+    lines = []
+    make_engines(target_dir, draft_dir, engines, precision="fp16", archs=ARCHS, log=lines.append)
+    assert sum("reusing" in line for line in lines) == 6, lines
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert json.loads((engines / "manifest.json").read_text()) == before
+
+
+def _flip_byte(path: Path, offset: int) -> int:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([old ^ 0xFF]))
+    return old
+
+
+def test_manifest_refuses_corrupted_or_swapped_files(engines):
+    data = engines / "draft" / "model.fp32.onnx.data"
+    offset = data.stat().st_size // 2
+    _flip_byte(data, offset)
+    try:
+        with pytest.raises(EngineDirError, match="corrupted or was swapped"):
+            OnnxEngine.load(engines / "draft")
+    finally:
+        _flip_byte(data, offset)
+
+    # swapped plans: the target's plan in the draft's place and back (renames, no copies)
+    d_plan, t_plan = engines / "draft" / "model.fp16.plan", engines / "target" / "model.fp16.plan"
+    tmp = d_plan.with_name("swap.tmp")
+    os.rename(d_plan, tmp)
+    os.rename(t_plan, d_plan)
+    try:
+        with pytest.raises(EngineDirError, match=r"draft/model\.fp16\.plan does not match"):
+            TensorRTEngine.load(engines / "draft", device="cpu", trt=StandInTRT(engines / "draft" / "model.fp16.onnx"))
+    finally:
+        os.rename(d_plan, t_plan)
+        os.rename(tmp, d_plan)
+
+    with pytest.raises(EngineDirError, match="no .*manifest.json"):
+        OnnxEngine.load(engines.parent)
+    with pytest.raises(EngineDirError, match="engines directory: pass its model"):
+        OnnxEngine.load(engines)
+
+
+def test_load_errors_say_what_is_needed(engines, target_dir):
+    with pytest.raises(EngineDirError, match="spectrt engines"):
+        load_engine(target_dir, "onnxruntime")
+    with pytest.raises(ValueError, match="fp32 graph"):
+        load_engine(engines / "target", "onnxruntime", "bf16")
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineDirError, match="NVIDIA GPU"):
+            load_engine(engines / "target", "tensorrt")
+    with pytest.raises(ValueError, match="choose torch, onnxruntime or tensorrt"):
+        load_engine(target_dir, "tvm")
+
+
+def _copy_model_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy(p, dst / p.name)
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    return dst
+
+
+def test_mismatched_pairs_are_refused_at_build_time(target_dir, draft_dir, tmp_path):
+    bad_vocab = _copy_model_dir(draft_dir, tmp_path / "vocab")
+    cfg = json.loads((bad_vocab / "config.json").read_text())
+    (bad_vocab / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
+    with pytest.raises(EngineBuildError, match="vocabulary"):
+        make_engines(target_dir, bad_vocab, tmp_path / "e1", plans=False)
+
+    swapped = _copy_model_dir(draft_dir, tmp_path / "tok")
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100], list(vocab)[200]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(EngineBuildError, match="tokenizer/vocabulary"):
+        make_engines(target_dir, swapped, tmp_path / "e2", plans=False)
+
+    eos = _copy_model_dir(draft_dir, tmp_path / "eos")
+    (eos / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 0}))
+    with pytest.raises(EngineBuildError, match="eos_token_id"):
+        make_engines(target_dir, eos, tmp_path / "e3", plans=False)
+
+    with pytest.raises(EngineBuildError, match="max-seq-len"):
+        make_engines(target_dir, draft_dir, tmp_path / "e4", max_seq_len=9000, plans=False)
+    assert not any((tmp_path / name).exists() for name in ("e1", "e2", "e3", "e4")), "nothing may be built"
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target, prompt_ids) -> list[list[int]]:
+    decoder = SpecDecoder(target, None, EOS, max_seq_len=256)
+    return [decoder.generate(ids, 40).token_ids for ids in prompt_ids]
+
+
+def test_greedy_tree_decoding_onnxruntime_equals_target_ar(engines, prompt_ids, ar_outputs):
+    ort_target = load_engine(engines / "target", "onnxruntime")
+    ort_draft = load_engine(engines / "draft", "onnxruntime")
+    for draft, spec in ((ort_draft, "3,2,1"), (ort_target, "2,1,1")):  # weak draft; the target drafting itself
+        decoder = SpecDecoder(ort_target, draft, EOS, max_seq_len=256, max_tree_tokens=16)
+        buffers = (decoder.target_cache.k.data_ptr(), decoder.draft_cache.k.data_ptr())
+        accepted = []
+        for ids, expected in zip(prompt_ids, ar_outputs, strict=True):
+            result = decoder.generate(ids, 40, Tree.parse(spec))
+            assert result.token_ids == expected
+            accepted += result.stats.accepted
+        assert (decoder.target_cache.k.data_ptr(), decoder.draft_cache.k.data_ptr()) == buffers
+        if draft is ort_target:
+            assert sum(accepted) >= len(accepted), "the target drafting for itself must get paths accepted"
+
+
+def test_pipeline_runs_from_an_engines_dir(engines):
+    from spectrt.runtime.pipeline import Pipeline
+
+    pipe = Pipeline(engines / "target", engines / "draft", backend="onnxruntime", max_seq_len=128)
+    gen = pipe.generate("Say hello.", 8, Tree.parse("2,1"))
+    assert len(gen.token_ids) > 0 and gen.text
+
+
+# --------------------------------------------------------------------------------------------------
+# The tensorrt backend's own code on the CPU, through a stand-in TensorRT module
+
+
+class StandInTRT:
+    """Just enough of the TensorRT Python API to drive TensorRTEngine: it runs `graph` with ONNX Runtime
+    on the addresses and shapes the engine binds (CPU tensors), like execute_async_v3 would on a GPU."""
+
+    def __init__(self, graph: Path):
+        import onnxruntime as ort
+
+        self.graph = graph
+        self.ort = ort
+        stand_in = self
+
+        class Logger:
+            WARNING = 2
+
+            def __init__(self, level):
+                pass
+
+        class Runtime:
+            def __init__(self, logger):
+                pass
+
+            def deserialize_cuda_engine(self, plan: bytes):
+                assert len(plan) > 1_000_000
+                return Engine()
+
+        class Engine:
+            def __init__(self):
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = torch.get_num_threads()
+                self.session = ort.InferenceSession(str(stand_in.graph), options, providers=["CPUExecutionProvider"])
+                self.io = [(i.name, i.type) for i in self.session.get_inputs() + self.session.get_outputs()]
+                self.num_io_tensors = len(self.io)
+                self.contexts = 0
+
+            def get_tensor_name(self, i):
+                return self.io[i][0]
+
+            def create_execution_context(self):
+                self.contexts += 1
+                return Context(self)
+
+        class Context:
+            def __init__(self, engine):
+                self.engine, self.shapes, self.addresses = engine, {}, {}
+                self.runs = 0
+
+            def set_input_shape(self, name, shape):
+                self.shapes[name] = tuple(shape)
+                return True
+
+            def set_tensor_address(self, name, address):
+                self.addresses[name] = address
+                return True
+
+            def execute_async_v3(self, stream):
+                assert stream == 0
+                t, k = self.shapes["input_ids"][0], self.shapes["cache_k"]
+                shapes = {**self.shapes, "logits": (t, 49152), "new_k": (k[0], k[1], t, k[3]),
+                          "new_v": (k[0], k[1], t, k[3])}
+                types = {"tensor(int32)": np.int32, "tensor(bool)": np.bool_, "tensor(float16)": np.float16,
+                         "tensor(float)": np.float32}
+                binding = self.engine.session.io_binding()
+                for i, (name, typ) in enumerate(self.engine.io):
+                    bind = binding.bind_input if i < 5 else binding.bind_output
+                    bind(name, "cpu", 0, types[typ], shapes[name], self.addresses[name])
+                self.engine.session.run_with_iobinding(binding)
+                self.runs += 1
+                return True
+
+        self.Logger, self.Runtime = Logger, Runtime
+
+
+@pytest.fixture(scope="module")
+def trt_cpu_engines(engines):
+    load = lambda role: TensorRTEngine.load(  # noqa: E731
+        engines / role, device="cpu", trt=StandInTRT(engines / role / "model.fp16.onnx"))
+    return load("target"), load("draft")
+
+
+def test_tensorrt_engine_static_buffers_and_fp16_graph(trt_cpu_engines, target):
+    """The tensorrt backend's buffers/static-span masks/cache writes, on the FP16 graph its plans come from."""
+    trt_target, _ = trt_cpu_engines
+    assert trt_target.kv_dtype == torch.float16 and trt_target.max_tokens == 64
+    logit_err, _, kv_err, ref, got = _parity(target, trt_target, target.new_cache(128, 32),
+                                          trt_target.new_cache(128, 32))
+    agree = float(torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(ref, got, strict=True)]).mean())
+    print(f"fp16 graph vs torch fp32: max |logits diff| {logit_err:.3f}, K/V {kv_err:.4f}, top-1 agreement {agree:.3f}")
+    assert kv_err < 0.05 and logit_err < 0.5 and agree >= 0.95
+    with pytest.raises(ValueError, match="exceeds the plan's profile"):
+        trt_target.new_cache(5000, 16)
+
+
+def test_greedy_tree_decoding_tensorrt_engine_is_lossless(trt_cpu_engines, prompt_ids):
+    """Tree decoding through the tensorrt engine class equals its own AR greedy output (fp16 graph)."""
+    trt_target, trt_draft = trt_cpu_engines
+    ar = SpecDecoder(trt_target, None, EOS, max_seq_len=192, max_tree_tokens=16)
+    spec = SpecDecoder(trt_target, trt_draft, EOS, max_seq_len=192, max_tree_tokens=16)
+    for ids in prompt_ids[:1]:
+        expected = ar.generate(ids, 24).token_ids
+        assert spec.generate(ids, 24, Tree.parse("2,2,1")).token_ids == expected
+
+
+def test_builds_that_cannot_run_here_say_what_is_needed(target_dir, draft_dir, tmp_path):
+    from spectrt.build.compile import CompileError
+
+    with pytest.raises(CompileError, match="tensorrt-rtx"):  # NVIDIA's tensorrt is not installable here
+        make_engines(target_dir, draft_dir, tmp_path / "a", module="tensorrt")
+    with pytest.raises(CompileError, match="cannot target sm90"):
+        make_engines(target_dir, draft_dir, tmp_path / "b", archs=["sm90"])
+    with pytest.raises(EngineBuildError, match="quantization step"):
+        make_engines(target_dir, draft_dir, tmp_path / "c", precision="int8")
+    with pytest.raises(EngineBuildError, match="not a tree-verify graph|does not exist|existing"):
+        make_engines(target_dir, draft_dir, tmp_path / "d", precision="int8",
+                     int8_graphs={"target": tmp_path / "missing.onnx"})
+    assert not any((tmp_path / name).exists() for name in "abcd")
