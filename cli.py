@@ -1,4 +1,4 @@
-"""`spectrt` command line: generate, bench, draft, engines."""
+"""`spectrt` command line: generate, bench, draft, engines, serve, client."""
 
 from __future__ import annotations
 
@@ -92,15 +92,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    from spectrt.build.draft import make_draft
+    from spectrt.build.draft import HELDOUT_PROMPTS, make_draft, read_prompts
+    from spectrt.runtime.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
     out = Path(args.out) if args.out else default_draft(target, args.artifacts)
-    if (out / "config.json").is_file() and (out / "draft_report.json").is_file() and not args.force:
+    report_path = out / "draft_report.json"
+    if (out / "config.json").is_file() and report_path.is_file() and not args.force:
         print(f"reusing the draft in {out} (--force rebuilds it)")
         return 0
     make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes)
-    print(out)
+    # what the draft buys at run time, measured on held-out prompts with the default tree
+    prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1][:8]
+    report = json.loads(report_path.read_text())
+    report["runtime"] = draft_runtime_report(target, out, prompts, max_new_tokens=64)
+    report_path.write_text(json.dumps(report, indent=2))
+    r = report["runtime"]
+    print(f"{out}: tau {r['tau']:.2f} with tree {r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, "
+          f"draft step {r['draft_to_target_step_cost']:.0%} of a target step")
     return 0
 
 
@@ -109,6 +118,18 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
     run(args)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from spectrt.runtime.serve import cmd_serve as serve
+
+    return serve(args)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from spectrt.runtime.client import cmd_client as client
+
+    return client(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engines", help="tree-verify ONNX graphs + TensorRT plans -> engines/<name>/")
     add_engine_arguments(e)
     e.set_defaults(func=cmd_engines)
+
+    from spectrt.runtime.client import add_client_args
+    from spectrt.runtime.serve import add_serve_args
+
+    s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1")
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("client", help="tritonclient gRPC streaming, --http generate, --concurrency load run")
+    add_client_args(c)
+    c.set_defaults(func=cmd_client)
     return parser
 
 

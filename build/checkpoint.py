@@ -77,7 +77,7 @@ def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ART
         raise CheckpointError(
             f"{path} has no *.safetensors weights: re-save it with `save_pretrained(safe_serialization=True)`"
         )
-    model_type = json.loads(config.read_text()).get("model_type")
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{path} is a {model_type!r} model; spectrt runs LLaMA-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}"

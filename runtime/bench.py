@@ -25,7 +25,7 @@ def read_prompts(path: Path | None) -> list[str]:
     path = Path(path) if path else DEFAULT_PROMPTS
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist: pass --prompts FILE (one prompt per line)")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts: write one prompt per line")
     return prompts

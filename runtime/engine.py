@@ -50,7 +50,7 @@ def _vocabulary_fingerprint(checkpoint: Path) -> str:
     tokenizer_json = Path(checkpoint) / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise ValueError(f"{checkpoint} has no tokenizer.json: copy the target's tokenizer files next to the weights")
-    model = json.loads(tokenizer_json.read_text())
+    model = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     vocab = model.get("model", {}).get("vocab", {})
     added = {t["content"]: t["id"] for t in model.get("added_tokens", [])}
     canonical = json.dumps([sorted(vocab.items()) if isinstance(vocab, dict) else vocab, sorted(added.items())])

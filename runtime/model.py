@@ -34,7 +34,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, checkpoint: Path) -> ModelConfig:
-        raw = json.loads((Path(checkpoint) / "config.json").read_text())
+        raw = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
         if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"{checkpoint}: model_type {raw.get('model_type')!r} is not supported; "

@@ -60,7 +60,7 @@ class Pipeline:
         eos = {self.tokenizer.eos_token_id}
         gen_config = target / "generation_config.json"
         if gen_config.is_file():
-            configured = json.loads(gen_config.read_text()).get("eos_token_id")
+            configured = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
             eos |= set(configured) if isinstance(configured, list) else {configured}
         self.decoder = SpecDecoder(
             load_engine(target, backend, dtype),

@@ -1,0 +1,478 @@
+"""Clients of the served spectrt model: tritonclient gRPC streaming, HTTP generate, and a concurrency load run.
+
+- `grpc_generate`: one request over a gRPC bidirectional stream (`start_stream` + `async_stream_infer`).
+  With `stream=True` every accepted chunk arrives as its own response; with `stream=False` the model
+  sends one response holding the whole text (a decoupled model is always called over the stream API).
+- `http_generate`: Triton's generate extension, `/v2/models/<m>/generate` (one JSON object) or, streaming,
+  `/v2/models/<m>/generate_stream` (server-sent events).
+- `load_run`: N concurrent workers (one connection each) share a list of requests; the summary has
+  throughput (output tokens/s over the wall time), time to first token and latency percentiles.
+
+Every wait has a timeout, so a stuck server turns into an error here, never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "spectrt"
+PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "target_passes",
+                "output_tokens", "generation_seconds")
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.txt"
+
+
+class RequestFailed(RuntimeError):
+    """The server answered the request with an error (the message is Triton's)."""
+
+
+@dataclass
+class Result:
+    text: str
+    chunks: list[str] = field(default_factory=list)
+    ttft: float | None = None  # seconds from sending to the first non-empty text chunk
+    latency: float = 0.0  # seconds from sending to the final response
+    final: bool = False  # the last response carried Triton's final flag
+    perf: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.perf.get("output_tokens", 0))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.latency if self.latency else 0.0
+
+
+def request_fields(prompt: str, max_tokens: int, stream: bool, temperature: float | None = None,
+                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                   tree: str | None = None, children: str | None = None, end_id: int | None = None,
+                   perf: bool = True, chat: bool | None = None) -> dict:
+    """The request as {input name: value}; None values are left out (the model's defaults apply)."""
+    fields = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
+              "top_k": top_k, "top_p": top_p, "seed": seed, "tree": tree, "children": children, "end_id": end_id,
+              "return_perf_metrics": perf, "apply_chat_template": chat}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+_GRPC_TYPES = {"text_input": "BYTES", "tree": "BYTES", "children": "BYTES", "max_tokens": "INT32", "top_k": "INT32",
+               "end_id": "INT32", "temperature": "FP32", "top_p": "FP32", "seed": "UINT64", "stream": "BOOL",
+               "return_perf_metrics": "BOOL", "apply_chat_template": "BOOL"}
+
+
+def grpc_inputs(fields: dict, types: dict[str, str] | None = None) -> list:
+    """tritonclient InferInputs of shape [1, 1] (batch of one), the dtypes the model declares unless `types` says."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import triton_to_np_dtype
+
+    inputs = []
+    for name, value in fields.items():
+        dtype = (types or {}).get(name) or _GRPC_TYPES.get(name, "BYTES")
+        if dtype == "BYTES":
+            data = np.array([[value if isinstance(value, bytes) else str(value).encode("utf-8")]], dtype=np.object_)
+        else:
+            data = np.array([[value]], dtype=triton_to_np_dtype(dtype))
+        tensor = grpcclient.InferInput(name, list(data.shape), dtype)
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    return inputs
+
+
+def _perf_from(result) -> dict:
+    perf = {}
+    for name in PERF_OUTPUTS:
+        value = result.as_numpy(name)
+        if value is not None and value.size:
+            perf[name] = value.reshape(-1)[0].item()
+    return perf
+
+
+class GrpcSession:
+    """One gRPC connection; requests go over a fresh bidirectional stream each (one at a time per session)."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL):
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+        self._count = 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> GrpcSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def infer(self, inputs: list, on_text=None, timeout: float = 600.0) -> Result:
+        """Send one request; return when its final response arrives (RequestFailed / TimeoutError otherwise)."""
+        responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        self._count += 1
+        start = time.perf_counter()
+        out = Result(text="")
+        try:
+            try:
+                self.client.async_stream_infer(self.model, inputs, request_id=str(self._count),
+                                               enable_empty_final_response=True)
+            except Exception as e:  # the stream broke before the request went out: report the stream's own error
+                with contextlib.suppress(queue.Empty):
+                    _, error = responses.get(timeout=2)
+                    if error is not None:
+                        raise ConnectionError(error.message() if hasattr(error, "message") else str(error)) from e
+                raise
+            deadline = start + timeout
+            while True:
+                try:
+                    result, error = responses.get(timeout=max(deadline - time.perf_counter(), 0.001))
+                except queue.Empty:
+                    raise TimeoutError(f"no final response within {timeout:.0f}s") from None
+                if error is not None:
+                    raise RequestFailed(error.message() if hasattr(error, "message") else str(error))
+                text = result.as_numpy("text_output")
+                if text is not None and text.size:
+                    delta = b"".join(text.reshape(-1).tolist()).decode("utf-8")
+                    if delta:
+                        if out.ttft is None:
+                            out.ttft = time.perf_counter() - start
+                        out.chunks.append(delta)
+                        if on_text is not None:
+                            on_text(delta)
+                out.perf.update(_perf_from(result))
+                params = result.get_response().parameters
+                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                    out.final = True
+                    break
+        finally:
+            self.client.stop_stream(cancel_requests=not out.final)
+        out.latency = time.perf_counter() - start
+        out.text = "".join(out.chunks)
+        return out
+
+    def generate(self, prompt: str, max_tokens: int = 128, stream: bool = True, on_text=None, timeout: float = 600.0,
+                 **options) -> Result:
+        return self.infer(grpc_inputs(request_fields(prompt, max_tokens, stream, **options)), on_text, timeout)
+
+
+def grpc_generate(url: str, prompt: str, max_tokens: int = 128, stream: bool = True, model: str = DEFAULT_MODEL,
+                  on_text=None, timeout: float = 600.0, **options) -> Result:
+    with GrpcSession(url, model) as session:
+        return session.generate(prompt, max_tokens, stream, on_text, timeout, **options)
+
+
+def http_generate(url: str, prompt: str, max_tokens: int = 128, stream: bool = False, model: str = DEFAULT_MODEL,
+                  on_text=None, timeout: float = 600.0, body: dict | None = None, **options) -> Result:
+    """POST to /generate (stream=False) or /generate_stream (server-sent events); `body` replaces the JSON."""
+    endpoint = "generate_stream" if stream else "generate"
+    payload = body if body is not None else request_fields(prompt, max_tokens, stream, **options)
+    request = urllib.request.Request(f"{url.rstrip('/')}/v2/models/{model}/{endpoint}",
+                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    out = Result(text="")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            if not stream:
+                events = [json.loads(response.read())]
+            else:
+                events = (json.loads(line[5:]) for raw in response
+                          if (line := raw.decode("utf-8").strip()).startswith("data:"))
+            for event in events:
+                if "error" in event:
+                    raise RequestFailed(event["error"])
+                delta = event.get("text_output", "")
+                if delta:
+                    if out.ttft is None:
+                        out.ttft = time.perf_counter() - start
+                    out.chunks.append(delta)
+                    if on_text is not None:
+                        on_text(delta)
+                out.perf.update({k: event[k] for k in PERF_OUTPUTS if k in event})
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode("utf-8", "replace").strip()
+        body = detail[5:] if detail.startswith("data:") else detail  # generate_stream answers errors as one event
+        try:
+            detail = json.loads(body).get("error", detail)
+        except (ValueError, AttributeError):
+            pass
+        raise RequestFailed(detail) from None
+    out.final = True  # the HTTP response ended: Triton closes it after the final response
+    out.latency = time.perf_counter() - start
+    out.text = "".join(out.chunks)
+    return out
+
+
+# --------------------------------------------------------------------------- load run
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(results: list[Result], errors: list[str], wall: float, concurrency: int) -> dict:
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    latencies = [r.latency for r in results]
+    tokens = sum(r.tokens for r in results)
+    proposed = sum(r.perf.get("total_draft_tokens", 0) for r in results)
+    accepted = sum(r.perf.get("total_accepted_draft_tokens", 0) for r in results)
+    passes = sum(r.perf.get("target_passes", 0) for r in results)
+    return {
+        "concurrency": concurrency, "requests": len(results), "errors": len(errors), "wall_seconds": round(wall, 3),
+        "output_tokens": tokens, "tokens_per_second": round(tokens / wall, 2) if wall else 0.0,
+        "requests_per_second": round(len(results) / wall, 3) if wall else 0.0,
+        "per_request_tokens_per_second": round(statistics.mean(r.tokens_per_second for r in results), 2)
+        if results else 0.0,
+        "ttft_ms": {"mean": round(1000 * statistics.mean(ttfts), 1) if ttfts else 0.0,
+                    "p50": round(1000 * _pct(ttfts, 0.5), 1), "p95": round(1000 * _pct(ttfts, 0.95), 1)},
+        "latency_ms": {"mean": round(1000 * statistics.mean(latencies), 1) if latencies else 0.0,
+                       "p50": round(1000 * _pct(latencies, 0.5), 1), "p95": round(1000 * _pct(latencies, 0.95), 1)},
+        "tau": round(tokens / passes, 3) if passes else 0.0,
+        "acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
+        "first_errors": errors[:3],
+    }
+
+
+def load_run(prompts: list[str], concurrency: int, requests: int | None = None, max_tokens: int = 64,
+             stream: bool = True, http: bool = False, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
+             timeout: float = 600.0, **options) -> tuple[dict, list[Result | None]]:
+    """`requests` requests (default 2 per worker) from `concurrency` workers; returns (summary, results in order)."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if not prompts:
+        raise ValueError("no prompts")
+    total = requests or 2 * concurrency
+    jobs: queue.Queue = queue.Queue()
+    for i in range(total):
+        jobs.put(i)
+    results: list[Result | None] = [None] * total
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        session = None if http else GrpcSession(url, model)
+        try:
+            while True:
+                try:
+                    i = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                prompt = prompts[i % len(prompts)]
+                try:
+                    if http:
+                        r = http_generate(url, prompt, max_tokens, stream, model, timeout=timeout, **options)
+                    else:
+                        r = session.generate(prompt, max_tokens, stream, timeout=timeout, **options)
+                    results[i] = r
+                except Exception as e:  # counted and reported, the run goes on
+                    with lock:
+                        errors.append(f"request {i}: {type(e).__name__}: {e}")
+        finally:
+            if session is not None:
+                session.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    wall = time.perf_counter() - start
+    if any(t.is_alive() for t in threads):
+        errors.append("a worker did not finish in time")
+    done = [r for r in results if r is not None]
+    return summarize(done, errors, wall, concurrency), results
+
+
+def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
+                      target: str | None = None, draft: str | None = None, tree: str | None = None,
+                      max_seq_len: int = 2048, threads: int = 0, timeout: float = 600.0, **options) -> dict:
+    """Streaming overhead at concurrency 1: each prompt served (gRPC stream), then `Pipeline.generate` in-process.
+
+    The two alternate prompt by prompt so that a change in machine load hits both alike. Give the in-process
+    side the served instance's model, tree, max_seq_len and thread count. The ratio is served tokens/s over
+    in-process tokens/s (both: output tokens / time from request to the last token; in-process streams its
+    text through the same callback).
+    """
+    import torch
+    from spectrt.build.checkpoint import default_draft, resolve_target
+    from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
+    from spectrt.runtime.sampling import SamplingParams
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    target_dir = resolve_target(target)
+    draft_dir = None if (draft or "").lower() == "none" else Path(draft) if draft else default_draft(target_dir)
+    pipe = Pipeline(target_dir, draft_dir, max_seq_len=max_seq_len)
+    params = SamplingParams(options.get("temperature") or 0.0, options.get("top_k") or 0, options.get("top_p") or 1.0,
+                            options.get("seed"))
+    spec = None if (tree or "").lower() == "none" else (tree or DEFAULT_TREE)
+    pipe.generate("Hi", 4, spec)  # warm up (kernel choice), as the served model does at load
+    served: list[Result] = []
+    local = {"tokens": 0, "seconds": 0.0, "ttft": []}
+    with GrpcSession(url, model) as session:
+        session.generate("Hi", 4, True, timeout=timeout, **options)
+        for prompt in prompts:
+            served.append(session.generate(prompt, max_tokens, True, timeout=timeout, **options))
+            first: list[float] = []
+            start = time.perf_counter()
+            gen = pipe.generate(prompt, max_tokens, spec, params=params,
+                                on_text=lambda _d, f=first, s=start: f or f.append(time.perf_counter() - s))
+            local["seconds"] += time.perf_counter() - start
+            local["tokens"] += gen.stats.new_tokens
+            local["ttft"].extend(first)
+    served_tokens = sum(r.tokens for r in served)
+    served_seconds = sum(r.latency for r in served)
+    served_tps = served_tokens / served_seconds if served_seconds else 0.0
+    server_side = sum(r.perf.get("generation_seconds", 0.0) for r in served)
+    local_tps = local["tokens"] / local["seconds"] if local["seconds"] else 0.0
+    return {
+        "requests": len(prompts),
+        "served": {"output_tokens": served_tokens, "seconds": round(served_seconds, 3),
+                   "tokens_per_second": round(served_tps, 2), "server_generation_seconds": round(server_side, 3),
+                   "transport_seconds": round(served_seconds - server_side, 3),
+                   "ttft_ms_mean": round(1000 * statistics.mean(r.ttft for r in served if r.ttft is not None), 1)},
+        "inprocess": {"output_tokens": local["tokens"], "seconds": round(local["seconds"], 3),
+                      "tokens_per_second": round(local_tps, 2),
+                      "ttft_ms_mean": round(1000 * statistics.mean(local["ttft"]), 1) if local["ttft"] else 0.0},
+        "same_tokens": served_tokens == local["tokens"],
+        "served_over_inprocess": round(served_tps / local_tps, 3) if local_tps else 0.0,
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `spectrt client` (the lead wires them into cli.py; `python -m spectrt.runtime.client` uses them)."""
+    p.add_argument("--prompt", default="Write a Python function that returns the squares of a list of numbers.")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="one prompt per line for --concurrency runs (default: bench/prompts.txt)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-stream", action="store_true", help="one response with the whole text")
+    p.add_argument("--http", action="store_true", help="HTTP generate endpoint (generate_stream when streaming)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
+    p.add_argument("--concurrency", type=int, default=0, help="load run with N concurrent streams")
+    p.add_argument("--requests", type=int, default=None, help="requests in a load run (default 2 x concurrency)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tree", default=None, help="per-request tree, e.g. 2,1 ('none' = target alone)")
+    p.add_argument("--children", default=None, choices=["sample", "topk"])
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a request's final response")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compare-inprocess", action="store_true",
+                   help="overhead at concurrency 1: alternate served (gRPC stream) and in-process generation over "
+                        "the prompts (first --requests of them) and print served/in-process tokens/s")
+    p.add_argument("--target", default=None, help="with --compare-inprocess: the served target")
+    p.add_argument("--draft", default=None, help="with --compare-inprocess: the served draft ('none' for none)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="with --compare-inprocess: the served max_seq_len")
+    p.add_argument("--threads", type=int, default=0,
+                   help="with --compare-inprocess: torch threads in-process (the served instance's; 0: default)")
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+            "tree": args.tree, "children": args.children}
+
+
+def _stats_line(r: Result, how: str) -> str:
+    p = r.perf
+    ttft = f"{1000 * r.ttft:.0f} ms" if r.ttft is not None else "-"
+    tau = r.tokens / p["target_passes"] if p.get("target_passes") else 0.0
+    return (f"[{how}] {r.tokens} tokens in {r.latency:.2f}s = {r.tokens_per_second:.1f} tok/s | TTFT {ttft} | "
+            f"tau {tau:.2f} | acceptance {p.get('acceptance_rate', 0.0):.2f} "
+            f"({p.get('total_accepted_draft_tokens', 0)}/{p.get('total_draft_tokens', 0)} draft tokens) | "
+            f"target passes {p.get('target_passes', 0)} | final {r.final}")
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    """`spectrt client`: one request (streamed by default) or a --concurrency load run against a served model."""
+    stream = not args.no_stream
+    url = f"http://{args.host}:{args.http_port}" if args.http else f"{args.host}:{args.grpc_port}"
+    options = _options(args)
+    try:
+        if args.compare_inprocess or args.concurrency:
+            path = args.prompts or DEFAULT_PROMPTS
+            prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if args.compare_inprocess:
+            report = compare_inprocess(prompts[:args.requests or 4], args.max_tokens, url, args.model, args.target,
+                                       args.draft, max_seq_len=args.max_seq_len, threads=args.threads,
+                                       timeout=args.timeout, **options)
+            if args.json:
+                print(json.dumps(report))
+            else:
+                sv, ip = report["served"], report["inprocess"]
+                print(f"{report['requests']} prompts at concurrency 1 | served (gRPC stream) "
+                      f"{sv['tokens_per_second']:.1f} tok/s, TTFT {sv['ttft_ms_mean']:.0f} ms | in-process "
+                      f"{ip['tokens_per_second']:.1f} tok/s, TTFT {ip['ttft_ms_mean']:.0f} ms | served/in-process "
+                      f"{report['served_over_inprocess']:.3f} | same token counts {report['same_tokens']}")
+            return 0
+        if args.concurrency:
+            summary, _ = load_run(prompts, args.concurrency, args.requests, args.max_tokens, stream, args.http, url,
+                                  args.model, args.timeout, **options)
+            summary["protocol"] = ("http " if args.http else "grpc ") + ("stream" if stream else "unary")
+            if args.json:
+                print(json.dumps(summary))
+            else:
+                t, lat = summary["ttft_ms"], summary["latency_ms"]
+                print(f"{summary['protocol']} | concurrency {args.concurrency} | {summary['requests']} requests, "
+                      f"{summary['errors']} errors in {summary['wall_seconds']:.1f}s\n"
+                      f"throughput {summary['tokens_per_second']:.1f} tok/s ({summary['output_tokens']} tokens), "
+                      f"{summary['per_request_tokens_per_second']:.1f} tok/s per request\n"
+                      f"TTFT mean {t['mean']:.0f} ms, p50 {t['p50']:.0f}, p95 {t['p95']:.0f} | "
+                      f"latency mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f}, p95 {lat['p95']:.0f} | "
+                      f"tau {summary['tau']:.2f}, acceptance {summary['acceptance_rate']:.2f}")
+                for e in summary["first_errors"]:
+                    print(f"error: {e}", file=sys.stderr)
+            return 1 if summary["errors"] else 0
+        on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+        if args.http:
+            r = http_generate(url, args.prompt, args.max_tokens, stream, args.model, on_text, args.timeout, **options)
+        else:
+            r = grpc_generate(url, args.prompt, args.max_tokens, stream, args.model, on_text, args.timeout, **options)
+        if args.json:
+            print(json.dumps({k: v for k, v in asdict(r).items() if k != "chunks"} | {"chunks": len(r.chunks)}))
+        else:
+            how = ("HTTP " if args.http else "gRPC ") + ("stream" if stream else "no-stream")
+            print(f"\n\n{_stats_line(r, how)}", file=sys.stderr)
+        return 0
+    except RequestFailed as e:
+        print(f"spectrt client: the server refused the request: {e}", file=sys.stderr)
+        return 1
+    except (ConnectionError, TimeoutError, urllib.error.URLError, OSError) as e:
+        print(f"spectrt client: cannot reach the server at {url}: {e} (is `spectrt serve` running?)", file=sys.stderr)
+        return 2
+    except Exception as e:  # tritonclient raises InferenceServerException for an unreachable server
+        if type(e).__name__ == "InferenceServerException":
+            print(f"spectrt client: {url}: {e} (is `spectrt serve` running?)", file=sys.stderr)
+            return 2
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="spectrt client", description=cmd_client.__doc__)
+    add_client_args(parser)
+    sys.exit(cmd_client(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
