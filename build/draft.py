@@ -806,8 +806,18 @@ def make_draft(
 
     `out_dir` receives config.json + model.safetensors + tokenizer files + draft_report.json.
     Intermediate files (slice, cached target answers, training state) live in `work_dir`
-    (default: `<out_dir>.work`); the cached answers are reused whenever the target and corpus are
-    unchanged, and then the whole budget goes to training. `overrides` set DistillConfig fields.
+    (default: `<out_dir>.work`). Budget: held-out answers (fp32, cached), then training data until
+    `data_fraction` of the budget has passed (cached answers are reused, so a rerun only samples
+    new answers), then training until the budget minus the final evaluation. With `resume` a
+    matching training state in `work_dir` is continued (interrupted or finished run), so running
+    again keeps improving the draft. `max_steps` caps training steps (tests); `overrides` set
+    DistillConfig fields. Raises ValueError (saying what to fix) for a layer count outside
+    1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a target
+    without LM head or without config.json.
+
+    Measured on SmolLM2-135M-Instruct, 2 busy cores, defaults (10 min, fresh): held-out top-1
+    4.6% -> 29.6%, top-3 12.4% -> 45.5% (61 s held-out answers, 348 s for 57k training tokens,
+    169 s / 210 steps training); continuing it for 4.6 more minutes: 34.2% / 51.8%.
     """
     t_start = time.monotonic()
     target, out_dir = Path(target), Path(out_dir)
@@ -844,6 +854,19 @@ def make_draft(
     )
     distilled = evaluate(model, eval_records)
     names = _trainable_names(model, cfg.train_norm)
+    extra = {"distilled": True, "trainable": "layers+norm" if cfg.train_norm else "layers",
+             "heldout_top1": distilled["top1"], "heldout_top3": distilled["top3"]}
+    vocab_ids = train_stats.pop("vocab_ids")
+    if vocab_ids is not None:
+        # FR-Spec: the checkpoint keeps the full head; the ids it was trained to rank are listed here
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "draft_vocab.json").write_text(json.dumps(vocab_ids.tolist()))
+        inside = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+        inside[vocab_ids] = True
+        argmax = torch.cat([r["top_ids"][:, 0].long() for r in eval_records])
+        coverage = round(float(inside[argmax].float().mean()), 4)
+        extra |= {"vocab_subset": "draft_vocab.json", "vocab_subset_size": len(vocab_ids)}
+        distilled["subset_heldout_coverage"] = coverage
     report = {
         "target": str(target),
         "layers": layers,
@@ -856,9 +879,7 @@ def make_draft(
         "frozen": frozen_names(model, cfg.train_norm),
         "config": dataclasses.asdict(cfg),
     }
-    save_draft(model, slice_dir, out_dir, names,
-               {"distilled": True, "trainable": "layers+norm" if cfg.train_norm else "layers",
-                "heldout_top1": distilled["top1"], "heldout_top3": distilled["top3"]})
+    save_draft(model, slice_dir, out_dir, names, extra)
     report["wall_s"] = round(time.monotonic() - t_start, 1)
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
     return out_dir

@@ -1,0 +1,313 @@
+"""Draft maker: slicing, target data, distillation, resume, report, errors.
+
+Most tests use a tiny random LLaMA (3 layers, hidden 64, a 384-token BPE tokenizer with the SmolLM2
+chat template) built in a temp dir; the real embedded target is only sliced (cheap).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from spectrt.build import draft as D
+
+REAL_TARGET = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# the tiny target must be "sharp" enough that its layers matter: with the default 0.02 init a random
+# LLaMA just copies its input token and a 1-layer slice already agrees 100%
+TINY_INIT = 0.2
+TINY = {"max_new_tokens": 48, "eval_max_new_tokens": 48, "batch_tokens": 512, "warmup_steps": 5, "lr": 3e-3}
+# error tests: should a check be missing, the pipeline finishes in seconds (and the test fails)
+FAST = {"budget_minutes": 0.3, "max_steps": 2, "max_new_tokens": 4, "eval_max_new_tokens": 4,
+        "samples_per_prompt": 1, "progress": False}
+
+
+def _corpus_lines() -> list[str]:
+    return [ln for ln in D.DISTILL_PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def make_tiny_target(path: Path, layers: int = 3, tie: bool = True, drop_head: bool = False) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus_lines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         initializer_range=TINY_INIT)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    if drop_head:
+        state = load_file(path / "model.safetensors")
+        state.pop("lm_head.weight", None)
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[Path, Path]:
+    lines = _corpus_lines()
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "train.txt").write_text("# tiny training corpus\n" + "\n".join(lines[:150]) + "\n")
+    (d / "heldout.txt").write_text("\n".join(lines[-12:]) + "\n")
+    return d / "train.txt", d / "heldout.txt"
+
+
+@pytest.fixture(scope="module")
+def distilled(tiny, corpora, tmp_path_factory) -> Path:
+    """One short real distillation of the tiny target (shared by several tests)."""
+    train, held = corpora
+    out = tmp_path_factory.mktemp("run") / "draft"
+    return D.make_draft(tiny, out, layers=1, budget_minutes=3, prompts=train, heldout=held, max_steps=80,
+                        progress=False, **TINY)
+
+
+# ---------------------------------------------------------------------------------------------- slicing
+
+
+def _assert_slice_matches(target: Path, draft_dir: Path, k: int) -> None:
+    full, part = D.load_state_dict(target), D.load_state_dict(draft_dir)
+    expected = {n for n in full if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
+    assert set(part) == expected
+    for name, tensor in part.items():
+        assert tensor.dtype == full[name].dtype and torch.equal(tensor, full[name]), name
+    assert json.loads((draft_dir / "config.json").read_text())["num_hidden_layers"] == k
+
+
+def test_slice_is_bit_identical_prefix(tiny, tmp_path):
+    _assert_slice_matches(tiny, D.slice_target(tiny, 2, tmp_path / "s"), 2)
+
+
+@pytest.mark.skipif(not (REAL_TARGET / "config.json").is_file(), reason="embedded target not converted")
+def test_slice_real_target_bit_identical(tmp_path):
+    out = D.slice_target(REAL_TARGET, 1, tmp_path / "s")
+    _assert_slice_matches(REAL_TARGET, out, 1)
+    assert (out / "chat_template.jinja").is_file() and (out / "tokenizer.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------ distillation
+
+
+def test_distillation_improves_heldout_agreement(distilled):
+    report = json.loads((distilled / D.REPORT_NAME).read_text())
+    before, after = report["heldout"]["untrained"], report["heldout"]["distilled"]
+    assert after["kl"] < before["kl"] - 0.05, (before, after)
+    assert after["top1"] > before["top1"] + 0.03, (before, after)
+    assert after["top3"] >= before["top3"]
+    assert report["train"]["steps"] == 80 and report["train"]["stopped_by"] == "max_steps"
+    assert report["data"]["prompts_answered"] == 150 and report["data"]["tokens"] > 1000
+    assert report["heldout"]["prompts"] == 12
+
+
+def test_frozen_tensors_bit_identical_after_training(tiny, distilled):
+    target, draft = D.load_state_dict(tiny), D.load_state_dict(distilled)
+    report = json.loads((distilled / D.REPORT_NAME).read_text())
+    frozen = set(report["frozen"])
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= frozen  # tied head = embeddings
+    for name in frozen:
+        assert torch.equal(draft[name], target[name]), name
+    trained = [n for n in draft if n.startswith("model.layers.")]
+    assert trained and all(n not in frozen for n in trained)
+    assert any(not torch.equal(draft[n], target[n]) for n in trained), "training changed nothing"
+
+
+def test_draft_is_a_normal_checkpoint(tiny, distilled):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(distilled)
+    tok = AutoTokenizer.from_pretrained(distilled)
+    assert model.config.num_hidden_layers == 1
+    assert model.config.spectrt_draft["distilled"] is True
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    ids = tok("hello world", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 3
+
+
+def test_target_answers_are_cached(tiny, corpora, tmp_path):
+    train, _ = corpora
+    cfg = D.DistillConfig(max_new_tokens=8, temperature=0.0)
+    convs = D.read_prompts(train)[:5]
+    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    assert stats["generated_tokens"] == stats["tokens"] > 0 and stats["answers"] == 5  # greedy: one answer each
+    for r in recs:
+        n = len(r["top_ids"])
+        assert len(r["input_ids"]) == r["prompt_len"] + n and r["top_logp"].shape == (n, cfg.top_k)
+        gen = r["input_ids"][r["prompt_len"]:]
+        assert torch.equal(gen.long(), r["top_ids"][:, 0].long())  # greedy: the token is the target's argmax
+        assert (r["top_logp"].float().exp().sum(-1) <= 1.001).all()
+    again, stats2 = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    assert stats2["generated_tokens"] == 0
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(recs, again, strict=True))
+    more, stats3 = D.generate_distill_data(tiny, D.read_prompts(train)[:6], tmp_path, cfg, progress=False)
+    assert 0 < stats3["generated_tokens"] <= cfg.max_new_tokens and len(more) == 6
+    _, stats4 = D.generate_distill_data(tiny, convs, tmp_path, D.DistillConfig(max_new_tokens=9, temperature=0.0),
+                                        progress=False)
+    assert stats4["generated_tokens"] > 0  # other generation settings: other cache
+
+
+def test_sampled_answers_and_deadline(tiny, corpora, tmp_path):
+    train, _ = corpora
+    convs = D.read_prompts(train)[:12]
+    cfg = D.DistillConfig(max_new_tokens=16, temperature=1.0, samples_per_prompt=3, gen_batch_size=4)
+    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, deadline=0.0, progress=False)
+    assert stats["answers"] == 4  # deadline already passed: one batch only, then stop
+    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    assert stats["answers"] == 36 and stats["prompts_answered"] == 12 and stats["generated_tokens"] > 0
+    by_prompt: dict[tuple, list] = {}
+    for r in recs:
+        by_prompt.setdefault(tuple(r["input_ids"][: r["prompt_len"]].tolist()), []).append(r)
+    assert len(by_prompt) == 12 and all(len(v) == 3 for v in by_prompt.values())
+    gen = torch.cat([r["input_ids"][r["prompt_len"]:] for r in recs]).long()
+    argmax = torch.cat([r["top_ids"][:, 0] for r in recs]).long()
+    assert (gen != argmax).any()  # sampled, not greedy
+    assert len({tuple(r["input_ids"].tolist()) for r in recs}) > 12  # new answers, not copies
+
+
+def test_vocab_subset_training_keeps_full_head(tiny, corpora, tmp_path):
+    out = D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1],
+                       **{**FAST, "max_steps": 4, "train_vocab": 100})
+    ids = json.loads((out / "draft_vocab.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert len(ids) == 100 == config["spectrt_draft"]["vocab_subset_size"] and ids == sorted(set(ids))
+    head = load_file(out / "model.safetensors")["model.embed_tokens.weight"]
+    assert config["vocab_size"] == 384 and head.shape[0] == 384  # still a normal, full-vocabulary LLaMA
+    report = json.loads((out / D.REPORT_NAME).read_text())
+    assert 0 < report["heldout"]["distilled"]["subset_heldout_coverage"] <= 1
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
+    train, _ = corpora
+    cfg = D.DistillConfig(**{**TINY, "max_new_tokens": 16, "checkpoint_every_s": 1e9})
+    records, _ = D.generate_distill_data(tiny, D.read_prompts(train)[:30], tmp_path / "data", cfg, progress=False)
+    slice_dir = D.slice_target(tiny, 1, tmp_path / "slice")
+
+    straight, s_stats = D.train_draft(slice_dir, records, tmp_path / "a.pt", cfg, max_steps=8, progress=False)
+
+    def interrupt(step, _metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    state_path = tmp_path / "b.pt"
+    with pytest.raises(KeyboardInterrupt):
+        D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False, on_step=interrupt)
+    saved = torch.load(state_path, weights_only=True)
+    assert saved["step"] == 3 and not saved["finished"]
+    assert saved["optimizer"]["state"][0]["step"].item() == 3  # AdamW moments saved with it
+
+    resumed, r_stats = D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False)
+    assert r_stats["resumed_from_step"] == 3 and r_stats["steps"] == 8 and r_stats["steps_this_run"] == 5
+    final = torch.load(state_path, weights_only=True)
+    assert final["finished"] and final["optimizer"]["state"][0]["step"].item() == 8
+    a, b = straight.state_dict(), resumed.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    fresh, f_stats = D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, resume=False, progress=False)
+    assert f_stats["resumed_from_step"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize("layers", [0, -1, 3, 4])
+def test_bad_layer_count(tiny, corpora, tmp_path, layers):
+    with pytest.raises(ValueError, match="between 1 and 2"):
+        D.make_draft(tiny, tmp_path / "d", layers=layers, prompts=corpora[0], heldout=corpora[1], **FAST)
+
+
+def test_empty_corpus(tiny, corpora, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match="empty: add one prompt per line"):
+        D.make_draft(tiny, tmp_path / "d", layers=1, prompts=empty, heldout=corpora[1], **FAST)
+    with pytest.raises(ValueError, match="does not exist"):
+        D.make_draft(tiny, tmp_path / "d", layers=1, prompts=tmp_path / "missing.txt", heldout=corpora[1], **FAST)
+
+
+def test_target_without_lm_head(tmp_path, corpora):
+    headless = make_tiny_target(tmp_path / "headless", tie=False, drop_head=True)
+    with pytest.raises(ValueError, match="no LM head"):
+        D.make_draft(headless, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1], **FAST)
+
+
+def test_not_a_checkpoint(tmp_path, corpora):
+    with pytest.raises(ValueError, match="no config.json"):
+        D.make_draft(tmp_path, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1], **FAST)
+
+
+def test_heldout_overlap_rejected(tiny, corpora, tmp_path):
+    with pytest.raises(ValueError, match="also appear"):
+        D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[0], **FAST)
+
+
+def test_bad_multiturn_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]\n')
+    with pytest.raises(ValueError, match="ending with a user message"):
+        D.read_prompts(bad)
+
+
+# -------------------------------------------------------------------------------------------- corpus, loss
+
+
+def test_shipped_corpora():
+    train, held = D.read_prompts(D.DISTILL_PROMPTS), D.read_prompts(D.HELDOUT_PROMPTS)
+    assert len(train) >= 300 and len(held) >= 40
+    assert sum(len(c) > 1 for c in train) >= 20  # multi-turn / system-message conversations
+    keys = [json.dumps(c, sort_keys=True) for c in train]
+    assert len(set(keys)) == len(keys), "duplicate prompts in distill.txt"
+    assert not set(keys) & {json.dumps(c, sort_keys=True) for c in held}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_closed_form_gradient_matches_autograd(temperature):
+    torch.manual_seed(0)
+    n, v, k = 6, 40, 5
+    top_logp, top_ids = (torch.randn(n, v) * 3).log_softmax(-1).topk(k)
+    valid = torch.rand(n, k) > 0.25
+    valid[0] = True
+    ids = torch.where(valid, top_ids, -1)  # some ids outside the (sub)vocabulary
+    cfg = D.DistillConfig(kl_temperature=temperature, kl_weight=0.7, ce_weight=1.3)
+    z = (torch.randn(n, v, dtype=torch.float64) * 2).requires_grad_(True)
+    logq = z.log_softmax(-1)
+    p = torch.where(valid, top_logp.exp(), 0).double()
+    if temperature == 1.0:
+        qk = torch.where(valid, logq.gather(1, top_ids).exp(), 0)
+        pr, qr = 1 - p.sum(-1), 1 - qk.sum(-1)
+        kl = (p * (torch.where(valid, top_logp, 0) - logq.gather(1, top_ids))).sum(-1) + pr * (pr.log() - qr.log())
+    else:
+        t = temperature
+        pt = torch.where(valid, top_logp / t, -torch.inf).log_softmax(-1).double()
+        qt = torch.where(valid, z.gather(1, top_ids) / t, -torch.inf).log_softmax(-1)
+        kl = torch.where(valid, pt.exp() * (pt - qt), 0).sum(-1) * t * t
+    ce = -logq.gather(1, top_ids[:, :1]).squeeze(1) * valid[:, 0]
+    (0.7 * kl + 1.3 * ce).sum().backward()
+    sums, grad = D.distill_loss(z.detach(), ids, top_logp, cfg, need_grad=True)
+    assert float(sums[0]) == pytest.approx(float((0.7 * kl + 1.3 * ce).sum()), rel=1e-5)
+    torch.testing.assert_close(grad, z.grad.float(), rtol=1e-4, atol=1e-5)
