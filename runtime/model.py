@@ -82,6 +82,16 @@ class KVCache:
         """Window slots [0, count) become part of the committed prefix."""
         self.length += count
 
+    def new_slots(self, tokens: torch.Tensor, tree_mask: torch.Tensor, max_rows: int | None = None) -> tuple[int, int]:
+        """Absolute slots [start, end) a forward of `tokens` under `tree_mask` [T, W] writes; refuses overflow."""
+        t, window = tree_mask.shape
+        start, end = self.length + window - t, self.length + window
+        if end > self.capacity or t > min(self.max_window, max_rows or t) or tokens.shape[0] != t:
+            raise ValueError(
+                f"forward of {t} tokens in a {window}-slot window after {self.length} exceeds the static cache"
+            )
+        return start, end
+
     def compact(self, window_indices: list[int]) -> None:
         """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped."""
         n = self.length
@@ -192,11 +202,9 @@ class Transformer:
         always visible); the new tokens occupy window slots [W - T, W).
         """
         c = self.config
-        t, window = tree_mask.shape
+        t = tree_mask.shape[0]
         n = cache.length
-        start, end = n + window - t, n + window
-        if end > cache.capacity or t > cache.max_window or tokens.shape[0] != t:
-            raise ValueError(f"forward of {t} tokens in a {window}-slot window after {n} exceeds the static cache")
+        start, end = cache.new_slots(tokens, tree_mask)
         mask = cache.attention[:t, :end]
         mask[:, :n] = True
         mask[:, n:] = tree_mask

@@ -199,11 +199,9 @@ class OnnxEngine:
                 cache: KVCache) -> torch.Tensor:
         """Logits [T, V] (a view of a static buffer, valid until the next forward); K/V go into `cache`."""
         c = self.config
-        t, window = tree_mask.shape
+        t = tree_mask.shape[0]
         n = cache.length
-        start, end = n + window - t, n + window
-        if end > cache.capacity or t > cache.max_window or tokens.shape[0] != t or t > self._rows:
-            raise ValueError(f"forward of {t} tokens in a {window}-slot window after {n} exceeds the static cache")
+        start, end = cache.new_slots(tokens, tree_mask, self._rows)
         if not (cache.k.is_contiguous() and cache.k.dtype == self.dtype and cache.k.device.type == "cpu"):
             raise ValueError("the onnxruntime engine needs the cache it made with new_cache (contiguous fp32, CPU)")
         s = end if self.span == "dynamic" else cache.capacity

@@ -211,11 +211,9 @@ class TensorRTEngine:
                 cache: KVCache) -> torch.Tensor:
         """Logits [T, V] on the host (a view of a static pinned buffer, valid until the next forward)."""
         c = self.config
-        t, window = tree_mask.shape
+        t = tree_mask.shape[0]
         n = cache.length
-        start, end = n + window - t, n + window
-        if end > cache.capacity or t > cache.max_window or tokens.shape[0] != t or t > self._rows:
-            raise ValueError(f"forward of {t} tokens in a {window}-slot window after {n} exceeds the static cache")
+        start, end = cache.new_slots(tokens, tree_mask, self._rows)
         if cache.k.device != self.device or cache.k.dtype != self.kv_dtype:
             raise ValueError("the tensorrt engine needs the cache it made with new_cache (device, K/V dtype)")
         s = cache.capacity  # static span: only T varies between calls
