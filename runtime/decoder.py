@@ -113,9 +113,7 @@ class SpecDecoder:
         for depth in range(1, tree.max_depth + 1):
             level, parents = tree.levels[depth], tree.levels[depth - 1]
             first, last = level[0], level[-1]
-            parent_row = torch.tensor([tree.parents[i] for i in level]) - parents[0]
-            rank = torch.tensor([tree.ranks[i] for i in level])
-            k = int(rank.max()) + 1
+            parent_row, rank, k = tree.level_children[depth - 1]
             if params.greedy or children == "topk":
                 top = logits.topk(k, dim=-1).indices
             else:

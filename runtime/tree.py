@@ -95,6 +95,19 @@ class Tree:
         return tuple(tuple(i for i, d in enumerate(self.depths) if d == depth) for depth in range(self.max_depth + 1))
 
     @cached_property
+    def level_children(self) -> tuple[tuple[torch.Tensor, torch.Tensor, int], ...]:
+        """Per depth d >= 1: each node's parent row within level d-1, its sibling rank, and the top-k needed.
+
+        Precomputed so the draft loop fills a level with one gather: tokens = topk(parent logits)[row, rank].
+        """
+        out = []
+        for depth in range(1, self.max_depth + 1):
+            level, first_parent = self.levels[depth], self.levels[depth - 1][0]
+            rank = torch.tensor([self.ranks[i] for i in level])
+            out.append((torch.tensor([self.parents[i] - first_parent for i in level]), rank, int(rank.max()) + 1))
+        return tuple(out)
+
+    @cached_property
     def mask(self) -> torch.Tensor:
         """Bool [N, N]: mask[i, j] is True when node i may attend node j (j is i or an ancestor of i)."""
         n = len(self)
