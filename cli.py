@@ -1,4 +1,4 @@
-"""`spectrt` command line: generate, bench, draft, engines, serve, client."""
+"""`spectrt` command line: generate, bench, draft, quantize, compare, engines, serve, client."""
 
 from __future__ import annotations
 
@@ -113,6 +113,26 @@ def cmd_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from spectrt.quant.quantize import quantize_target
+
+    target = resolve_target(args.target, args.artifacts)
+    quantize_target(target, args.out, args.qformat, args.calib_prompts, args.calib_samples, force=args.force)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from spectrt.quant.compare import run_compare
+    from spectrt.quant.quantize import default_output
+
+    target, draft = _models(args)
+    int8 = Path(args.int8) if args.int8 else default_output(target, "int8_sq")
+    if not (int8 / "config.json").is_file():
+        raise CheckpointError(f"INT8 target {int8} does not exist: run `spectrt quantize` (make quantize) first")
+    run_compare(target, int8, draft, args.prompts, args.limit, args.max_new_tokens, args.tree_spec, args.out)
+    return 0
+
+
 def cmd_engines(args: argparse.Namespace) -> int:
     from spectrt.build.engines import run
 
@@ -165,6 +185,29 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.set_defaults(func=cmd_draft)
+
+    from spectrt.quant.quantize import CALIBRATION_PROMPTS, DEFAULT_SAMPLES
+
+    q = sub.add_parser("quantize", help="calibrate + quantize the target to INT8 with ModelOpt (+ accuracy gates)")
+    q.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    q.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
+    q.add_argument("--qformat", default="int8_sq", help="int8_sq (SmoothQuant W8A8, default) or int8_wo (weight-only)")
+    q.add_argument("--calib-prompts", type=Path, default=CALIBRATION_PROMPTS,
+                   help="calibration prompts, one per line; must not overlap the evaluation prompts")
+    q.add_argument("--calib-samples", type=int, default=DEFAULT_SAMPLES, help="calibration conversations to use")
+    q.add_argument("--out", type=Path, help="output dir (default: <target>-<qformat> next to the target)")
+    q.add_argument("--force", action="store_true", help="re-quantize even if an up-to-date result exists")
+    q.set_defaults(func=cmd_quantize)
+
+    cmp = sub.add_parser("compare", help="FP32 vs INT8 target, with and without tree speculation, in one run")
+    _add_model_args(cmp)
+    cmp.add_argument("--int8", help="INT8 checkpoint (default: <target>-int8_sq from `spectrt quantize`)")
+    cmp.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
+    cmp.add_argument("--limit", type=_positive, help="use only the first N prompts")
+    cmp.add_argument("--max-new-tokens", type=_positive, default=128)
+    cmp.add_argument("--tree", dest="tree_spec", default=None, help="tree for the speculative rows (default 2,1)")
+    cmp.add_argument("--out", type=Path, default=Path("bench/results/compare"))
+    cmp.set_defaults(func=cmd_compare)
 
     from spectrt.build.engines import add_arguments as add_engine_arguments
 

@@ -154,42 +154,40 @@ def _still_valid(root: Path, old_files: dict, rels: list[str]) -> bool:
     return True
 
 
-def _qdq_exporter():
-    """The quantization step's Q/DQ exporter, once it exists (`spectrt.quant.export_qdq_graph`)."""
+def _int8_checkpoint(target: Path) -> Path:
+    """The target's INT8 checkpoint from `spectrt quantize` (what its Q/DQ graph is exported from)."""
+    from spectrt.quant.quantize import QuantizeError, quantized_checkpoint
+
     try:
-        from spectrt.quant import export_qdq_graph
-    except ImportError:
-        return None
-    return export_qdq_graph
+        return quantized_checkpoint(target)
+    except QuantizeError as e:
+        raise EngineBuildError(f"PRECISION=int8: {e}; or pass --int8-graph target=PATH (Q/DQ ONNX)") from e
 
 
-def _check_int8_inputs(int8_graphs: dict[str, Path] | None) -> None:
+def _check_int8_inputs(target: Path, int8_graphs: dict[str, Path] | None) -> None:
     given = int8_graphs or {}
     for role, path in given.items():
         if role not in ROLES or not Path(path).is_file():
             raise EngineBuildError(f"--int8-graph {role}={path}: expected target=PATH or draft=PATH to an existing "
                                    "Q/DQ tree-verify ONNX")
-    if "target" not in given and _qdq_exporter() is None:
-        raise EngineBuildError(
-            "PRECISION=int8 needs the target's Q/DQ tree-verify graph from the quantization step "
-            "(spectrt.quant.export_qdq_graph is not available yet): use PRECISION=fp16, or pass "
-            "--int8-graph target=PATH to a Q/DQ ONNX with the tree-verify contract (build/export.py)"
-        )
+    if "target" not in given:
+        _int8_checkpoint(target)  # fails before any export if the target was never quantized
 
 
 def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] | None, log) -> Path | None:
-    """The Q/DQ graph for INT8: a given file, else the quantization step's exporter (target only)."""
+    """The Q/DQ graph for INT8: a given file, else the target's INT8 checkpoint exported (the draft stays FP16)."""
     if given and role in given:
         log(f"  taking {given[role]} as the {role}'s INT8 graph")
         try:
             return adopt_graph(Path(given[role]), out)
         except ValueError as e:
             raise EngineBuildError(str(e)) from e
-    exporter = _qdq_exporter()
-    if role == "draft" or exporter is None:
-        return None  # the draft stays FP16 unless a Q/DQ draft graph is given
+    if role == "draft":
+        return None
+    from spectrt.quant.quantize import export_qdq_graph
+
     log(f"  exporting the {role}'s INT8 Q/DQ graph")
-    return Path(exporter(checkpoint, out))
+    return Path(export_qdq_graph(_int8_checkpoint(checkpoint), out, log=log))
 
 
 def make_engines(target: Path, draft: Path, out: Path | None = None, precision: str = "fp16",
@@ -205,7 +203,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         raise EngineBuildError("max_seq_len and max_tree_tokens must be positive")
     t_cfg, d_cfg = check_pair(target, draft, max_seq_len, max_tree_tokens)
     if precision == "int8":
-        _check_int8_inputs(int8_graphs)
+        _check_int8_inputs(target, int8_graphs)
     out = Path(out) if out else DEFAULT_ENGINES / f"{target.name}-{precision}"
     capacity = max_seq_len + max_tree_tokens
     profiles = profiles or default_profiles(max_tree_tokens, capacity)
@@ -245,7 +243,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
 
         # fp32 always (onnxruntime, parity); the plan's graph: fp16, or int8 where a Q/DQ graph exists for this
         # role (the target; a draft without one gets an FP16 plan in an INT8 build)
-        has_int8 = precision == "int8" and (role in (int8_graphs or {}) or (role == "target" and _qdq_exporter()))
+        has_int8 = precision == "int8" and (role in (int8_graphs or {}) or role == "target")
         graph_precisions = ["fp32"]
         if plans and (precision == "fp16" or (precision == "int8" and not has_int8)):
             graph_precisions.append("fp16")
@@ -256,6 +254,10 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
             rels = [rel, rel + ".data"]
             given = (int8_graphs or {}).get(role) if gp == "int8" else None
             given_sha = [sha256_file(f) for f in graph_files(Path(given))] if given else None
+            if gp == "int8" and not given:  # exported from the INT8 checkpoint: rebuilt when it is re-quantized
+                from spectrt.quant.quantize import QDQ_EXPORT_VERSION
+
+                given_sha = [source_sha256(_int8_checkpoint(src)), QDQ_EXPORT_VERSION]
             key = _key(src_sha, EXPORT_VERSION, gp, given_sha)
             prev = old_model.get("graphs", {}).get(gp)
             reused = bool(prev and prev.get("key") == key and _still_valid(out, old_files, rels))

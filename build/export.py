@@ -44,6 +44,7 @@ import math
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -131,37 +132,48 @@ class TreeVerifyModel(nn.Module):
     quantizer that swaps linear layers (ModelOpt) can produce a Q/DQ graph with the same contract.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | None,
+                 dtype: torch.dtype = torch.float32):
+        """`weights` are a HF checkpoint's tensors; None leaves them uninitialised for `load_state_dict`
+        (how a quantized checkpoint is restored, see quant/quantize.py)."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         c = config
+        w = weights or {}
 
-        def linear(w: torch.Tensor) -> nn.Linear:
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
-            lin.weight.data.copy_(w)
+        def linear(*names: str, out_features: int, in_features: int) -> nn.Linear:
+            lin = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+            if weights is not None:
+                lin.weight.data.copy_(torch.cat([w[n] for n in names]))
             return lin
 
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.embed.weight.data.copy_(weights["model.embed_tokens.weight"])
+        def vector(name: str, size: int) -> torch.Tensor:  # norms stay fp32: they scale the fp32 residual stream
+            return w[name].float().clone() if weights is not None else torch.ones(size)
+
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h, f = c.hidden_size, c.intermediate_size
+        self.embed = nn.Embedding(c.vocab_size, h, dtype=dtype)
+        if weights is not None:
+            self.embed.weight.data.copy_(w["model.embed_tokens.weight"])
         self.layers = nn.ModuleList()
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = nn.Module()
-            layer.wqkv = linear(torch.cat([weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-            layer.wo = linear(weights[p + "self_attn.o_proj.weight"])
-            layer.w13 = linear(torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]))
-            layer.w2 = linear(weights[p + "mlp.down_proj.weight"])
-            # norms stay fp32: they scale the fp32 residual stream
-            layer.register_buffer("attn_norm", weights[p + "input_layernorm.weight"].float().clone())
-            layer.register_buffer("mlp_norm", weights[p + "post_attention_layernorm.weight"].float().clone())
+            layer.wqkv = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
+                                out_features=q_out + 2 * kv_out, in_features=h)
+            layer.wo = linear(p + "self_attn.o_proj.weight", out_features=h, in_features=q_out)
+            layer.w13 = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", out_features=2 * f, in_features=h)
+            layer.w2 = linear(p + "mlp.down_proj.weight", out_features=h, in_features=f)
+            layer.register_buffer("attn_norm", vector(p + "input_layernorm.weight", h))
+            layer.register_buffer("mlp_norm", vector(p + "post_attention_layernorm.weight", h))
             self.layers.append(layer)
-        self.register_buffer("norm", weights["model.norm.weight"].float().clone())
-        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer("norm", vector("model.norm.weight", h))
+        self.head = nn.Linear(h, c.vocab_size, bias=False, dtype=dtype)
         if c.tie_word_embeddings:
             self.head.weight = self.embed.weight  # one initializer in the graph, not two
-        else:
-            self.head.weight.data.copy_(weights["lm_head.weight"])
+        elif weights is not None:
+            self.head.weight.data.copy_(w["lm_head.weight"])
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
         self.register_buffer("inv_freq", inv_freq)
 
@@ -250,8 +262,10 @@ DYNAMIC_AXES = {
 }
 
 
-def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Trace `model` (a TreeVerifyModel, or a quantized copy of one) into `out` (+ `out.data` for weights).
+def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
+                  transform: Callable | None = None) -> Path:
+    """Trace `model` (a TreeVerifyModel, or a quantized copy of one) into `out` (+ `out.data` for weights);
+    `transform(proto)` may rewrite the graph before it is saved (quant/quantize.py folds weight quantizers).
 
     The legacy TorchScript exporter is used on purpose: ModelOpt's quantized modules export Q/DQ only
     through it, so fp32, fp16 and INT8 graphs come from one code path.
@@ -275,6 +289,8 @@ def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch
         proto = onnx.load(str(raw))
         _tie_head(proto, config)
         _name_output_dims(proto, config)
+        if transform is not None:
+            transform(proto)
         proto.producer_name = "spectrt"
         proto.doc_string = "spectrt tree-verify graph: " + json.dumps({"export_version": EXPORT_VERSION})
         data = out.name + ".data"

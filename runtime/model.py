@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from spectrt.runtime.int8 import load_quantized, quant_format
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 
@@ -131,7 +132,9 @@ class KernelChoice:
             timings.append(time.perf_counter() - start)
         return timings[1] < timings[0]
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w) -> torch.Tensor:
+        if not isinstance(w, torch.Tensor):  # an INT8 projection (runtime/int8.py) brings its own kernel
+            return w(x)
         key = (tuple(w.shape), w.dtype, x.shape[0] == 1)
         use_mm = self.choice.get(key)
         if use_mm is None:
@@ -143,7 +146,8 @@ class Transformer:
     """LLaMA forward over new tokens with explicit positions and a tree mask, writing into a KVCache."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 measure_kernels: bool = True):
+                 measure_kernels: bool = True, projections: list[dict] | None = None):
+        """`projections`: per layer, replacements for the fused projections (an INT8 target's)."""
         self.config = config
         self.dtype = dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
@@ -153,20 +157,25 @@ class Transformer:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append({
-                "attn_norm": w[p + "input_layernorm.weight"],
+            layer = {"attn_norm": w[p + "input_layernorm.weight"], "mlp_norm": w[p + "post_attention_layernorm.weight"]}
+            layer.update(projections[i] if projections else {
                 "wqkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
                 "wo": w[p + "self_attn.o_proj.weight"],
-                "mlp_norm": w[p + "post_attention_layernorm.weight"],
                 "w13": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
                 "w2": w[p + "mlp.down_proj.weight"],
             })
+            self.layers.append(layer)
         self.linear = KernelChoice(measure_kernels)
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
 
     @classmethod
     def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True) -> Transformer:
         config = ModelConfig.from_dir(checkpoint)
+        if quant_format(checkpoint):
+            if dtype != torch.float32:
+                raise ValueError(f"{checkpoint} is an INT8 checkpoint: its non-GEMM ops run in fp32, use --dtype fp32")
+            weights, projections = load_quantized(checkpoint, config.num_layers)
+            return cls(config, weights, dtype, measure_kernels, projections)
         weights = {}
         for shard in sorted(Path(checkpoint).glob("*.safetensors")):
             with safe_open(shard, "pt") as f:
@@ -176,6 +185,12 @@ class Transformer:
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
         return KVCache(self.config, capacity, max_window, self.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights held (a tied head counted once)."""
+        tensors = [self.embed, self.norm] + ([self.head] if self.head is not self.embed else [])
+        tensors += [t for layer in self.layers for t in layer.values()]
+        return sum(t.nbytes for t in tensors)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))

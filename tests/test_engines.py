@@ -389,8 +389,10 @@ def test_builds_that_cannot_run_here_say_what_is_needed(target_dir, draft_dir, t
         make_engines(target_dir, draft_dir, tmp_path / "a", module="tensorrt")
     with pytest.raises(CompileError, match="cannot target sm90"):
         make_engines(target_dir, draft_dir, tmp_path / "b", archs=["sm90"])
-    with pytest.raises(EngineBuildError, match="quantization step"):
-        make_engines(target_dir, draft_dir, tmp_path / "c", precision="int8")
+    never_quantized = tmp_path / "t"  # a target with no `spectrt quantize` output next to it
+    never_quantized.symlink_to(Path(target_dir).resolve())
+    with pytest.raises(EngineBuildError, match="no INT8 checkpoint.*spectrt quantize"):
+        make_engines(never_quantized, draft_dir, tmp_path / "c", precision="int8")
     with pytest.raises(EngineBuildError, match="not a tree-verify graph|does not exist|existing"):
         make_engines(target_dir, draft_dir, tmp_path / "d", precision="int8",
                      int8_graphs={"target": tmp_path / "missing.onnx"})
