@@ -166,6 +166,10 @@ class Transformer:
             })
             self.layers.append(layer)
         self.linear = KernelChoice(measure_kernels)
+        # A target whose activations are quantized must compute each row exactly as when that token is decoded
+        # alone; see `_row_invariant_attention`. Its int8 GEMMs are exact; fp projections run row by row.
+        self.row_invariant = bool(projections) and any(not isinstance(w, torch.Tensor)
+                                                       for layer in projections for w in layer.values())
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
 
     @classmethod
@@ -191,6 +195,48 @@ class Transformer:
         tensors = [self.embed, self.norm] + ([self.head] if self.head is not self.embed else [])
         tensors += [t for layer in self.layers for t in layer.values()]
         return sum(t.nbytes for t in tensors)
+
+    def _project(self, x: torch.Tensor, w) -> torch.Tensor:
+        if self.row_invariant and isinstance(w, torch.Tensor) and x.shape[0] > 1:
+            return torch.cat([self.linear(row, w) for row in x.split(1)])
+        return self.linear(x, w)
+
+    @staticmethod
+    def _visible_rows(mask: torch.Tensor) -> tuple[list[int | None], torch.Tensor, list[int]]:
+        """Per row, the end of its visible slots if they are one prefix [0, end) (a view suffices), else None;
+        plus one index of all other rows' visible slots, concatenated, and their lengths."""
+        ends, cols, sizes = [], [], []
+        for row in mask:
+            idx = row.nonzero().squeeze(1)
+            contiguous = int(idx[-1]) + 1 == len(idx)
+            ends.append(len(idx) if contiguous else None)
+            if not contiguous:
+                cols.append(idx)
+                sizes.append(len(idx))
+        return ends, torch.cat(cols) if cols else torch.empty(0, dtype=torch.long), sizes
+
+    @staticmethod
+    def _row_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible) -> torch.Tensor:
+        """Attention where each row sees exactly its visible slots, in slot order, in its own call.
+
+        That is the same call on the same values as when the row's token was decoded alone (prefix + its
+        ancestors), so a verified row is bit-identical to an autoregressive step. Batched kernels are not
+        (row results depend on the batch shape by ~1e-7), which is harmless in floating point but not with
+        quantized activations: a flipped rounding moves a value by a whole int8 step and cascades through
+        the layers (measured: INT8 tree decoding left the INT8 target's own AR output on 7 of 8 prompts).
+        """
+        ends, cols, sizes = visible
+        gathered_k = k[:, cols].split(sizes, dim=1) if sizes else ()
+        gathered_v = v[:, cols].split(sizes, dim=1) if sizes else ()
+        rows, g = [], 0
+        for r, end in enumerate(ends):
+            if end is not None:
+                kr, vr = k[:, :end], v[:, :end]
+            else:
+                kr, vr = gathered_k[g], gathered_v[g]
+                g += 1
+            rows.append(F.scaled_dot_product_attention(q[None, :, r:r + 1], kr[None], vr[None], enable_gqa=True))
+        return torch.cat(rows, dim=2)[0]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -226,20 +272,24 @@ class Transformer:
         cos, sin = self._rope(positions)
         x = self.embed[tokens]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        visible = self._visible_rows(mask) if self.row_invariant else None
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["attn_norm"])
-            qkv = self.linear(h, layer["wqkv"])
+            qkv = self._project(h, layer["wqkv"])
             q = qkv[:, :q_dim].view(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = qkv[:, q_dim:q_dim + kv_dim].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = qkv[:, q_dim + kv_dim:].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             cache.k[i, :, start:end] = k
             cache.v[i, :, start:end] = v
-            o = F.scaled_dot_product_attention(
-                q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end], attn_mask=mask, enable_gqa=True
-            )
-            x = x + self.linear(o[0].transpose(0, 1).reshape(t, q_dim), layer["wo"])
+            if visible is not None:
+                o = self._row_invariant_attention(q, cache.k[i], cache.v[i], visible)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end], attn_mask=mask, enable_gqa=True
+                )[0]
+            x = x + self._project(o.transpose(0, 1).reshape(t, q_dim), layer["wo"])
             h = self._rms_norm(x, layer["mlp_norm"])
-            gate, up = self.linear(h, layer["w13"]).chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate) * up, layer["w2"])
+            gate, up = self._project(h, layer["w13"]).chunk(2, dim=-1)
+            x = x + self._project(F.silu(gate) * up, layer["w2"])
         return self.linear(self._rms_norm(x, self.norm), self.head).float()
