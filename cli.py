@@ -126,7 +126,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from spectrt.quant.quantize import default_output
 
     target, draft = _models(args)
-    int8 = Path(args.int8) if args.int8 else default_output(target, "int8_sq")
+    int8 = Path(args.int8) if args.int8 else default_output(target, args.qformat)
     if not (int8 / "config.json").is_file():
         raise CheckpointError(f"INT8 target {int8} does not exist: run `spectrt quantize` (make quantize) first")
     run_compare(target, int8, draft, args.prompts, args.limit, args.max_new_tokens, args.tree_spec, args.out)
@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmp = sub.add_parser("compare", help="FP32 vs INT8 target, with and without tree speculation, in one run")
     _add_model_args(cmp)
-    cmp.add_argument("--int8", help="INT8 checkpoint (default: <target>-int8_sq from `spectrt quantize`)")
+    cmp.add_argument("--qformat", default="int8_sq", help="the `spectrt quantize` output to compare: int8_sq|int8_wo")
+    cmp.add_argument("--int8", help="INT8 checkpoint dir (default: <target>-<qformat> from `spectrt quantize`)")
     cmp.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
     cmp.add_argument("--limit", type=_positive, help="use only the first N prompts")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128)

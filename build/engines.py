@@ -154,27 +154,28 @@ def _still_valid(root: Path, old_files: dict, rels: list[str]) -> bool:
     return True
 
 
-def _int8_checkpoint(target: Path) -> Path:
+def _int8_checkpoint(target: Path, qformat: str) -> Path:
     """The target's INT8 checkpoint from `spectrt quantize` (what its Q/DQ graph is exported from)."""
     from spectrt.quant.quantize import QuantizeError, quantized_checkpoint
 
     try:
-        return quantized_checkpoint(target)
+        return quantized_checkpoint(target, qformat)
     except QuantizeError as e:
         raise EngineBuildError(f"PRECISION=int8: {e}; or pass --int8-graph target=PATH (Q/DQ ONNX)") from e
 
 
-def _check_int8_inputs(target: Path, int8_graphs: dict[str, Path] | None) -> None:
+def _check_int8_inputs(target: Path, int8_graphs: dict[str, Path] | None, qformat: str) -> None:
     given = int8_graphs or {}
     for role, path in given.items():
         if role not in ROLES or not Path(path).is_file():
             raise EngineBuildError(f"--int8-graph {role}={path}: expected target=PATH or draft=PATH to an existing "
                                    "Q/DQ tree-verify ONNX")
     if "target" not in given:
-        _int8_checkpoint(target)  # fails before any export if the target was never quantized
+        _int8_checkpoint(target, qformat)  # fails before any export if the target was never quantized
 
 
-def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] | None, log) -> Path | None:
+def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] | None, qformat: str,
+                log) -> Path | None:
     """The Q/DQ graph for INT8: a given file, else the target's INT8 checkpoint exported (the draft stays FP16)."""
     if given and role in given:
         log(f"  taking {given[role]} as the {role}'s INT8 graph")
@@ -187,15 +188,19 @@ def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] |
     from spectrt.quant.quantize import export_qdq_graph
 
     log(f"  exporting the {role}'s INT8 Q/DQ graph")
-    return Path(export_qdq_graph(_int8_checkpoint(checkpoint), out, log=log))
+    return Path(export_qdq_graph(_int8_checkpoint(checkpoint, qformat), out, log=log))
 
 
 def make_engines(target: Path, draft: Path, out: Path | None = None, precision: str = "fp16",
                  archs: list[str] | None = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
                  max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS, plans: bool = True, module: str | None = None,
                  force: bool = False, int8_graphs: dict[str, Path] | None = None,
-                 profiles: list[Profile] | None = None, log: Callable[[str], None] = print) -> Path:
-    """Build (or reuse) engines/<name>/ for a target/draft pair; returns the directory."""
+                 profiles: list[Profile] | None = None, qformat: str = "int8_sq",
+                 log: Callable[[str], None] = print) -> Path:
+    """Build (or reuse) engines/<name>/ for a target/draft pair; returns the directory.
+
+    precision int8: the target's plan is compiled from the Q/DQ graph of its `spectrt quantize --qformat`
+    checkpoint (or a given --int8-graph); the draft's stays FP16."""
     target, draft = Path(target), Path(draft)
     if precision not in PRECISIONS:
         raise EngineBuildError(f"PRECISION={precision!r} is not supported: choose one of {', '.join(PRECISIONS)}")
@@ -203,7 +208,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         raise EngineBuildError("max_seq_len and max_tree_tokens must be positive")
     t_cfg, d_cfg = check_pair(target, draft, max_seq_len, max_tree_tokens)
     if precision == "int8":
-        _check_int8_inputs(target, int8_graphs)
+        _check_int8_inputs(target, int8_graphs, qformat)
     out = Path(out) if out else DEFAULT_ENGINES / f"{target.name}-{precision}"
     capacity = max_seq_len + max_tree_tokens
     profiles = profiles or default_profiles(max_tree_tokens, capacity)
@@ -257,14 +262,14 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
             if gp == "int8" and not given:  # exported from the INT8 checkpoint: rebuilt when it is re-quantized
                 from spectrt.quant.quantize import QDQ_EXPORT_VERSION
 
-                given_sha = [source_sha256(_int8_checkpoint(src)), QDQ_EXPORT_VERSION]
+                given_sha = [source_sha256(_int8_checkpoint(src, qformat)), QDQ_EXPORT_VERSION]
             key = _key(src_sha, EXPORT_VERSION, gp, given_sha)
             prev = old_model.get("graphs", {}).get(gp)
             reused = bool(prev and prev.get("key") == key and _still_valid(out, old_files, rels))
             if reused:
                 log(f"  reusing {rel}")
             elif gp == "int8":
-                if _int8_graph(role, src, out / rel, int8_graphs, log) is None:
+                if _int8_graph(role, src, out / rel, int8_graphs, qformat, log) is None:
                     continue
             else:
                 export_graph(src, out / rel, gp, log=log)
@@ -362,6 +367,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
     p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
                    help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
+    p.add_argument("--qformat", default="int8_sq", choices=["int8_sq", "int8_wo"],
+                   help="with --precision int8: which `spectrt quantize` checkpoint of the target to compile")
     p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
                    help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")
     p.add_argument("--force", action="store_true", help="rebuild everything")
@@ -383,7 +390,8 @@ def run(args: argparse.Namespace) -> Path:
         int8[role] = Path(path)
     archs = [a.strip().lower() for a in args.arch.split(",") if a.strip()] if args.arch else None
     out = make_engines(target, draft, args.out, args.precision, archs, args.max_seq_len, args.max_tree_tokens,
-                       plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8)
+                       plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8,
+                       qformat=args.qformat)
     print(out)
     return out
 

@@ -65,10 +65,11 @@ def heldout_records(target: Path, progress: bool = True) -> list[dict]:
 
 
 def accuracy_report(target: Path, quantized: Path, gate: float = GATE_TOP1, progress: bool = True,
-                    log: Callable[[str], None] = print) -> dict:
+                    log: Callable[[str], None] = print, records: list[dict] | None = None) -> dict:
+    """The gates on `records` (dicts with `input_ids` = prompt + answer and `prompt_len`; default: held-out)."""
     from tqdm.auto import tqdm
 
-    records = heldout_records(target, progress)
+    records = records if records is not None else heldout_records(target, progress)
     fp, q = Transformer.load(Path(target)), Transformer.load(Path(quantized))
     sums = {"positions": 0, "top1_matches": 0, "kl_sum": 0.0, "nll_reference": 0.0, "nll_candidate": 0.0}
     for rec in tqdm(records, desc="accuracy gates", unit="answer", disable=not progress):

@@ -40,7 +40,7 @@ from spectrt.build.draft import (
 )
 from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module
 from spectrt.runtime.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
-from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format
+from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format, quantize, scale_of
 from spectrt.runtime.model import ModelConfig
 
 MODELOPT_CONFIGS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG"}
@@ -50,7 +50,7 @@ DEFAULT_SAMPLES = 64
 MAX_SAMPLE_TOKENS = 384
 STATE_FILE = "modelopt_state.pt"
 REPORT_FILE = "quant_report.json"
-QDQ_EXPORT_VERSION = 3  # bump when export_qdq_graph's output changes: engines rebuild their INT8 graphs
+QDQ_EXPORT_VERSION = 4  # bump when export_qdq_graph's output changes: engines rebuild their INT8 graphs
 
 
 def _modelopt():
@@ -224,31 +224,42 @@ def export_qdq_graph(checkpoint: Path, out: Path, precision: str = "fp16", log: 
     model = load_quantized_module(checkpoint, GRAPH_DTYPES[precision])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_module(model, model.config, Path(out), GRAPH_DTYPES[precision], transform=fold_weight_quantizers)
+        weights = quantized_weights(model)
+        export_module(model, model.config, Path(out), GRAPH_DTYPES[precision],
+                      transform=lambda proto: fold_weight_quantizers(proto, weights))
     log(f"  exported {Path(out).name} (Q/DQ {quant_format(checkpoint)}, rest {precision}) in "
         f"{time.perf_counter() - start:.1f}s")
     return Path(out)
 
 
-def fold_weight_quantizers(proto) -> int:
-    """Replace each weight's QuantizeLinear by an int8 initializer feeding its DequantizeLinear.
+def _weight_key(array) -> str:
+    return hashlib.sha1(array.tobytes()).hexdigest() + str(array.shape) + str(array.dtype)
 
-    The exporter writes fp32 weights -> Q -> DQ; computed once here (with QuantizeLinear's own arithmetic:
-    round-half-even of w / scale, saturated), the graph carries int8 weights: half the ONNX size, and
-    TensorRT keeps them int8 in the plan instead of folding fp weights (measured: 260 MB plan unfolded).
+
+def quantized_weights(model: TreeVerifyModel) -> dict[str, torch.Tensor]:
+    """int8 weights of every quantized projection, by content key, computed with ModelOpt's arithmetic
+    (round(w * 127/amax), the same as the fake quantizer and the torch engine)."""
+    out = {}
+    for module in model.modules():
+        quantizer = getattr(module, "weight_quantizer", None)
+        if quantizer is not None and quantizer.is_enabled:
+            out[_weight_key(module.weight.detach().numpy())] = quantize(module.weight.detach().float(),
+                                                                        scale_of(quantizer.amax))
+    return out
+
+
+def fold_weight_quantizers(proto, weights: dict[str, torch.Tensor]) -> int:
+    """Replace each weight's QuantizeLinear by an int8 initializer (from `weights`) feeding its DequantizeLinear.
+
+    The exporter writes fp weights -> Q -> DQ. With the int8 values computed once by ModelOpt's arithmetic
+    (not QuantizeLinear's w / scale, which rounds a few weights differently), the graph carries exactly the
+    weights the torch engine runs, in half the size, and TensorRT keeps them int8 in the plan.
     Returns the number of weights folded.
     """
-    import numpy as np
     from onnx import numpy_helper
 
     graph = proto.graph
     inits = {i.name: i for i in graph.initializer}
-    consts = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
-              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-
-    def value(name: str):
-        return numpy_helper.to_array(inits[name]) if name in inits else consts[name]
-
     uses: dict[str, int] = {}
     for n in graph.node:
         for name in n.input:
@@ -257,16 +268,10 @@ def fold_weight_quantizers(proto) -> int:
     for node in graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] not in inits:
             continue
-        w = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
-        scale = value(node.input[1]).astype(np.float32)
-        zero = value(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int8)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        if scale.ndim == 1:
-            shape = [1] * w.ndim
-            shape[axis] = -1
-            scale, zero = scale.reshape(shape), zero.reshape(shape)
-        q = np.clip(np.rint(w / scale) + zero.astype(np.float32), -128, 127).astype(np.int8)
-        graph.initializer.append(numpy_helper.from_array(q, node.output[0]))
+        key = _weight_key(numpy_helper.to_array(inits[node.input[0]]))
+        if key not in weights:
+            raise QuantizeError(f"exported weight {node.input[0]} matches no quantized projection: re-run the export")
+        graph.initializer.append(numpy_helper.from_array(weights[key].numpy(), node.output[0]))
         folded.append(node)
         if uses[node.input[0]] == 1:
             graph.initializer.remove(inits[node.input[0]])

@@ -38,7 +38,7 @@ def quant_format(checkpoint: Path) -> str | None:
     return (config.get("spectrt_quant") or {}).get("qformat")
 
 
-def _scale(amax: torch.Tensor) -> torch.Tensor:
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
     """ModelOpt's quantization scale 127/amax, 0 where amax is ~0 (such values quantize to 0)."""
     amax = amax.float()
     scale = torch.tensor(MAX_BOUND) / amax
@@ -51,7 +51,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_weight(weight: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The fake-quantized weight: round(w * 127/amax) / (127/amax), per output channel."""
-    scale = _scale(amax)
+    scale = scale_of(amax)
     return quantize(weight, scale).float() / torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
@@ -60,9 +60,9 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, weight_amax: torch.Tensor, input_amax: torch.Tensor,
                  pre_quant_scale: torch.Tensor | None):
-        w_scale = _scale(weight_amax.reshape(-1, 1))
+        w_scale = scale_of(weight_amax.reshape(-1, 1))
         self.weight = quantize(weight.float(), w_scale)  # [N, K]; `.t()` is passed: _int_mm's fastest layout here
-        self.input_scale = _scale(input_amax.reshape(()))
+        self.input_scale = scale_of(input_amax.reshape(()))
         self.pre_quant_scale = pre_quant_scale.float() if pre_quant_scale is not None else None
         denom = self.input_scale * w_scale.reshape(-1)
         self.output_scale = torch.where(denom == 0, torch.zeros_like(denom), 1.0 / denom)

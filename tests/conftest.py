@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,16 @@ def draft_dir(target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def draft(draft_dir) -> Transformer:
     return Transformer.load(draft_dir)
+
+
+ARCHS = ["sm80", "sm86"]  # TensorRT-RTX plans built in tests (ahead of time, on the CPU)
+
+
+@pytest.fixture(scope="session")
+def engines(target_dir, draft_dir, tmp_path_factory):
+    """FP16 engines for the embedded target + the 4-layer draft (test_engines, test_quant's plan sizes)."""
+    from spectrt.build.engines import make_engines
+
+    out = tmp_path_factory.mktemp("engines") / "smollm2"
+    yield make_engines(target_dir, draft_dir, out, precision="fp16", archs=ARCHS)
+    shutil.rmtree(out, ignore_errors=True)  # ~1.7 GB of graphs and plans

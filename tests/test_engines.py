@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ARCHS
 from spectrt.build.compile import default_profiles, network_io, parse_onnx, trt_module
 from spectrt.build.engines import EngineBuildError, make_engines
 from spectrt.build.export import io_spec
@@ -29,19 +30,11 @@ from spectrt.runtime.trt_engine import TensorRTEngine
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
 
-ARCHS = ["sm80", "sm86"]
 EOS = {2}
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
     "List five animals that live in the ocean.",
 ]
-
-
-@pytest.fixture(scope="session")
-def engines(target_dir, draft_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "smollm2"
-    yield make_engines(target_dir, draft_dir, out, precision="fp16", archs=ARCHS)
-    shutil.rmtree(out, ignore_errors=True)  # ~1.7 GB of graphs and plans
 
 
 @pytest.fixture(scope="module")
