@@ -85,8 +85,12 @@ def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ART
     return path
 
 
-
-
 def default_draft(target: Path, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
-    """Where `spectrt draft` puts, and `generate`/`bench` look for, the target's distilled draft."""
+    """Where `spectrt draft` puts, and `generate`/`bench` look for, the target's distilled draft
+    (for an INT8 checkpoint from `spectrt quantize`: its FP source's draft)."""
+    config = Path(target) / "config.json"
+    if config.is_file():
+        source = (json.loads(config.read_text(encoding="utf-8")).get("spectrt_quant") or {}).get("target")
+        if source:
+            target = Path(source)
     return Path(artifacts) / f"{Path(target).name}-draft"

@@ -151,6 +151,7 @@ def plot(r: dict, path: Path) -> None:
     right.set_xticks(range(len(sizes)), [f"T={s}" for s in sizes])
     right.set_ylabel("ms per target forward")
     right.set_title("verify step latency")
+    right.margins(y=0.15)
     right.legend()
     fig.suptitle(f"FP32 vs {r['qformat']} target ({r['prompts']} prompts, {r['machine']})", fontsize=9)
     fig.tight_layout()

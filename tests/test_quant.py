@@ -40,7 +40,7 @@ EOS = {2}
 
 def _quantize(src: Path, out: Path, qformat: str, samples: list[torch.Tensor]) -> Path:
     model = calibrate(TreeVerifyModel.load(src), qformat, samples, progress=False)
-    return save_quantized(model, src, out, {"qformat": qformat})
+    return save_quantized(model, src, out, {"qformat": qformat, "target": str(src)})
 
 
 def _random_samples(vocab: int, n: int = 8, length: int = 48) -> list[torch.Tensor]:
@@ -329,7 +329,10 @@ def test_cli_errors_name_the_fix(capsys):
 
 
 def test_a_quantized_checkpoint_is_not_a_plain_hf_checkpoint(small_quantized):
-    _, qdir = small_quantized("tiny", "int8_sq")
+    from spectrt.build.checkpoint import default_draft
+
+    src, qdir = small_quantized("tiny", "int8_sq")
+    assert default_draft(qdir) == default_draft(src)  # an INT8 target speculates with its FP source's draft
     assert not any(p.name == "model.safetensors" for p in Path(qdir).iterdir())  # HF loaders refuse it
     assert oct(os.stat(Path(qdir) / "quantized.safetensors").st_mode & 0o777) == "0o644"
     with pytest.raises(ValueError, match="use --dtype fp32"):
