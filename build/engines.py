@@ -335,9 +335,14 @@ def engine_models(engines: Path, backend: str) -> tuple[Path, Path]:
     if not manifest_path.is_file():
         raise EngineBuildError(f"{engines} is not an engines directory (no {MANIFEST}): build one with "
                                "`spectrt engines` (make engines)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("precision") == "int8" and backend != "tensorrt":
+        print(f"spectrt: note: {engines} is an INT8 build whose Q/DQ graph is for TensorRT; --backend {backend} runs "
+              "the FP target. For INT8 on the CPU pass --target <the `spectrt quantize` checkpoint> (torch backend).",
+              file=sys.stderr)
     if backend != "torch":
         return engines / "target", engines / "draft"
-    models = json.loads(manifest_path.read_text())["models"]
+    models = manifest["models"]
     paths = []
     for role in ROLES:
         src = Path(models[role]["source"]["path"])

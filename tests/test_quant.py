@@ -162,8 +162,9 @@ def test_qdq_graph_on_onnxruntime_matches_the_fake_quantized_module(small_quanti
     assert np.abs(plain - want[0]).max() > 2 * tol * np.abs(want[0]).max()
 
 
-def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target, draft_dir, engines, tmp_path):
-    from spectrt.build.engines import make_engines
+def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target, draft_dir, engines, tmp_path,
+                                                                      capsys):
+    from spectrt.build.engines import engine_models, make_engines
 
     pytest.importorskip("tensorrt_rtx")
     target, _ = int8_target
@@ -178,6 +179,8 @@ def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target
     size = (out / int8_plan["file"]).stat().st_size
     # int8 q/k/v, o, gate/up (80M weights) + fp16 down-projection and embeddings: measured 0.72x (207 vs 289 MB)
     assert size < 0.8 * (engines / fp16_plan["file"]).stat().st_size
+    engine_models(out, "onnxruntime")  # runs the FP graph: says so, and how to run INT8 on the CPU
+    assert "--target <the `spectrt quantize` checkpoint>" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
