@@ -126,7 +126,7 @@ def calibration_samples(target: Path, prompts: Sequence[Conversation], samples: 
     return [r["input_ids"][-MAX_SAMPLE_TOKENS:].long() for r in records], stats
 
 
-def _forward_full(model: TreeVerifyModel, ids: torch.Tensor) -> torch.Tensor:
+def forward_sequence(model: TreeVerifyModel, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a whole sequence through the tree-verify module (causal mask, empty cache)."""
     c, t = model.config, ids.shape[0]
     empty = torch.zeros(c.num_layers, c.num_kv_heads, 1, c.head_dim, dtype=model.dtype)
@@ -142,7 +142,7 @@ def calibrate(model: TreeVerifyModel, qformat: str, samples: Sequence[torch.Tens
     def forward_loop(m) -> None:
         with torch.no_grad():
             for ids in tqdm(samples, desc=f"calibrate {qformat}", unit="sample", disable=not progress):
-                _forward_full(m, ids)
+                forward_sequence(m, ids)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # ModelOpt warns about missing CUDA extensions on CPU

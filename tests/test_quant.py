@@ -22,9 +22,9 @@ from spectrt.quant.accuracy import accuracy_report, agreement, gate_message, sum
 from spectrt.quant.quantize import (
     CALIBRATION_PROMPTS,
     QuantizeError,
-    _forward_full,
     calibrate,
     export_qdq_graph,
+    forward_sequence,
     load_quantized_module,
     quantize_target,
     save_quantized,
@@ -105,8 +105,8 @@ def test_int8_engine_matches_the_fake_quantized_module(small_quantized, source, 
     module, engine = load_quantized_module(qdir), Transformer.load(qdir)
     ids = torch.randint(0, engine.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = _forward_full(module, ids)
-        plain = _forward_full(TreeVerifyModel.load(src), ids)
+        want = forward_sequence(module, ids)
+        plain = forward_sequence(TreeVerifyModel.load(src), ids)
     got = engine.forward(ids, torch.arange(40), torch.ones(40, 40, dtype=torch.bool).tril(), engine.new_cache(40, 40))
     # The engine quantizes with ModelOpt's arithmetic, so its int8 operands are the fake quantizer's and the
     # int32 GEMM is exact: what remains is fp32 reassociation (attention, the per-channel rescale), measured
