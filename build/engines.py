@@ -41,6 +41,7 @@ from spectrt.build.compile import (
     trt_module,
 )
 from spectrt.build.export import EXPORT_VERSION, adopt_graph, export_graph, graph_files, graph_io
+from spectrt.runtime.int8 import QFORMATS
 from spectrt.runtime.model import ModelConfig
 from spectrt.runtime.onnx_engine import (
     MANIFEST,
@@ -372,7 +373,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
     p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
                    help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
-    p.add_argument("--qformat", default="int8_sq", choices=["int8_sq", "int8_wo"],
+    p.add_argument("--qformat", default="int8_sq", choices=QFORMATS,
                    help="with --precision int8: which `spectrt quantize` checkpoint of the target to compile")
     p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
                    help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")

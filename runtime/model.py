@@ -205,8 +205,11 @@ class Transformer:
             # An fp GEMM's row results depend on how many rows it has, not on what the other rows hold
             # (checked bitwise at 1 and 2 threads), so fixed-size zero-padded row blocks make them invariant.
             t = x.shape[0]
-            padded = F.pad(x, (0, 0, 0, -t % ROW_BLOCK))
-            return torch.cat([self.linear(block, w) for block in padded.split(ROW_BLOCK)])[:t]
+            if t % ROW_BLOCK:
+                x = F.pad(x, (0, 0, 0, -t % ROW_BLOCK))
+            if x.shape[0] == ROW_BLOCK:  # one block (every AR step): no split, no copy
+                return self.linear(x, w)[:t]
+            return torch.cat([self.linear(block, w) for block in x.split(ROW_BLOCK)])[:t]
         return self.linear(x, w)
 
     @staticmethod
