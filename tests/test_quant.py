@@ -230,13 +230,15 @@ def test_tree_decoding_with_an_int8_target_equals_its_own_greedy_ar(int8_target,
     ar = SpecDecoder(target, None, EOS, max_seq_len=512)
     tree = SpecDecoder(target, draft, EOS, max_seq_len=512)
     fp = SpecDecoder(Transformer.load(int8_target[0]), None, EOS, max_seq_len=512)
-    differs_from_fp = 0
+    differs_from_fp = accepted = 0
     for ids in prompt_ids:
         want = ar.generate(ids, 64).token_ids
         got = tree.generate(ids, 64, Tree.parse(spec))
         assert got.token_ids == want
-        assert got.stats.target_passes < len(want) + 1  # some draft tokens were accepted: paths were compacted
+        accepted += sum(got.stats.accepted)
         differs_from_fp += fp.generate(ids, 64).token_ids != want
+    # the untrained draft may accept nothing on one prompt (its kernels are timed at load), but not on all
+    assert accepted > 0  # draft tokens were accepted: paths were compacted
     assert differs_from_fp > 0  # the INT8 target really is another model (W8A8 changes greedy text)
 
 
