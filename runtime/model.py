@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.int8 import load_quantized, quant_format
+from spectrt.runtime.kernels import NativeModel, native_unavailable
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
@@ -150,8 +151,12 @@ class Transformer:
     """LLaMA forward over new tokens with explicit positions and a tree mask, writing into a KVCache."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 measure_kernels: bool = True, projections: list[dict] | None = None):
-        """`projections`: per layer, replacements for the fused projections (an INT8 target's)."""
+                 measure_kernels: bool = True, projections: list[dict] | None = None, native: bool | None = None):
+        """`projections`: per layer, replacements for the fused projections (an INT8 target's).
+
+        `native`: run the native CPU forward (runtime/kernels.py; None = whenever it can run here). It is row
+        invariant and several times cheaper per verified row; the torch path stays the reference and the INT8 path.
+        """
         self.config = config
         self.dtype = dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
@@ -175,9 +180,16 @@ class Transformer:
         self.row_invariant = bool(projections) and any(not isinstance(w, torch.Tensor)
                                                        for layer in projections for w in layer.values())
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+        if native is None:
+            native = not projections and native_unavailable() is None
+        elif native and (projections or native_unavailable()):
+            raise ValueError(f"the native CPU forward cannot run this engine: {native_unavailable() or 'INT8'}")
+        self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq, dtype) \
+            if native else None
 
     @classmethod
-    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True) -> Transformer:
+    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True,
+             native: bool | None = None) -> Transformer:
         config = ModelConfig.from_dir(checkpoint)
         if quant_format(checkpoint):
             if dtype != torch.float32:
@@ -189,10 +201,21 @@ class Transformer:
             with safe_open(shard, "pt") as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
-        return cls(config, weights, dtype, measure_kernels)
+        return cls(config, weights, dtype, measure_kernels, native=native)
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
+        if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
+            self.native.reserve(max_window, capacity)
+            return KVCache(self.config, capacity, max_window, torch.float32)
         return KVCache(self.config, capacity, max_window, self.dtype)
+
+    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """Logits per (tokens, positions, tree_mask, cache) segment; with the native forward all segments' rows
+        share each GEMM (one weight stream for a batch of requests), and the result is the same as one `forward`
+        per segment."""
+        if self.native is not None:
+            return self.native.forward_many(segments)
+        return [self.forward(*segment) for segment in segments]
 
     def weight_bytes(self) -> int:
         """Bytes of all weights held (a tied head counted once)."""
@@ -273,6 +296,8 @@ class Transformer:
         `tree_mask` [T, W] says which window slots each new token sees (the committed prefix is
         always visible); the new tokens occupy window slots [W - T, W).
         """
+        if self.native is not None:
+            return self.native.forward_many([(tokens, positions, tree_mask, cache)])[0]
         c = self.config
         t = tree_mask.shape[0]
         n = cache.length

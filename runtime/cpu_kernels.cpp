@@ -1,0 +1,328 @@
+// spectrt's CPU forward: one call per forward for a LLaMA-family decoder over new tokens, tree masks and
+// static KV caches (see runtime/kernels.py for why it exists and how it is built and checked).
+//
+// Two properties drive every loop here:
+//  1. Row invariance. Each output row is computed by the same sequence of floating-point operations whatever the
+//     number of rows in the call, the row's place among them, or the other rows' values: GEMM outputs are one FMA
+//     chain over k in order, norms and dot products reduce in a fixed order per row, attention reduces over the
+//     row's own visible slots in slot order. So a verified tree node is bitwise equal to decoding it alone, in
+//     any precision, and rows of different requests can share one call.
+//  2. Stream each weight once. Weights are packed in panels of NR output columns ([K][NR] contiguous); a panel is
+//     read from memory once and kept in L2 while every register block of MR rows runs over it, so T rows cost
+//     about one row's memory traffic until the FMA units saturate.
+// Compile with -ffp-contract=off: contractions are explicit (_mm512_fmadd_ps / std::fma) so that vectorized and
+// scalar code compute the same roundings.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NR = 64;  // output columns per weight panel: 4 zmm accumulators per row
+constexpr int64_t MR = 6;   // rows per register block: 6 x 4 accumulators + 4 weight vectors fit in 32 zmm
+
+inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_w(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up by 16
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// acc[m][0:NR] = sum_k x[m][k] * panel[k][0:NR], k ascending, one FMA chain per output.
+template <typename W, int M>
+inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
+                        int64_t cols) {
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const W* w = panel + k * NR;
+    __m512 w0 = load_w(w), w1 = load_w(w + 16), w2 = load_w(w + 32), w3 = load_w(w + 48);
+    for (int m = 0; m < M; ++m) {
+      __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
+      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xb, w3, acc[m][3]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) {
+      int64_t c = cols - 16 * j;
+      if (c <= 0) break;
+      __mmask16 mask = c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
+      _mm512_mask_storeu_ps(out + m * ldo + 16 * j, mask, acc[m][j]);
+    }
+}
+
+template <typename W>
+void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
+                int64_t cols) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) panel_block<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
+  const float* xr = x + m * ldx;
+  float* o = out + m * ldo;
+  switch (rows - m) {
+    case 1: panel_block<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 2: panel_block<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 3: panel_block<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 4: panel_block<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 5: panel_block<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
+    default: break;
+  }
+}
+
+// out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR]. With `residual`, then residual += out (out is
+// scratch): the sum is x + f(x) in that order, as in the reference forward.
+template <typename W>
+void gemm(const float* x, int64_t rows, const torch::Tensor& packed, int64_t n_out, float* out,
+          const float* bias, float* residual) {
+  const int64_t panels = packed.size(0), K = packed.size(1);
+  const W* wp = packed.data_ptr<W>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
+      rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols);
+      if (bias)
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t c = c0; c < c0 + cols; ++c) out[m * n_out + c] = out[m * n_out + c] + bias[c];
+      if (residual)
+        for (int64_t m = 0; m < rows; ++m)
+          for (int64_t c = c0; c < c0 + cols; ++c) residual[m * n_out + c] = residual[m * n_out + c] + out[m * n_out + c];
+    }
+  });
+}
+
+// exp(x) for 16 lanes: range reduction by ln 2 and a degree-6 polynomial (~1 ulp); every lane alike.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+// out = x * rsqrt(mean(x^2) + eps) * weight, one row; the sum runs in 16 lanes over the row, then a fixed tree.
+void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 16) {
+    __m512 v = _mm512_maskz_loadu_ps(tail_mask(dim - i), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * scale);
+}
+
+// HF rotate-half RoPE on one head vector in place, cos/sin rows of the position table [half].
+inline void rope_head(float* v, const float* cs, const float* sn, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * cs[i] - b * sn[i];
+    v[i + half] = b * cs[i] + a * sn[i];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    __mmask16 m = tail_mask(d - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+struct Segment {
+  int64_t row0, rows, length, window;  // rows of this request, its committed length, its window size
+  const bool* mask;                    // [rows, window]
+  float* k;                            // [L, Hkv, cap, D]
+  float* v;
+  int64_t capacity;
+};
+
+struct Config {
+  int64_t hidden, inter, layers, heads, kv_heads, head_dim, vocab;
+  float eps;
+};
+
+// Attention of every (row, head) of every segment over exactly its visible slots, in slot order.
+void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const float* qkv, int64_t ld_qkv,
+               float* out, float* scores, int64_t scores_ld) {
+  std::vector<std::pair<int64_t, int64_t>> tasks;  // (segment, row within it) x head, flattened below
+  for (int64_t s = 0; s < (int64_t)segs.size(); ++s)
+    for (int64_t r = 0; r < segs[s].rows; ++r) tasks.emplace_back(s, r);
+  const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, (int64_t)tasks.size() * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots;
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [s, r] = tasks[t / H];
+      const int64_t h = t % H, kvh = h / group;
+      const Segment& g = segs[s];
+      const int64_t row = g.row0 + r;
+      const float* q = qkv + row * ld_qkv + h * D;
+      const float* kc = g.k + ((layer * c.kv_heads + kvh) * g.capacity) * D;
+      const float* vc = g.v + ((layer * c.kv_heads + kvh) * g.capacity) * D;
+      slots.clear();
+      for (int64_t j = 0; j < g.length; ++j) slots.push_back(j);
+      for (int64_t j = 0; j < g.window; ++j)
+        if (g.mask[r * g.window + j]) slots.push_back(g.length + j);
+      const int64_t L = slots.size();
+      float* sc = scores + (row * H + h) * scores_ld;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        sc[j] = dot(q, kc + slots[j] * D, D) * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
+      for (int64_t j = 0; j < L; j += 16) {
+        __mmask16 m = tail_mask(L - j);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(sc + j, m, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+      float* o = out + row * (H * D) + h * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        __mmask16 m = tail_mask(D - d);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; ++j)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, vc + slots[j] * D + d), acc);
+        _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+      }
+    }
+  });
+}
+
+template <typename W>
+void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Tensor& positions,
+                  std::vector<Segment>& segs, const torch::Tensor& embed, const std::vector<torch::Tensor>& norms,
+                  const std::vector<torch::Tensor>& wqkv, const std::vector<torch::Tensor>& bqkv,
+                  const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& wo,
+                  const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2,
+                  const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
+                  const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits) {
+  const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
+  const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
+  float* x = scratch[0].data_ptr<float>();       // residual stream [R, hidden]
+  float* h = scratch[1].data_ptr<float>();       // normed input [R, hidden]
+  float* qkv = scratch[2].data_ptr<float>();     // [R, qkv_dim]
+  float* att = scratch[3].data_ptr<float>();     // [R, q_dim]
+  float* g13 = scratch[4].data_ptr<float>();     // [R, 2 * inter]
+  float* act = scratch[5].data_ptr<float>();     // [R, inter]
+  float* scores = scratch[6].data_ptr<float>();  // [R * heads, capacity]
+  const int64_t scores_ld = scratch[6].size(1);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cs = rope_cos.data_ptr<float>();
+  const float* sn = rope_sin.data_ptr<float>();
+  const float* emb = embed.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) std::memcpy(x + r * Hd, emb + tok[r] * Hd, Hd * sizeof(float));
+
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const float* attn_norm = norms[2 * l].data_ptr<float>();
+    const float* mlp_norm = norms[2 * l + 1].data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, attn_norm, Hd, c.eps, h + r * Hd);
+    const float* bias = bqkv.empty() ? nullptr : bqkv[l].data_ptr<float>();
+    gemm<W>(h, R, wqkv[l], qkv_dim, qkv, bias, nullptr);
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = qkv + r * qkv_dim;
+      if (!qk_norms.empty()) {  // Qwen3: RMSNorm over each q and k head before RoPE
+        const float* qn = qk_norms[2 * l].data_ptr<float>();
+        const float* kn = qk_norms[2 * l + 1].data_ptr<float>();
+        for (int64_t hh = 0; hh < c.heads; ++hh) rms_norm_row(row + hh * D, qn, D, c.eps, row + hh * D);
+        for (int64_t hh = 0; hh < c.kv_heads; ++hh)
+          rms_norm_row(row + q_dim + hh * D, kn, D, c.eps, row + q_dim + hh * D);
+      }
+      const float* cr = cs + pos[r] * half;
+      const float* sr = sn + pos[r] * half;
+      for (int64_t hh = 0; hh < c.heads + c.kv_heads; ++hh) rope_head(row + hh * D, cr, sr, half);
+    }
+    for (const Segment& g : segs)  // new K/V rows into the last `rows` window slots of each segment's cache
+      for (int64_t r = 0; r < g.rows; ++r) {
+        const int64_t slot = g.length + g.window - g.rows + r;
+        const float* row = qkv + (g.row0 + r) * qkv_dim;
+        for (int64_t hh = 0; hh < c.kv_heads; ++hh) {
+          const int64_t off = ((l * c.kv_heads + hh) * g.capacity + slot) * D;
+          std::memcpy(g.k + off, row + q_dim + hh * D, D * sizeof(float));
+          std::memcpy(g.v + off, row + q_dim + kv_dim + hh * D, D * sizeof(float));
+        }
+      }
+    attention(c, l, segs, qkv, qkv_dim, att, scores, scores_ld);
+    gemm<W>(att, R, wo[l], Hd, h, nullptr, x);  // x = x + att @ Wo^T
+    for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
+    gemm<W>(h, R, w13[l], 2 * c.inter, g13, nullptr, nullptr);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* gr = g13 + r * 2 * c.inter;
+      float* ar = act + r * c.inter;
+      for (int64_t i = 0; i < c.inter; i += 16) {  // silu(gate) * up
+        __mmask16 m = tail_mask(c.inter - i);
+        __m512 gv = _mm512_maskz_loadu_ps(m, gr + i), uv = _mm512_maskz_loadu_ps(m, gr + c.inter + i);
+        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                        exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+      }
+    }
+    gemm<W>(act, R, w2[l], Hd, h, nullptr, x);
+  }
+  const float* fn = final_norm.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, fn, Hd, c.eps, h + r * Hd);
+  gemm<W>(h, R, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr);
+}
+
+}  // namespace
+
+// segments: per request (row count, committed length, window, tree mask [rows, window] bool, k cache, v cache).
+void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
+             std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
+             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
+             std::vector<torch::Tensor> norms, std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> bqkv,
+             std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> w13,
+             std::vector<torch::Tensor> w2, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
+             torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits) {
+  Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
+  std::vector<Segment> segs;
+  int64_t row0 = 0;
+  for (size_t s = 0; s < seg_rows.size(); ++s) {
+    segs.push_back({row0, seg_rows[s], seg_lengths[s], masks[s].size(1), masks[s].data_ptr<bool>(),
+                    k_caches[s].data_ptr<float>(), v_caches[s].data_ptr<float>(), k_caches[s].size(2)});
+    row0 += seg_rows[s];
+  }
+  TORCH_CHECK(row0 == tokens.size(0), "segment rows do not add up to the tokens");
+  if (head.scalar_type() == at::kBFloat16)
+    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, w13, w2,
+                               final_norm, head, rope_cos, rope_sin, scratch, logits);
+  else
+    forward_impl<float>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, w13, w2, final_norm,
+                        head, rope_cos, rope_sin, scratch, logits);
+}
+
+// One packed GEMM, exposed for tests and the profiler: out[rows, n_out] = x @ W^T.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out) {
+  auto out = torch::empty({x.size(0), n_out}, x.options());
+  if (packed.scalar_type() == at::kBFloat16)
+    gemm<at::BFloat16>(x.data_ptr<float>(), x.size(0), packed, n_out, out.data_ptr<float>(), nullptr, nullptr);
+  else
+    gemm<float>(x.data_ptr<float>(), x.size(0), packed, n_out, out.data_ptr<float>(), nullptr, nullptr);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)");
+  m.def("linear", &linear, "packed row-invariant GEMM");
+}
