@@ -184,7 +184,15 @@ def test_sliced_draft_carries_the_family_tensors(checkpoints, drafts, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_path):
-    from spectrt.quant.quantize import calibrate, forward_sequence, load_quantized_module, save_quantized
+    import onnxruntime as ort
+    from spectrt.build.export import example_inputs
+    from spectrt.quant.quantize import (
+        calibrate,
+        export_qdq_graph,
+        forward_sequence,
+        load_quantized_module,
+        save_quantized,
+    )
     from spectrt.runtime.int8 import Int8Linear
 
     src = checkpoints(family)
@@ -202,8 +210,21 @@ def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_
     assert float((got - want).abs().max()) <= tol
     assert float((plain - want).abs().max()) > 10 * tol  # quantization did happen
 
+    # the Q/DQ graph TensorRT compiles into an INT8 plan (fp32 remainder here, for ONNX Runtime); the tolerance is
+    # tests/test_quant.py's: QuantizeLinear divides where ModelOpt multiplies, so a boundary value may round apart
+    graph = export_qdq_graph(qdir, tmp_path / "model.int8.onnx", precision="fp32", log=lambda _: None)
+    inputs = example_inputs(module.config, torch.float32, t=6, past=5, capacity=16)
+    with torch.no_grad():
+        want = [t.numpy() for t in module(*inputs)]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
+    for w, g in zip(want, got, strict=True):
+        assert np.abs(w - g).max() <= 1e-2 * np.abs(w).max()
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_engines_build_and_run(checkpoints, drafts, family, tmp_path):
     """FP16 graphs + TensorRT-RTX plans (built on the CPU; executing them needs a GPU) and the fp32 graphs on ONNX
     Runtime through the engines directory, whose manifest carries the family's config (RoPE scaling included)."""
