@@ -25,7 +25,7 @@ from spectrt.build.draft import TOKENIZER_FILES, load_state_dict, slice_target
 from spectrt.build.export import TreeVerifyModel, export_graph
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
-from spectrt.runtime.model import ModelConfig, Transformer
+from spectrt.runtime.model import ModelConfig, Transformer, rope_frequencies
 from spectrt.runtime.tree import Tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,6 +131,28 @@ def test_engine_matches_hugging_face(checkpoints, family):
     c = engine.config
     assert c.attention_bias == (family in ("qwen2", "llama-yarn-bias", "qwen3-bias"))
     assert c.qk_norm == family.startswith("qwen3") and bool(c.rope_scaling) == (family.startswith("llama"))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.1
+    {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},  # Llama 3.2
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5 long context
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "mscale": 1.0, "mscale_all_dim": 0.707, "truncate": False},
+])
+def test_rope_tables_equal_hugging_face_at_real_sizes(rope, tmp_path):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=128, max_position_embeddings=131072,
+                     rope_parameters={**rope, "rope_theta": 500000.0})
+    (tmp_path / "config.json").write_text(hf.to_json_string())
+    want, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf)
+    got, scale = rope_frequencies(ModelConfig.from_dir(tmp_path))
+    assert torch.allclose(got, want, rtol=1e-6, atol=0) and scale == pytest.approx(want_scale, rel=1e-12)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
