@@ -25,7 +25,8 @@ from spectrt.build.draft import TOKENIZER_FILES, load_state_dict, slice_target
 from spectrt.build.export import TreeVerifyModel, export_graph
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
-from spectrt.runtime.model import ModelConfig, Transformer, rope_frequencies
+from spectrt.runtime.families import rope_frequencies
+from spectrt.runtime.model import ModelConfig, Transformer
 from spectrt.runtime.tree import Tree
 
 REPO = Path(__file__).resolve().parent.parent
