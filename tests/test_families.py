@@ -22,7 +22,7 @@ import pytest
 import torch
 from spectrt.build.checkpoint import CheckpointError, resolve_target
 from spectrt.build.draft import TOKENIZER_FILES, load_state_dict, slice_target
-from spectrt.build.export import TreeVerifyModel, export_graph
+from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
 from spectrt.runtime.families import rope_frequencies
@@ -191,6 +191,8 @@ def test_onnx_graph_matches_torch(checkpoints, family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sliced_draft_carries_the_family_tensors(checkpoints, drafts, family):
+    from transformers import AutoConfig
+
     target, draft = checkpoints(family), drafts(family)
     check_draft_matches(target, draft)
     t_state, d_state = load_state_dict(target), load_state_dict(draft)
@@ -198,6 +200,7 @@ def test_sliced_draft_carries_the_family_tensors(checkpoints, drafts, family):
     assert layer0 <= d_state.keys() and not any(n.startswith("model.layers.1.") for n in d_state)
     assert all(torch.equal(t_state[n], d_state[n]) for n in layer0)
     config = ModelConfig.from_dir(draft)
+    AutoConfig.from_pretrained(draft)  # transformers loads the slice too (the draft maker trains it with transformers)
     assert (config.attention_bias, config.qk_norm, config.rope_scaling) == (
         ModelConfig.from_dir(target).attention_bias, ModelConfig.from_dir(target).qk_norm,
         ModelConfig.from_dir(target).rope_scaling)
@@ -208,7 +211,6 @@ def test_sliced_draft_carries_the_family_tensors(checkpoints, drafts, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_path):
     import onnxruntime as ort
-    from spectrt.build.export import example_inputs
     from spectrt.quant.quantize import (
         calibrate,
         export_qdq_graph,
@@ -260,10 +262,44 @@ def test_engines_build_and_run(checkpoints, drafts, family, tmp_path):
     assert manifest["models"]["target"]["plans"]["fp16"]["bytes"] > 0
     engine = load_engine(out / "target", "onnxruntime")
     assert engine.config == ModelConfig.from_dir(target)
+    # the fp16 graph the plan is compiled from (biases, q/k norms and the RoPE table in fp16), run by ONNX Runtime
+    import onnxruntime as ort
+
+    graph = out / manifest["models"]["target"]["graphs"]["fp16"]["file"]
+    inputs = example_inputs(engine.config, torch.float16, t=6, past=5, capacity=16)
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})[0]
+    with torch.no_grad():
+        want = TreeVerifyModel.load(target)(*inputs[:3], inputs[3].float(), inputs[4].float())[0].numpy()
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     reference = Transformer.load(target)
     prompt = _ids(10, seed=4).tolist()
     ar = SpecDecoder(reference, None, set(), max_seq_len=96).generate(prompt, 24)
     spec = SpecDecoder(engine, load_engine(out / "draft", "onnxruntime"), set(), max_seq_len=96)
+    assert spec.generate(prompt, 24, Tree.parse("2,1")).token_ids == ar.token_ids
+
+
+def test_draft_maker_distills_a_family_slice(checkpoints, tmp_path):
+    """`spectrt draft` end to end on Qwen2 (biases in the trained layer): target answers, training, a draft the
+    runtime accepts and decodes with losslessly."""
+    from spectrt.build.draft import make_draft
+
+    target = checkpoints("qwen2")
+    (tmp_path / "train.txt").write_text("Name three colors.\nWhat is two plus two?\nSay hello.\n")
+    (tmp_path / "heldout.txt").write_text("Count to five.\n")
+    draft = make_draft(target, tmp_path / "draft", layers=1, budget_minutes=0.5, prompts=tmp_path / "train.txt",
+                       heldout=tmp_path / "heldout.txt", max_steps=3, progress=False, max_new_tokens=16,
+                       eval_max_new_tokens=16, samples_per_prompt=1)
+    check_draft_matches(target, draft)
+    report = json.loads((draft / "draft_report.json").read_text())
+    assert report["train"]["steps"] == 3
+    trained, sliced = load_state_dict(draft), load_state_dict(target)
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    assert not torch.equal(trained[bias], sliced[bias])
+    target_engine = Transformer.load(target)
+    prompt = _ids(12, seed=6).tolist()
+    ar = SpecDecoder(target_engine, None, set(), max_seq_len=96).generate(prompt, 24)
+    spec = SpecDecoder(target_engine, Transformer.load(draft), set(), max_seq_len=96)
     assert spec.generate(prompt, 24, Tree.parse("2,1")).token_ids == ar.token_ids
 
 
