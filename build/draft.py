@@ -92,6 +92,8 @@ def slice_target(target: Path, layers: int, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(keep, out_dir / "model.safetensors", metadata={"format": "pt"})
     config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):  # per-layer attention kinds (Qwen2/3): one per kept layer
+        config["layer_types"] = config["layer_types"][:layers]
     config["spectrt_draft"] = {"sliced_from": str(target), "layers": layers}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:

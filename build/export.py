@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from spectrt.runtime.model import ModelConfig
+from spectrt.runtime.model import ModelConfig, rope_frequencies
 from torch import nn
 
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_k", "cache_v")
@@ -142,10 +142,13 @@ class TreeVerifyModel(nn.Module):
         c = config
         w = weights or {}
 
-        def linear(*names: str, out_features: int, in_features: int) -> nn.Linear:
-            lin = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+        def linear(*names: str, out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
+            """`names` are HF weight names; with `bias` their `.bias` tensors are fused the same way."""
+            lin = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
             if weights is not None:
                 lin.weight.data.copy_(torch.cat([w[n] for n in names]))
+                if bias:
+                    lin.bias.data.copy_(torch.cat([w[n.removesuffix("weight") + "bias"] for n in names]))
             return lin
 
         def vector(name: str, size: int) -> torch.Tensor:  # norms stay fp32: they scale the fp32 residual stream
@@ -161,12 +164,15 @@ class TreeVerifyModel(nn.Module):
             p = f"model.layers.{i}."
             layer = nn.Module()
             layer.wqkv = linear(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"),
-                                out_features=q_out + 2 * kv_out, in_features=h)
-            layer.wo = linear(p + "self_attn.o_proj.weight", out_features=h, in_features=q_out)
+                                out_features=q_out + 2 * kv_out, in_features=h, bias=c.attention_bias)
+            layer.wo = linear(p + "self_attn.o_proj.weight", out_features=h, in_features=q_out, bias=c.output_bias)
             layer.w13 = linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", out_features=2 * f, in_features=h)
             layer.w2 = linear(p + "mlp.down_proj.weight", out_features=h, in_features=f)
             layer.register_buffer("attn_norm", vector(p + "input_layernorm.weight", h))
             layer.register_buffer("mlp_norm", vector(p + "post_attention_layernorm.weight", h))
+            if c.qk_norm:  # per-head RMSNorm of q and k (Qwen3)
+                layer.register_buffer("q_norm", vector(p + "self_attn.q_norm.weight", c.head_dim))
+                layer.register_buffer("k_norm", vector(p + "self_attn.k_norm.weight", c.head_dim))
             self.layers.append(layer)
         self.register_buffer("norm", vector("model.norm.weight", h))
         self.head = nn.Linear(h, c.vocab_size, bias=False, dtype=dtype)
@@ -174,7 +180,7 @@ class TreeVerifyModel(nn.Module):
             self.head.weight = self.embed.weight  # one initializer in the graph, not two
         elif weights is not None:
             self.head.weight.data.copy_(w["lm_head.weight"])
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        inv_freq, self.rope_scale = rope_frequencies(c)
         self.register_buffer("inv_freq", inv_freq)
 
     @classmethod
@@ -203,7 +209,7 @@ class TreeVerifyModel(nn.Module):
 
         freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+        cos, sin = (emb.cos() * self.rope_scale).to(dt), (emb.sin() * self.rope_scale).to(dt)
         # [T, S] -> [1, 1, T, S], broadcast over kv heads and the query heads sharing each
         visible = attention_mask[None, None]
         hidden = ~visible
@@ -217,6 +223,9 @@ class TreeVerifyModel(nn.Module):
             q = qkv[:, :q_dim].reshape(-1, c.num_heads, c.head_dim).transpose(0, 1)
             k = qkv[:, q_dim:q_dim + kv_dim].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            if c.qk_norm:
+                q = self._rms_norm(q.float(), layer.q_norm).to(dt)
+                k = self._rms_norm(k.float(), layer.k_norm).to(dt)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             new_k.append(k)
             new_v.append(v)

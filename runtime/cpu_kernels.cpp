@@ -214,7 +214,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
                   std::vector<Segment>& segs, const torch::Tensor& embed, const std::vector<torch::Tensor>& norms,
                   const std::vector<torch::Tensor>& wqkv, const std::vector<torch::Tensor>& bqkv,
                   const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& wo,
-                  const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2,
+                  const std::vector<torch::Tensor>& bo, const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2,
                   const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
                   const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
@@ -264,7 +264,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
         }
       }
     attention(c, l, segs, qkv, qkv_dim, att, scores, scores_ld);
-    gemm<W>(att, R, wo[l], Hd, h, nullptr, x);  // x = x + att @ Wo^T
+    gemm<W>(att, R, wo[l], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x);  // x += att @ Wo^T (+ bo)
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
     gemm<W>(h, R, w13[l], 2 * c.inter, g13, nullptr, nullptr);
     for (int64_t r = 0; r < R; ++r) {
@@ -292,7 +292,8 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
              std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
              std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
              std::vector<torch::Tensor> norms, std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> bqkv,
-             std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> w13,
+             std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> bo,
+             std::vector<torch::Tensor> w13,
              std::vector<torch::Tensor> w2, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
              torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits) {
   Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
@@ -305,10 +306,10 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
   }
   TORCH_CHECK(row0 == tokens.size(0), "segment rows do not add up to the tokens");
   if (head.scalar_type() == at::kBFloat16)
-    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, w13, w2,
+    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, bo, w13, w2,
                                final_norm, head, rope_cos, rope_sin, scratch, logits);
   else
-    forward_impl<float>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, w13, w2, final_norm,
+    forward_impl<float>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, bo, w13, w2, final_norm,
                         head, rope_cos, rope_sin, scratch, logits);
 }
 

@@ -78,8 +78,9 @@ class Int8Linear:
         return torch._int_mm(quantize(x, self.input_scale), self.weight.t()).float() * self.output_scale
 
 
-def load_quantized(checkpoint: Path, num_layers: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """(HF-named fp32 tensors for `Transformer`, per layer the INT8 replacement of each fused projection)."""
+def load_quantized(checkpoint: Path, config) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """(HF-named fp32 tensors for `Transformer`, per layer the INT8 replacement of each fused projection);
+    `config` is the checkpoint's runtime/model.ModelConfig. Biases and q/k norms stay fp32."""
     qformat = quant_format(checkpoint)
     if qformat not in QFORMATS:
         raise ValueError(f"{checkpoint}: unknown qformat {qformat!r} in config.json (expected one of {QFORMATS})")
@@ -88,10 +89,19 @@ def load_quantized(checkpoint: Path, num_layers: int) -> tuple[dict[str, torch.T
     if "head.weight" in state:
         weights["lm_head.weight"] = state["head.weight"]
     layers = []
-    for i in range(num_layers):
-        p = f"layers.{i}."
-        weights[f"model.layers.{i}.input_layernorm.weight"] = state[p + "attn_norm"]
-        weights[f"model.layers.{i}.post_attention_layernorm.weight"] = state[p + "mlp_norm"]
+    q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    for i in range(config.num_layers):
+        p, hf = f"layers.{i}.", f"model.layers.{i}."
+        weights[hf + "input_layernorm.weight"] = state[p + "attn_norm"]
+        weights[hf + "post_attention_layernorm.weight"] = state[p + "mlp_norm"]
+        if config.attention_bias:  # the fused module's bias, back under the names runtime/model.py reads
+            for n, b in zip("qkv", state[p + "wqkv.bias"].split([q_dim, kv_dim, kv_dim]), strict=True):
+                weights[hf + f"self_attn.{n}_proj.bias"] = b
+        if config.output_bias:
+            weights[hf + "self_attn.o_proj.bias"] = state[p + "wo.bias"]
+        if config.qk_norm:
+            weights[hf + "self_attn.q_norm.weight"] = state[p + "q_norm"]
+            weights[hf + "self_attn.k_norm.weight"] = state[p + "k_norm"]
         layer = {}
         for name in LINEARS:
             w, amax = state[p + name + ".weight"], state.get(p + name + ".weight_quantizer._amax")

@@ -88,9 +88,9 @@ class NativeModel:
     """
 
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],
-                 inv_freq: torch.Tensor, dtype: torch.dtype):
+                 inv_freq: torch.Tensor, rope_scale: float, dtype: torch.dtype):
         c = config
-        self.config, self.inv_freq = c, inv_freq
+        self.config, self.inv_freq, self.rope_scale = c, inv_freq, rope_scale
         self.kernels = load_kernels()
         fp32 = torch.float32
         self.embed = embed.to(fp32).contiguous()
@@ -102,6 +102,7 @@ class NativeModel:
         self.w13 = [pack(layer["w13"], dtype) for layer in layers]
         self.w2 = [pack(layer["w2"], dtype) for layer in layers]
         self.bqkv = [layer["bqkv"].to(fp32).contiguous() for layer in layers] if "bqkv" in layers[0] else []
+        self.bo = [layer["bo"].to(fp32).contiguous() for layer in layers] if "bo" in layers[0] else []
         self.qk_norms = ([n.to(fp32).contiguous() for layer in layers for n in (layer["q_norm"], layer["k_norm"])]
                          if "q_norm" in layers[0] else [])
         self.dims = [c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -122,7 +123,8 @@ class NativeModel:
         self.scratch = [torch.zeros(r, w) for w in widths] + [torch.zeros(r * c.num_heads, self.positions)]
         self.logits = torch.zeros(r, self.head.shape[0] * PANEL)
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        self.rope_cos, self.rope_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
+        self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
 
     def forward_many(self, segments) -> list[torch.Tensor]:
         """Logits per segment (tokens, positions, tree_mask, cache); rows of all segments share each GEMM.
@@ -143,7 +145,7 @@ class NativeModel:
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
-            self.wqkv, self.bqkv, self.qk_norms, self.wo, self.w13, self.w2, self.final_norm, self.head,
+            self.wqkv, self.bqkv, self.qk_norms, self.wo, self.bo, self.w13, self.w2, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, self.logits[:total],
         )
         out, row = [], 0

@@ -15,10 +15,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from spectrt.runtime.families import (
+    check_supported,
+    family_features,
+    family_tensors,
+    rope_frequencies,
+    rope_parameters,
+    rope_scaling_spec,
+)
 from spectrt.runtime.int8 import load_quantized, quant_format
 from spectrt.runtime.kernels import NativeModel, native_unavailable
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral"}
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
 # 8 rows speed up a 5-node verify, T=5 77 -> 51 (1.52x), but pad every AR step, T=1 48 -> 38 (1.27x).
@@ -27,6 +34,11 @@ ROW_BLOCK = 1
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Shape and family features of a LLaMA-family decoder. Families differ only by data: `attention_bias`
+    (q/k/v biases: Qwen2, Llama/Qwen3 with attention_bias), `output_bias` (o_proj bias: Llama/Qwen3 with
+    attention_bias), `qk_norm` (per-head RMSNorm on q and k before RoPE: Qwen3) and `rope_scaling`
+    ((key, value) pairs of a RoPE scaling that `rope_frequencies` turns into one fixed table; () = plain RoPE)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,18 +49,19 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    attention_bias: bool = False
+    output_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple = ()
+
+    def __post_init__(self):  # JSON (engine manifests) turns the pairs into lists: one canonical form
+        object.__setattr__(self, "rope_scaling", tuple(sorted(tuple(p) for p in self.rope_scaling)))
 
     @classmethod
     def from_dir(cls, checkpoint: Path) -> ModelConfig:
         raw = json.loads((Path(checkpoint) / "config.json").read_text(encoding="utf-8"))
-        if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{checkpoint}: model_type {raw.get('model_type')!r} is not supported; "
-                f"spectrt runs {sorted(SUPPORTED_MODEL_TYPES)} checkpoints"
-            )
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"{checkpoint}: rope type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        check_supported(raw, str(checkpoint))
+        rope = rope_parameters(raw)
         heads = raw["num_attention_heads"]
         return cls(
             vocab_size=raw["vocab_size"],
@@ -56,11 +69,13 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads", heads),
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            **family_features(raw),
+            rope_scaling=rope_scaling_spec(raw, str(checkpoint)),
         )
 
 
@@ -166,7 +181,8 @@ class Transformer:
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            layer = {"attn_norm": w[p + "input_layernorm.weight"], "mlp_norm": w[p + "post_attention_layernorm.weight"]}
+            layer = {"attn_norm": w[p + "input_layernorm.weight"], "mlp_norm": w[p + "post_attention_layernorm.weight"],
+                     **family_tensors(config, w, p)}
             layer.update(projections[i] if projections else {
                 "wqkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
                 "wo": w[p + "self_attn.o_proj.weight"],
@@ -179,13 +195,13 @@ class Transformer:
         # alone; see `_row_invariant_attention`. Its int8 GEMMs are exact; fp projections use fixed row blocks.
         self.row_invariant = bool(projections) and any(not isinstance(w, torch.Tensor)
                                                        for layer in projections for w in layer.values())
-        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+        self.inv_freq, self.rope_scale = rope_frequencies(config)
         if native is None:
             native = not projections and native_unavailable() is None
         elif native and (projections or native_unavailable()):
             raise ValueError(f"the native CPU forward cannot run this engine: {native_unavailable() or 'INT8'}")
-        self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq, dtype) \
-            if native else None
+        self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
+                                  self.rope_scale, dtype) if native else None
 
     @classmethod
     def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True,
@@ -194,7 +210,7 @@ class Transformer:
         if quant_format(checkpoint):
             if dtype != torch.float32:
                 raise ValueError(f"{checkpoint} is an INT8 checkpoint: its non-GEMM ops run in fp32, use --dtype fp32")
-            weights, projections = load_quantized(checkpoint, config.num_layers)
+            weights, projections = load_quantized(checkpoint, config)
             return cls(config, weights, dtype, measure_kernels, projections)
         weights = {}
         for shard in sorted(Path(checkpoint).glob("*.safetensors")):
@@ -280,7 +296,7 @@ class Transformer:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,9 +328,13 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["attn_norm"])
             qkv = self._project(h, layer["wqkv"])
+            if c.attention_bias:
+                qkv = qkv + layer["bqkv"]
             q = qkv[:, :q_dim].view(t, c.num_heads, c.head_dim).transpose(0, 1)
             k = qkv[:, q_dim:q_dim + kv_dim].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = qkv[:, q_dim + kv_dim:].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            if c.qk_norm:
+                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             cache.k[i, :, start:end] = k
             cache.v[i, :, start:end] = v
@@ -324,7 +344,8 @@ class Transformer:
                 o = F.scaled_dot_product_attention(
                     q[None], cache.k[i, None, :, :end], cache.v[i, None, :, :end], attn_mask=mask, enable_gqa=True
                 )[0]
-            x = x + self._project(o.transpose(0, 1).reshape(t, q_dim), layer["wo"])
+            o = self._project(o.transpose(0, 1).reshape(t, q_dim), layer["wo"])
+            x = x + (o + layer["bo"] if c.output_bias else o)
             h = self._rms_norm(x, layer["mlp_norm"])
             gate, up = self._project(h, layer["w13"]).chunk(2, dim=-1)
             x = x + self._project(F.silu(gate) * up, layer["w2"])
