@@ -84,7 +84,7 @@ class NativeModel:
 
     Weights keep the engine's dtype (fp32, or bf16 for half the memory traffic); activations, accumulation and the
     KV cache are fp32. Scratch buffers grow only when a call needs more rows or positions than any before it
-    (`reserve`, done by `new_cache`), so decoding allocates nothing.
+    (`reserve`, done by `new_cache`), so decoding allocates nothing but each forward's logits.
     """
 
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],
@@ -121,7 +121,6 @@ class NativeModel:
         widths = [c.hidden_size, max(c.hidden_size, q_dim), qkv_dim, q_dim, 2 * c.intermediate_size,
                   c.intermediate_size]
         self.scratch = [torch.zeros(r, w) for w in widths] + [torch.zeros(r * c.num_heads, self.positions)]
-        self.logits = torch.zeros(r, self.head.shape[0] * PANEL)
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
@@ -129,7 +128,8 @@ class NativeModel:
     def forward_many(self, segments) -> list[torch.Tensor]:
         """Logits per segment (tokens, positions, tree_mask, cache); rows of all segments share each GEMM.
 
-        The returned logits are views of a static buffer, valid until this engine's next forward.
+        The logits are the one tensor a forward allocates (it is its result, and callers keep it across forwards);
+        every intermediate lives in the static scratch.
         """
         rows = [s[0].shape[0] for s in segments]
         total = sum(rows)
@@ -142,14 +142,11 @@ class NativeModel:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}): got {tokens.tolist()}")
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
+        logits = torch.empty(total, self.config.vocab_size)
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.wqkv, self.bqkv, self.qk_norms, self.wo, self.bo, self.w13, self.w2, self.final_norm, self.head,
-            self.rope_cos, self.rope_sin, self.scratch, self.logits[:total],
+            self.rope_cos, self.rope_sin, self.scratch, logits,
         )
-        out, row = [], 0
-        for n in rows:
-            out.append(self.logits[row:row + n, :self.config.vocab_size])
-            row += n
-        return out
+        return list(logits.split(rows))

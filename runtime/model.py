@@ -196,10 +196,12 @@ class Transformer:
         self.row_invariant = bool(projections) and any(not isinstance(w, torch.Tensor)
                                                        for layer in projections for w in layer.values())
         self.inv_freq, self.rope_scale = rope_frequencies(config)
+        native_dtype = dtype in (torch.float32, torch.bfloat16)  # fp64 stays on the reference path (exactness tests)
         if native is None:
-            native = not projections and native_unavailable() is None
-        elif native and (projections or native_unavailable()):
-            raise ValueError(f"the native CPU forward cannot run this engine: {native_unavailable() or 'INT8'}")
+            native = not projections and native_dtype and native_unavailable() is None
+        elif native and (projections or not native_dtype or native_unavailable()):
+            raise ValueError("the native CPU forward cannot run this engine: "
+                             f"{native_unavailable() or 'it runs fp32/bf16 weights, not INT8 projections or ' + str(dtype)}")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
                                   self.rope_scale, dtype) if native else None
 
