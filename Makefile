@@ -17,7 +17,7 @@ QFORMAT   ?= int8_sq
 INSTANCES   ?= 2
 CONCURRENCY ?=
 
-.PHONY: setup demo test bench draft quantize compare engines gpu-check serve client lint clean
+.PHONY: setup demo test bench profile draft quantize compare engines gpu-check serve client lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml Makefile
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	$(BIN)/pip install -q grpcio python-rapidjson packaging protobuf
+	# the native CPU forward (runtime/cpu_kernels.cpp), compiled once per machine into ~/.cache/spectrt (~1 min)
+	$(BIN)/python -c "from spectrt.runtime.kernels import load_kernels, native_unavailable as why; \
+		print('native CPU kernels:', 'ready' if load_kernels() else why())"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint
@@ -54,6 +57,10 @@ else
 	$(BIN)/python scripts/gpu_check.py --device cpu --engines $(ENGINES) --no-bf16 --trees 2,1 \
 		--out bench/results/verify_cost_$(BACKEND).json
 endif
+
+profile: draft  ## this machine's cost curve (ms per forward vs tree size, target + draft) -> artifacts/ + bench/results/profile/
+	$(BIN)/spectrt profile --dtype fp32
+	$(BIN)/spectrt profile --dtype bf16
 
 quantize: setup  ## INT8 target with ModelOpt (QFORMAT=int8_sq|int8_wo) + accuracy gates -> artifacts/<target>-$(QFORMAT)
 	$(BIN)/spectrt quantize --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET))

@@ -1,4 +1,4 @@
-"""`spectrt` command line: generate, bench, draft, quantize, compare, engines, serve, client."""
+"""`spectrt` command line: generate, bench, profile, draft, quantize, compare, engines, serve, client."""
 
 from __future__ import annotations
 
@@ -91,6 +91,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from spectrt.runtime.profile import run_profile
+
+    target = resolve_target(args.target, args.artifacts)
+    draft = None
+    if not args.no_draft:
+        draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
+        if not draft.is_dir():
+            raise CheckpointError(f"draft {draft} does not exist: build it with `spectrt draft` or pass --no-draft")
+    run_profile(target, draft, args.dtype, args.artifacts, args.out, args.repeats)
+    return 0
+
+
 def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.build.draft import HELDOUT_PROMPTS, make_draft, read_prompts
     from spectrt.runtime.bench import draft_runtime_report
@@ -176,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"))
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="this machine's cost curve (ms per forward vs tree size) -> cost profile")
+    pr.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    pr.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft)")
+    pr.add_argument("--no-draft", action="store_true", help="profile the target only")
+    pr.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where the cost profile is saved")
+    pr.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    pr.add_argument("--repeats", type=_positive, default=15, help="timed forwards per shape (median reported)")
+    pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
+    pr.set_defaults(func=cmd_profile)
 
     d = sub.add_parser("draft", help="slice the target and distill it on the target's own outputs")
     d.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")

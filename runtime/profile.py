@@ -1,0 +1,202 @@
+"""`spectrt profile`: this machine's engine cost curve (ms per forward vs T new tokens) for target and draft.
+
+Every speedup divides by this curve: a tree of T nodes pays only if verifying it costs little more than one
+step. The curve is measured with tree masks (a binary tree of T nodes after `context` committed tokens), saved as
+the machine's cost profile (artifacts/cost_profile-<target>-<dtype>.json) for the tree tuner, and written with a
+per-component breakdown as JSON + markdown + PNG under bench/results/profile/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from spectrt.runtime.model import Transformer
+from spectrt.runtime.tree import Tree
+from tqdm import tqdm
+
+T_VALUES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 1024)
+
+
+def binary_tree(nodes: int) -> Tree:
+    """`nodes` nodes, node i's parent (i - 1) // 2: a tree in breadth-first order, not a causal chunk."""
+    return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)]))
+
+
+def _prefilled(engine: Transformer, context: int, window: int):
+    cache = engine.new_cache(context + window, window)
+    gen = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
+    causal = torch.ones(window, window, dtype=torch.bool).tril()
+    for start in range(0, context, window):
+        chunk = ids[start:start + window]
+        engine.forward(chunk, torch.arange(start, start + len(chunk)), causal[:len(chunk), :len(chunk)], cache)
+        cache.commit(len(chunk))
+    return cache
+
+
+def forward_ms(engine: Transformer, nodes: int, cache, repeats: int) -> float:
+    """Median wall time of one forward of a `nodes`-node tree after the cache's committed tokens."""
+    tree = binary_tree(nodes)
+    tokens = torch.randint(0, engine.config.vocab_size, (nodes,), generator=torch.Generator().manual_seed(nodes))
+    positions = tree.positions(cache.length)
+    engine.forward(tokens, positions, tree.mask, cache)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.forward(tokens, positions, tree.mask, cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def cost_curve(engine: Transformer, contexts=CONTEXTS, t_values=T_VALUES, repeats: int = 15,
+               label: str = "") -> dict[str, dict[str, float]]:
+    """{context: {T: median ms}} for tree forwards of T nodes."""
+    curve = {}
+    with tqdm(total=len(contexts) * len(t_values), desc=f"profile {label}".strip(), unit="shape") as bar:
+        for context in contexts:
+            cache = _prefilled(engine, context, max(t_values))
+            curve[str(context)] = {}
+            for t in t_values:
+                curve[str(context)][str(t)] = round(forward_ms(engine, t, cache, repeats), 3)
+                bar.update()
+    return curve
+
+
+def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int = 15) -> dict[str, float]:
+    """ms per forward by component at `nodes` rows. Native engine: each packed GEMM shape timed alone (weights
+    streamed as in a forward: every layer's own panels) and the rest (attention, norms, RoPE, SiLU, call overhead)
+    as the difference. Reference engine: the torch profiler's per-op self CPU time."""
+    total = forward_ms(engine, nodes, _prefilled(engine, context, 64), repeats)
+    if engine.native is None:
+        from torch.profiler import ProfilerActivity, profile
+
+        cache = _prefilled(engine, context, 64)
+        tree = binary_tree(nodes)
+        tokens = torch.zeros(nodes, dtype=torch.long)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                engine.forward(tokens, tree.positions(context), tree.mask, cache)
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+        parts = {f"op {e.key}": round(e.self_cpu_time_total / 3e3, 3) for e in ops}
+        return {"total": round(total, 3), **parts}
+    from spectrt.runtime import kernels
+
+    native, c = engine.native, engine.config
+    x = torch.randn(nodes, max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim))
+    shapes = {
+        f"gemm qkv {c.hidden_size}->{c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim}": native.wqkv,
+        f"gemm o {c.num_heads * c.head_dim}->{c.hidden_size}": native.wo,
+        f"gemm gate/up {c.hidden_size}->{2 * c.intermediate_size}": native.w13,
+        f"gemm down {c.intermediate_size}->{c.hidden_size}": native.w2,
+        f"lm head {c.hidden_size}->{c.vocab_size}": [native.head],
+    }
+    parts = {}
+    for name, packed in shapes.items():
+        k = packed[0].shape[1]
+        n = packed[0].shape[0] * kernels.PANEL
+        times = []
+        for _ in range(max(3, repeats // 3)):
+            start = time.perf_counter()
+            for w in packed:
+                kernels.linear(x[:, :k], w, n)
+            times.append(time.perf_counter() - start)
+        parts[name] = round(statistics.median(times) * 1e3, 3)
+    parts["attention, norms, RoPE, SiLU, overhead"] = round(max(total - sum(parts.values()), 0.0), 3)
+    return {"total": round(total, 3), **parts}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_profile_path(target: Path, dtype: str, artifacts: Path) -> Path:
+    """Where the tree tuner finds this machine's cost profile for a target and dtype."""
+    return Path(artifacts) / f"cost_profile-{Path(target).name}-{dtype}.json"
+
+
+def load_cost_profile(target: Path, dtype: str, artifacts: Path) -> dict | None:
+    path = cost_profile_path(target, dtype, artifacts)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, out_dir: Path,
+                repeats: int = 15) -> dict:
+    """Measure target (and draft) curves + breakdowns; save the cost profile and the report files."""
+    from spectrt.runtime.engine import DTYPES
+
+    report = {"backend": "torch", "dtype": dtype, "threads": torch.get_num_threads(), "cpu": _cpu_name(),
+              "cores": os.cpu_count(), "target_name": Path(target).name}
+    engines = {"target": Transformer.load(target, DTYPES[dtype])}
+    if draft is not None:
+        engines["draft"] = Transformer.load(draft, DTYPES[dtype])
+    report["native"] = engines["target"].native is not None
+    report["breakdown"] = {}
+    for role, engine in engines.items():
+        report[role] = cost_curve(engine, repeats=repeats, label=role)
+        report["breakdown"][role] = {str(t): breakdown(engine, t, repeats=repeats) for t in (1, 8)}
+    path = cost_profile_path(target, dtype, artifacts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"profile_{dtype}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(to_markdown(report))
+    plot(report, stem.with_suffix(".png"))
+    print(to_markdown(report))
+    print(f"cost profile -> {path}; report -> {stem}.{{json,md,png}}")
+    return report
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"### cost profile: {report['target_name']} {report['dtype']} "
+             f"({'native' if report['native'] else 'torch reference'} forward, {report['threads']} threads, "
+             f"{report['cpu']})", ""]
+    for role in ("target", "draft"):
+        if role not in report:
+            continue
+        lines += [f"**{role}** — ms per forward of a T-node tree (ratio to T=1)", "",
+                  "| context | " + " | ".join(f"T={t}" for t in T_VALUES) + " |",
+                  "|---|" + "---|" * len(T_VALUES)]
+        for context, row in report[role].items():
+            one = row["1"]
+            lines.append(f"| {context} | " + " | ".join(f"{row[str(t)]:.1f} ({row[str(t)] / one:.2f}×)"
+                                                       for t in T_VALUES) + " |")
+        lines.append("")
+        for t, parts in report["breakdown"][role].items():
+            lines.append(f"breakdown at T={t}, context 128: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for role in ("target", "draft"):
+        for context, row in report.get(role, {}).items():
+            ax.plot(T_VALUES, [row[str(t)] for t in T_VALUES], marker="o", label=f"{role}, context {context}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("T (tree nodes per forward)")
+    ax.set_ylabel("ms per forward")
+    ax.set_title(f"{report['target_name']} {report['dtype']}, {report['threads']} threads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
