@@ -98,6 +98,84 @@ void gemm(const float* x, int64_t rows, const torch::Tensor& packed, int64_t n_o
   });
 }
 
+// W8A8 projection (SmoothQuant, runtime/int8.py): x * pre_quant_scale -> round-half-even(x * in_scale) clamped to
+// [-128, 127] -> int32 dot products with the int8 weights -> float(acc) * out_scale[n]. Integer sums are exact in any
+// order, so these rows are invariant by construction. VNNI's dpbusd multiplies unsigned by signed bytes: activations
+// are stored + 128 and `colsum` (128 * sum_k w[n, k]) is subtracted again. Weights packed [P, K/4, NR, 4].
+struct QuantProj {
+  const int8_t* w;
+  const float* pre;  // may be null
+  float in_scale;
+  const float* out_scale;
+  const int32_t* colsum;
+  int64_t panels, k4;
+};
+
+template <int M>
+inline void int8_block(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t k4, int32_t* acc_out) {
+  __m512i acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < k4; ++k) {
+    const int8_t* w = panel + k * NR * 4;
+    __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
+            w3 = _mm512_loadu_si512(w + 192);
+    for (int m = 0; m < M; ++m) {
+      int32_t four;
+      std::memcpy(&four, xq + m * ldx + 4 * k, 4);
+      __m512i a = _mm512_set1_epi32(four);
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], a, w0);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], a, w1);
+      acc[m][2] = _mm512_dpbusd_epi32(acc[m][2], a, w2);
+      acc[m][3] = _mm512_dpbusd_epi32(acc[m][3], a, w3);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc_out + m * NR + 16 * j, acc[m][j]);
+}
+
+void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int64_t n_out, float* out,
+               const float* bias, float* residual, uint8_t* xq) {
+  const int64_t ldx = q.k4 * 4;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      float v = x[m * K + k];
+      if (q.pre) v = v * q.pre[k];
+      v = std::nearbyint(v * q.in_scale);  // the default rounding mode: half to even, as torch.round
+      v = std::min(127.0f, std::max(-128.0f, v));
+      xq[m * ldx + k] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+    }
+    for (int64_t k = K; k < ldx; ++k) xq[m * ldx + k] = 128;  // padded k: the weights there are 0
+  }
+  at::parallel_for(0, q.panels, 1, [&](int64_t p0, int64_t p1) {
+    int32_t acc[MR * NR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
+      const int8_t* panel = q.w + p * q.k4 * NR * 4;
+      for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+        const int64_t mr = std::min(MR, rows - m0);
+        const uint8_t* xr = xq + m0 * ldx;
+        switch (mr) {
+          case 1: int8_block<1>(xr, ldx, panel, q.k4, acc); break;
+          case 2: int8_block<2>(xr, ldx, panel, q.k4, acc); break;
+          case 3: int8_block<3>(xr, ldx, panel, q.k4, acc); break;
+          case 4: int8_block<4>(xr, ldx, panel, q.k4, acc); break;
+          case 5: int8_block<5>(xr, ldx, panel, q.k4, acc); break;
+          default: int8_block<6>(xr, ldx, panel, q.k4, acc); break;
+        }
+        for (int64_t m = 0; m < mr; ++m)
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = static_cast<float>(acc[m * NR + c] - q.colsum[c0 + c]) * q.out_scale[c0 + c];
+            if (bias) v = v + bias[c0 + c];
+            const int64_t o = (m0 + m) * n_out + c0 + c;
+            out[o] = v;
+            if (residual) residual[o] = residual[o] + v;
+          }
+      }
+    }
+  });
+}
+
 // exp(x) for 16 lanes: range reduction by ln 2 and a degree-6 polynomial (~1 ulp); every lane alike.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
@@ -209,12 +287,25 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
   });
 }
 
+// One projection: a packed fp weight ([packed]) or a W8A8 one ([packed int8, pre_quant_scale or empty, in_scale [1],
+// out_scale [N], colsum [N]]).
+template <typename W>
+void project(const float* x, int64_t rows, int64_t K, const std::vector<torch::Tensor>& p, int64_t n_out, float* out,
+             const float* bias, float* residual, uint8_t* xq) {
+  if (p.size() == 1) {
+    gemm<W>(x, rows, p[0], n_out, out, bias, residual);
+    return;
+  }
+  QuantProj q{p[0].data_ptr<int8_t>(), p[1].numel() ? p[1].data_ptr<float>() : nullptr, p[2].data_ptr<float>()[0],
+              p[3].data_ptr<float>(), p[4].data_ptr<int32_t>(), p[0].size(0), p[0].size(1)};
+  gemm_int8(x, rows, K, q, n_out, out, bias, residual, xq);
+}
+
 template <typename W>
 void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Tensor& positions,
                   std::vector<Segment>& segs, const torch::Tensor& embed, const std::vector<torch::Tensor>& norms,
-                  const std::vector<torch::Tensor>& wqkv, const std::vector<torch::Tensor>& bqkv,
-                  const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& wo,
-                  const std::vector<torch::Tensor>& bo, const std::vector<torch::Tensor>& w13, const std::vector<torch::Tensor>& w2,
+                  const std::vector<std::vector<torch::Tensor>>& projs, const std::vector<torch::Tensor>& bqkv,
+                  const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& bo,
                   const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
                   const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
@@ -226,6 +317,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
   float* g13 = scratch[4].data_ptr<float>();     // [R, 2 * inter]
   float* act = scratch[5].data_ptr<float>();     // [R, inter]
   float* scores = scratch[6].data_ptr<float>();  // [R * heads, capacity]
+  uint8_t* xq = scratch[7].data_ptr<uint8_t>();  // [R, max K] quantized activations (W8A8 projections)
   const int64_t scores_ld = scratch[6].size(1);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -239,7 +331,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
     const float* mlp_norm = norms[2 * l + 1].data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, attn_norm, Hd, c.eps, h + r * Hd);
     const float* bias = bqkv.empty() ? nullptr : bqkv[l].data_ptr<float>();
-    gemm<W>(h, R, wqkv[l], qkv_dim, qkv, bias, nullptr);
+    project<W>(h, R, Hd, projs[4 * l], qkv_dim, qkv, bias, nullptr, xq);
     for (int64_t r = 0; r < R; ++r) {
       float* row = qkv + r * qkv_dim;
       if (!qk_norms.empty()) {  // Qwen3: RMSNorm over each q and k head before RoPE
@@ -264,9 +356,9 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
         }
       }
     attention(c, l, segs, qkv, qkv_dim, att, scores, scores_ld);
-    gemm<W>(att, R, wo[l], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x);  // x += att @ Wo^T (+ bo)
+    project<W>(att, R, q_dim, projs[4 * l + 1], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x, xq);
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
-    gemm<W>(h, R, w13[l], 2 * c.inter, g13, nullptr, nullptr);
+    project<W>(h, R, Hd, projs[4 * l + 2], 2 * c.inter, g13, nullptr, nullptr, xq);
     for (int64_t r = 0; r < R; ++r) {
       const float* gr = g13 + r * 2 * c.inter;
       float* ar = act + r * c.inter;
@@ -278,7 +370,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
         _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
       }
     }
-    gemm<W>(act, R, w2[l], Hd, h, nullptr, x);
+    project<W>(act, R, c.inter, projs[4 * l + 3], Hd, h, nullptr, x, xq);
   }
   const float* fn = final_norm.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, fn, Hd, c.eps, h + r * Hd);
@@ -291,10 +383,8 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
 void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
              std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
              std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
-             std::vector<torch::Tensor> norms, std::vector<torch::Tensor> wqkv, std::vector<torch::Tensor> bqkv,
-             std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> wo, std::vector<torch::Tensor> bo,
-             std::vector<torch::Tensor> w13,
-             std::vector<torch::Tensor> w2, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
+             std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> projs,
+             std::vector<torch::Tensor> bqkv, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> bo, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
              torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits) {
   Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
   std::vector<Segment> segs;
@@ -306,20 +396,23 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
   }
   TORCH_CHECK(row0 == tokens.size(0), "segment rows do not add up to the tokens");
   if (head.scalar_type() == at::kBFloat16)
-    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, bo, w13, w2,
+    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo,
                                final_norm, head, rope_cos, rope_sin, scratch, logits);
   else
-    forward_impl<float>(c, tokens, positions, segs, embed, norms, wqkv, bqkv, qk_norms, wo, bo, w13, w2, final_norm,
+    forward_impl<float>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
                         head, rope_cos, rope_sin, scratch, logits);
 }
 
-// One packed GEMM, exposed for tests and the profiler: out[rows, n_out] = x @ W^T.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n_out) {
+// One projection, exposed for tests and the profiler: out[rows, n_out] = x @ W^T (fp or W8A8 packed).
+torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n_out) {
   auto out = torch::empty({x.size(0), n_out}, x.options());
-  if (packed.scalar_type() == at::kBFloat16)
-    gemm<at::BFloat16>(x.data_ptr<float>(), x.size(0), packed, n_out, out.data_ptr<float>(), nullptr, nullptr);
+  auto xq = torch::empty({x.size(0), x.size(1) + 4}, x.options().dtype(torch::kUInt8));
+  if (proj[0].scalar_type() == at::kBFloat16)
+    project<at::BFloat16>(x.data_ptr<float>(), x.size(0), x.size(1), proj, n_out, out.data_ptr<float>(), nullptr,
+                          nullptr, xq.data_ptr<uint8_t>());
   else
-    gemm<float>(x.data_ptr<float>(), x.size(0), packed, n_out, out.data_ptr<float>(), nullptr, nullptr);
+    project<float>(x.data_ptr<float>(), x.size(0), x.size(1), proj, n_out, out.data_ptr<float>(), nullptr, nullptr,
+                   xq.data_ptr<uint8_t>());
   return out;
 }
 

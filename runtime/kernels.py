@@ -74,9 +74,27 @@ def pack(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
-    """x [M, K] fp32 @ W^T with a packed W: each output row computed identically whatever M."""
-    return load_kernels().linear(x.contiguous(), packed, n_out)
+def pack_int8(proj) -> list[torch.Tensor]:
+    """A W8A8 projection (runtime/int8.Int8Linear) as the int8 GEMM reads it: weights [P, K/4, PANEL, 4] (4
+    consecutive k of one column per 32-bit lane, for VNNI), pre_quant_scale (or empty), input scale,
+    per-column output scales and 128 * sum_k w (the unsigned-activation correction)."""
+    w = proj.weight
+    n, k = w.shape
+    padded = F.pad(w, (0, -k % 4, 0, -n % PANEL))
+    packed = padded.view(-1, PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    pre = proj.pre_quant_scale if proj.pre_quant_scale is not None else torch.empty(0)
+    colsum = (128 * w.to(torch.int32).sum(1)).to(torch.int32)
+    return [packed, pre.float().contiguous(), proj.input_scale.float().reshape(1), proj.output_scale.float(), colsum]
+
+
+def pack_projection(w, dtype: torch.dtype) -> list[torch.Tensor]:
+    """[packed] for an fp weight, the five W8A8 tensors for an INT8 projection."""
+    return [pack(w, dtype)] if isinstance(w, torch.Tensor) else pack_int8(w)
+
+
+def linear(x: torch.Tensor, proj: list[torch.Tensor] | torch.Tensor, n_out: int) -> torch.Tensor:
+    """x [M, K] fp32 @ W^T with a packed projection: each output row computed identically whatever M."""
+    return load_kernels().linear(x.contiguous(), [proj] if isinstance(proj, torch.Tensor) else proj, n_out)
 
 
 class NativeModel:
@@ -97,10 +115,9 @@ class NativeModel:
         self.final_norm = norm.to(fp32).contiguous()
         self.head = pack(head, dtype)
         self.norms = [n.to(fp32).contiguous() for layer in layers for n in (layer["attn_norm"], layer["mlp_norm"])]
-        self.wqkv = [pack(layer["wqkv"], dtype) for layer in layers]
-        self.wo = [pack(layer["wo"], dtype) for layer in layers]
-        self.w13 = [pack(layer["w13"], dtype) for layer in layers]
-        self.w2 = [pack(layer["w2"], dtype) for layer in layers]
+        # per layer q/k/v, o, gate/up, down; fp weights keep `dtype`, W8A8 ones their int8 form
+        self.projections = [pack_projection(layer[name], dtype) for layer in layers
+                            for name in ("wqkv", "wo", "w13", "w2")]
         self.bqkv = [layer["bqkv"].to(fp32).contiguous() for layer in layers] if "bqkv" in layers[0] else []
         self.bo = [layer["bo"].to(fp32).contiguous() for layer in layers] if "bo" in layers[0] else []
         self.qk_norms = ([n.to(fp32).contiguous() for layer in layers for n in (layer["q_norm"], layer["k_norm"])]
@@ -121,6 +138,7 @@ class NativeModel:
         widths = [c.hidden_size, max(c.hidden_size, q_dim), qkv_dim, q_dim, 2 * c.intermediate_size,
                   c.intermediate_size]
         self.scratch = [torch.zeros(r, w) for w in widths] + [torch.zeros(r * c.num_heads, self.positions)]
+        self.scratch.append(torch.zeros(r, max(widths) + 4, dtype=torch.uint8))  # quantized activations (W8A8)
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
@@ -146,7 +164,7 @@ class NativeModel:
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
-            self.wqkv, self.bqkv, self.qk_norms, self.wo, self.bo, self.w13, self.w2, self.final_norm, self.head,
+            self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, logits,
         )
         return list(logits.split(rows))

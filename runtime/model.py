@@ -207,9 +207,9 @@ class Transformer:
         self.inv_freq, self.rope_scale = rope_frequencies(config)
         native_dtype = dtype in (torch.float32, torch.bfloat16)  # fp64 stays on the reference path (exactness tests)
         if native is None:
-            native = not projections and native_dtype and native_unavailable() is None
-        elif native and (projections or not native_dtype or native_unavailable()):
-            reason = native_unavailable() or f"it runs fp32/bf16 weights, not INT8 projections or {dtype}"
+            native = native_dtype and native_unavailable() is None
+        elif native and (not native_dtype or native_unavailable()):
+            reason = native_unavailable() or f"it runs fp32/bf16 weights, not {dtype}"
             raise ValueError(f"the native CPU forward cannot run this engine: {reason}")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
                                   self.rope_scale, dtype) if native else None
@@ -225,7 +225,7 @@ class Transformer:
             if dtype != torch.float32:
                 raise ValueError(f"{checkpoint} is an INT8 checkpoint: its non-GEMM ops run in fp32, use --dtype fp32")
             weights, projections = load_quantized(checkpoint, config)
-            return cls(config, weights, dtype, measure_kernels, projections)
+            return cls(config, weights, dtype, measure_kernels, projections, native=native)
         weights = {}
         for shard in sorted(Path(checkpoint).glob("*.safetensors")):
             with safe_open(shard, "pt") as f:

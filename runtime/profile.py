@@ -90,22 +90,24 @@ def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int 
 
     native, c = engine.native, engine.config
     x = torch.randn(nodes, max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim))
-    shapes = {
-        f"gemm qkv {c.hidden_size}->{c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim}": native.wqkv,
-        f"gemm o {c.num_heads * c.head_dim}->{c.hidden_size}": native.wo,
-        f"gemm gate/up {c.hidden_size}->{2 * c.intermediate_size}": native.w13,
-        f"gemm down {c.intermediate_size}->{c.hidden_size}": native.w2,
-        f"lm head {c.hidden_size}->{c.vocab_size}": [native.head],
+    q_dim = c.num_heads * c.head_dim
+    shapes = {  # name: (K, N, every layer's projection)
+        f"gemm qkv {c.hidden_size}->{q_dim + 2 * c.num_kv_heads * c.head_dim}":
+            (c.hidden_size, q_dim + 2 * c.num_kv_heads * c.head_dim, native.projections[0::4]),
+        f"gemm o {q_dim}->{c.hidden_size}": (q_dim, c.hidden_size, native.projections[1::4]),
+        f"gemm gate/up {c.hidden_size}->{2 * c.intermediate_size}":
+            (c.hidden_size, 2 * c.intermediate_size, native.projections[2::4]),
+        f"gemm down {c.intermediate_size}->{c.hidden_size}": (c.intermediate_size, c.hidden_size,
+                                                              native.projections[3::4]),
+        f"lm head {c.hidden_size}->{c.vocab_size}": (c.hidden_size, c.vocab_size, [[native.head]]),
     }
     parts = {}
-    for name, packed in shapes.items():
-        k = packed[0].shape[1]
-        n = packed[0].shape[0] * kernels.PANEL
+    for name, (k, n, projections) in shapes.items():
         times = []
         for _ in range(max(3, repeats // 3)):
             start = time.perf_counter()
-            for w in packed:
-                kernels.linear(x[:, :k], w, n)
+            for proj in projections:
+                kernels.linear(x[:, :k], proj, n)
             times.append(time.perf_counter() - start)
         parts[name] = round(statistics.median(times) * 1e3, 3)
     parts["attention, norms, RoPE, SiLU, overhead"] = round(max(total - sum(parts.values()), 0.0), 3)

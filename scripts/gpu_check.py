@@ -100,7 +100,8 @@ class TorchOn:
         from spectrt.runtime.model import Transformer
 
         self.device = device
-        self.model = Transformer(config, weights, dtype, measure_kernels=device.type == "cpu")
+        # the torch reference path (the native forward is a CPU kernel; on CPU this script measures the reference)
+        self.model = Transformer(config, weights, dtype, measure_kernels=device.type == "cpu", native=False)
         self.model.inv_freq = self.model.inv_freq.to(device)
         self.config = config
 

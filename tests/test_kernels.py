@@ -55,6 +55,21 @@ def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype):
         assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
 
 
+@pytest.mark.parametrize("smooth", [False, True])
+def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth):
+    from spectrt.runtime.int8 import Int8Linear
+
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(130, 70, generator=gen), 3 * torch.randn(9, 70, generator=gen)  # K and N not multiples
+    proj = Int8Linear(w, w.abs().amax(1), x.abs().amax(), torch.rand(70, generator=gen) + 0.5 if smooth else None)
+    packed = kernels.pack_int8(proj)
+    y = kernels.linear(x, packed, 130)
+    # the same int8 operands and an exact int32 sum: equal to torch's _int_mm path up to the final fp32 multiply
+    torch.testing.assert_close(y, proj(x), rtol=1e-6, atol=1e-5)
+    for i in range(9):
+        assert torch.equal(kernels.linear(x[i:i + 1], packed, 130)[0], y[i])
+
+
 def test_native_matches_reference_forward(reference, target):
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 49152, (100,), generator=gen).tolist()

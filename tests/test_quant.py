@@ -194,11 +194,10 @@ def prompt_ids(target_dir) -> list[list[int]]:
 
 
 def test_int8_verify_rows_match_single_token_steps(int8_target, prompt_ids):
-    engine = Transformer.load(int8_target[1])
     ids = torch.tensor(prompt_ids[0])
     n = len(ids) - 4
 
-    def run(batched: bool) -> list[torch.Tensor]:
+    def run(engine: Transformer, batched: bool) -> list[torch.Tensor]:
         cache = engine.new_cache(len(ids) + 8, len(ids))
         engine.forward(ids[:n], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
         cache.commit(n)
@@ -215,13 +214,20 @@ def test_int8_verify_rows_match_single_token_steps(int8_target, prompt_ids):
     def gap(rows: list[torch.Tensor], steps: list[torch.Tensor]) -> float:
         return max(float((a - b).abs().max()) for a, b in zip(rows, steps, strict=True))
 
-    steps = run(batched=False)
-    # Every layer computes a verified row bit-identically to a single-token step; only the fp32 LM head (the
-    # last op, nothing quantized after it) still runs batched, which leaves ~1e-5 on logits of ~30.
-    invariant = gap(run(batched=True), steps)
+    # The native forward (int8 VNNI GEMMs, fp32 rest) computes every row as a single-token step does: bitwise.
+    native = Transformer.load(int8_target[1])
+    assert native.native is not None
+    for row, step in zip(run(native, batched=True), run(native, batched=False), strict=True):
+        assert torch.equal(row, step)
+    # The torch reference path is row invariant only through its per-row mode (the fp32 LM head, the last op,
+    # still runs batched: ~1e-5 on logits of ~30) ...
+    reference = Transformer.load(int8_target[1], native=False)
+    steps = run(reference, batched=False)
+    invariant = gap(run(reference, batched=True), steps)
     assert invariant <= 1e-4
-    engine.row_invariant = False  # batched kernels: rows depend on the batch shape, and int8 rounding amplifies it
-    assert gap(run(batched=True), steps) > 100 * max(invariant, 1e-4)
+    # ... and without it, rows depend on the batch shape and int8 rounding amplifies that
+    reference.row_invariant = False
+    assert gap(run(reference, batched=True), steps) > 100 * max(invariant, 1e-4)
 
 
 @pytest.mark.parametrize("spec", ["2,1", "3,2,1"])
