@@ -1,21 +1,25 @@
 """Run the real Triton Inference Server (the `tritonserver` binary shipped in the `nvidia-pytriton` wheel).
 
-`TritonServer` lays out a run directory, starts the server on 127.0.0.1 and always cleans up:
+`TritonServer` lays out a fresh run directory (a temporary one, or a new subdirectory of `run_dir`: it never
+writes into, or deletes, a directory it did not create), starts the server on 127.0.0.1 and always cleans up:
 
     <run dir>/models/<model>/   a copy of triton_repo/spectrt with the deploy-time parameters written into
                                 its config.pbtxt (absolute paths, instance count)
     <run dir>/backends/python/  libtriton_python.so, triton_python_backend_utils.py and the stub built for
                                 this interpreter's Python version (symlinks into the wheel)
     <run dir>/server.log        the server's stdout and stderr
+    <run dir>/admin-key         the key of the restricted admin APIs (model repository, shared memory, trace,
+                                logging): HTTP header ADMIN_HEADER, gRPC metadata GRPC_ADMIN_HEADER
 
 Environment: LD_LIBRARY_PATH gets the interpreter's `lib/` (libpython for the stub) and the wheel's
 `nvidia_pytriton.libs`; this virtualenv's `bin/` goes first on PATH because the stub finds its Python
 through PATH (PYTHONPATH is ignored: spectrt must be installed into that environment).
 
-The server gets its own process group. If the stub cannot load its libraries the server never becomes
-ready and never exits, so readiness has a timeout, stopping is by PID (SIGINT, then SIGKILL of the whole
-group) and the python backend's shared-memory regions (our own unique prefix under /dev/shm) are swept
-after every stop, normal or not. An atexit hook stops any server still running when Python exits.
+The server runs under `supervise.py` (its own session; see there), which stops it, kills its process group,
+sweeps the python backend's shared-memory regions (our own unique prefix under /dev/shm) and removes a
+temporary run directory when told to stop or when this process dies, however it dies. If the stub cannot
+load its libraries the server never becomes ready and never exits, so readiness has a timeout. An atexit
+hook stops any server still running when Python exits.
 """
 
 from __future__ import annotations
