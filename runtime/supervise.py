@@ -15,7 +15,9 @@ it stops, an interpreter crash. So this small process (standard library only, ru
 - The server gets PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of this process cannot leave it running.
 
 Argument: one JSON object {command, cwd, log (file or null: inherit stdout), shm_prefix, remove_dir (or null),
-exit_timeout, report_fd}. On report_fd it writes "pid N" once the server runs and "exit CODE" after cleanup.
+exit_timeout, report_fd}. On report_fd it writes "pid N" once the server runs and "exit CODE" once it has exited
+and its group is reaped; the run directory goes only after the launcher's "stop" (or death), so that a launcher
+whose server died can still read the log.
 """
 
 from __future__ import annotations
@@ -100,14 +102,19 @@ def main(spec: dict) -> int:
             sel.register(sys.stdin.fileno(), selectors.EVENT_READ)  # "stop", or EOF when the launcher is gone
             while not stopping and not _exited(proc.pid) and not sel.select(timeout=0.2):
                 pass
-        code = stop(proc, spec["exit_timeout"])
+            code = stop(proc, spec["exit_timeout"])
+            sweep_shm(spec["shm_prefix"])
+            _say(report, f"exit {code}")
+            while not stopping and not sel.select(timeout=0.2):  # the server exited on its own: the launcher
+                pass  # still reads the log, so the run directory stays until it says stop (or dies)
     finally:
         if log is not None:
             log.close()
         sweep_shm(spec["shm_prefix"])
         if spec["remove_dir"]:
             shutil.rmtree(spec["remove_dir"], ignore_errors=True)
-        _say(report, f"exit {code}")
+        if code is None:
+            _say(report, "exit None")  # the server could not be started
         try:
             report.close()
         except OSError:
