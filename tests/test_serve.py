@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from spectrt.runtime.client import http_generate, load_run
+from spectrt.runtime.client import GrpcSession, http_generate, load_run
 from spectrt.runtime.serve import ADMIN_HEADER, GRPC_ADMIN_HEADER, SHM_DIR, TritonServer, host_warning
 
 READY_TIMEOUT = 300.0
@@ -147,34 +147,47 @@ def test_run_dir_with_unrelated_files_is_left_untouched(tmp_path):
     assert _state(info["pid"]) is None and not list(SHM_DIR.glob(info["shm_prefix"] + "*"))
 
 
-def test_admin_apis_need_the_key(target_dir):
+@pytest.fixture(scope="module")
+def server(target_dir):
+    params = {"target_dir": target_dir, "draft_dir": "none", "max_seq_len": 128, "max_tokens_limit": 8,
+              "threads": 1, "warmup": "false"}
+    with TritonServer(params, instances=1, ready_timeout=READY_TIMEOUT) as server:
+        yield server
+
+
+def test_tiny_temperature_is_served_greedily(server):
+    """temperature=1e-40 used to end in an INTERNAL error (NaN probabilities); now it decodes greedily."""
+    with GrpcSession(server.grpc_url) as session:
+        tiny = session.generate("Name three colors.", 6, stream=False, timeout=180, temperature=1e-40, seed=1)
+        greedy = session.generate("Name three colors.", 6, stream=False, timeout=180, temperature=0.0)
+    assert tiny.text == greedy.text and tiny.perf["output_tokens"] == greedy.perf["output_tokens"] > 0
+
+
+def test_admin_apis_need_the_key(server):
     """Model repository, shared memory, trace and logging APIs answer only with the admin key; inference,
     health and metadata stay open."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    params = {"target_dir": target_dir, "draft_dir": "none", "max_seq_len": 128, "max_tokens_limit": 8,
-              "threads": 1, "warmup": "false"}
-    with TritonServer(params, instances=1, ready_timeout=READY_TIMEOUT) as server:
-        key = {ADMIN_HEADER: server.admin_key}
-        for path in ("/v2/repository/index", "/v2/systemsharedmemory/status", "/v2/trace/setting", "/v2/logging"):
-            method = "POST" if "repository" in path else "GET"
-            with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(urllib.request.Request(server.http_url + path, method=method), timeout=30)
-            assert refused.value.code == 403 and ADMIN_HEADER in refused.value.read().decode()
-            request = urllib.request.Request(server.http_url + path, method=method, headers=key)
-            assert urllib.request.urlopen(request, timeout=30).status == 200
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        try:
-            with pytest.raises(InferenceServerException, match=ADMIN_HEADER):
-                client.get_model_repository_index()
-            with pytest.raises(InferenceServerException, match=ADMIN_HEADER):
-                client.update_log_settings({"log_verbose_level": 1})
-            assert client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: server.admin_key}) is not None
-            assert client.is_server_ready() and client.get_model_metadata("spectrt").name == "spectrt"
-        finally:
-            client.close()
-        assert urllib.request.urlopen(server.http_url + "/v2/models/spectrt/config", timeout=30).status == 200
+    key = {ADMIN_HEADER: server.admin_key}
+    for path in ("/v2/repository/index", "/v2/systemsharedmemory/status", "/v2/trace/setting", "/v2/logging"):
+        method = "POST" if "repository" in path else "GET"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(server.http_url + path, method=method), timeout=30)
+        assert refused.value.code == 403 and ADMIN_HEADER in refused.value.read().decode()
+        request = urllib.request.Request(server.http_url + path, method=method, headers=key)
+        assert urllib.request.urlopen(request, timeout=30).status == 200
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match=ADMIN_HEADER):
+            client.get_model_repository_index()
+        with pytest.raises(InferenceServerException, match=ADMIN_HEADER):
+            client.update_log_settings({"log_verbose_level": 1})
+        assert client.get_model_repository_index(headers={GRPC_ADMIN_HEADER: server.admin_key}) is not None
+        assert client.is_server_ready() and client.get_model_metadata("spectrt").name == "spectrt"
+    finally:
+        client.close()
+    assert urllib.request.urlopen(server.http_url + "/v2/models/spectrt/config", timeout=30).status == 200
 
 
 def test_non_loopback_host_warns():
