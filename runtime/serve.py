@@ -190,6 +190,9 @@ class TritonServer:
         self.run_parent = Path(run_dir) if run_dir else None
         self.run_dir: Path | None = None  # created by prepare()
         self.log_verbose, self.console = log_verbose, console
+        if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
+            raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
+                             "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
         self.admin_key = admin_key or secrets.token_hex(16)
         self.shm_prefix = f"{SHM_GENERIC_PREFIX}spectrt{os.getpid()}x{os.urandom(3).hex()}_"
         self.supervisor: subprocess.Popen | None = None
@@ -350,6 +353,9 @@ class TritonServer:
             with contextlib.suppress(OSError):
                 sup.stdin.close()
         self._wait_report("exit", 1 if sup is not None else 0)
+        if self._report_fd is not None:
+            os.close(self._report_fd)
+            self._report_fd = None
         sweep_shm(self.shm_prefix)
         self._remove_run_dir()
         _RUNNING.discard(self)
@@ -457,16 +463,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     always finishes, and if this process is killed outright its supervisor stops the server and cleans up.
     """
     try:
-        params = model_params(args)
+        server = TritonServer(model_params(args), instances=args.instances, served_name=args.model_name,
+                              host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                              metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
+                              console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2
     if warning := host_warning(args.host):
         print(f"spectrt serve: warning: {warning}", file=sys.stderr)
-    server = TritonServer(params, instances=args.instances, served_name=args.model_name, host=args.host,
-                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          ready_timeout=args.ready_timeout, run_dir=args.run_dir, console=args.log,
-                          log_verbose=args.log_verbose, admin_key=args.admin_key)
 
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGINT too: a background job of a non-interactive
     # shell starts with SIGINT ignored

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from spectrt.runtime.client import GrpcSession, http_generate, load_run
-from spectrt.runtime.serve import ADMIN_HEADER, GRPC_ADMIN_HEADER, SHM_DIR, TritonServer, host_warning
+from spectrt.runtime.serve import ADMIN_HEADER, GRPC_ADMIN_HEADER, SHM_DIR, ServeError, TritonServer, host_warning
 
 READY_TIMEOUT = 300.0
 GONE_TIMEOUT = 120.0  # how long cleanup may take before the test fails (a hang guard, not a speed check)
@@ -188,6 +188,11 @@ def test_admin_apis_need_the_key(server):
     finally:
         client.close()
     assert urllib.request.urlopen(server.http_url + "/v2/models/spectrt/config", timeout=30).status == 200
+
+
+def test_admin_key_that_would_break_the_flag_is_refused(target_dir):
+    with pytest.raises(ServeError, match="admin key must be 16 or more"):
+        TritonServer({"target_dir": target_dir}, admin_key="short:key=x")
 
 
 def test_non_loopback_host_warns():
