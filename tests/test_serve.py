@@ -153,6 +153,9 @@ def server(target_dir):
               "threads": 1, "warmup": "false"}
     with TritonServer(params, instances=1, ready_timeout=READY_TIMEOUT) as server:
         yield server
+    code = server.poll()
+    assert server.stop() == code, "a second stop() is a no-op"
+    assert _state(server.pid) is None and not server.run_dir.exists()
 
 
 def test_tiny_temperature_is_served_greedily(server):
