@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import queue
+import socket
 import statistics
 import sys
 import threading
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -139,7 +141,9 @@ class GrpcSession:
                 try:
                     result, error = responses.get(timeout=max(deadline - time.perf_counter(), 0.001))
                 except queue.Empty:
-                    raise TimeoutError(f"no final response within {timeout:.0f}s") from None
+                    raise TimeoutError(f"the request's deadline passed: no final response within {timeout:g}s "
+                                       f"({len(out.chunks)} chunks arrived; raise --timeout for longer generations)"
+                                       ) from None
                 if error is not None:
                     raise RequestFailed(error.message() if hasattr(error, "message") else str(error))
                 text = result.as_numpy("text_output")
@@ -175,43 +179,78 @@ def grpc_generate(url: str, prompt: str, max_tokens: int = 128, stream: bool = T
 
 def http_generate(url: str, prompt: str, max_tokens: int = 128, stream: bool = False, model: str = DEFAULT_MODEL,
                   on_text=None, timeout: float = 600.0, body: dict | None = None, **options) -> Result:
-    """POST to /generate (stream=False) or /generate_stream (server-sent events); `body` replaces the JSON."""
+    """POST to /generate (stream=False) or /generate_stream (server-sent events); `body` replaces the JSON.
+
+    `timeout` is one deadline for the whole request: a socket timeout only bounds each read, so a stream that
+    trickles (a byte now and then) would never time out; at the deadline a timer shuts the socket down instead.
+    """
     endpoint = "generate_stream" if stream else "generate"
     payload = body if body is not None else request_fields(prompt, max_tokens, stream, **options)
-    request = urllib.request.Request(f"{url.rstrip('/')}/v2/models/{model}/{endpoint}",
-                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    expired = threading.Event()
+    sockets: list[socket.socket] = []  # the connection drops its own reference once a response will close
+
+    def _expire() -> None:
+        expired.set()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read: it sees the end of the stream
+
+    timer = threading.Timer(timeout, _expire)
+    timer.daemon = True
     start = time.perf_counter()
     out = Result(text="")
+    timer.start()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            if not stream:
-                events = [json.loads(response.read())]
-            else:
-                events = (json.loads(line[5:]) for raw in response
-                          if (line := raw.decode("utf-8").strip()).startswith("data:"))
-            for event in events:
-                if "error" in event:
-                    raise RequestFailed(event["error"])
-                delta = event.get("text_output", "")
-                if delta:
-                    if out.ttft is None:
-                        out.ttft = time.perf_counter() - start
-                    out.chunks.append(delta)
-                    if on_text is not None:
-                        on_text(delta)
-                out.perf.update({k: event[k] for k in PERF_OUTPUTS if k in event})
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode("utf-8", "replace").strip()
-        body = detail[5:] if detail.startswith("data:") else detail  # generate_stream answers errors as one event
-        try:
-            detail = json.loads(body).get("error", detail)
-        except (ValueError, AttributeError):
-            pass
-        raise RequestFailed(detail) from None
+        conn.connect()
+        sockets.append(conn.sock)
+        if expired.is_set():  # the deadline passed while connecting
+            _expire()
+        conn.request("POST", f"{parts.path.rstrip('/')}/v2/models/{model}/{endpoint}", body=json.dumps(payload),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RequestFailed(_error_detail(response.read()))
+        if stream:
+            events = (json.loads(line[5:]) for raw in response
+                      if (line := raw.decode("utf-8").strip()).startswith("data:"))
+        else:
+            events = [json.loads(response.read())]
+        for event in events:
+            if "error" in event:
+                raise RequestFailed(event["error"])
+            delta = event.get("text_output", "")
+            if delta:
+                if out.ttft is None:
+                    out.ttft = time.perf_counter() - start
+                out.chunks.append(delta)
+                if on_text is not None:
+                    on_text(delta)
+            out.perf.update({k: event[k] for k in PERF_OUTPUTS if k in event})
+    except (OSError, http.client.HTTPException, ValueError, RequestFailed):
+        if not expired.is_set():
+            raise
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():  # a cut-off body may also parse: whatever arrived after the deadline does not count
+        raise TimeoutError(f"the request's deadline passed: no complete response within {timeout:g}s "
+                           f"({len(out.chunks)} chunks arrived; raise --timeout for longer generations)")
     out.final = True  # the HTTP response ended: Triton closes it after the final response
     out.latency = time.perf_counter() - start
     out.text = "".join(out.chunks)
     return out
+
+
+def _error_detail(raw: bytes) -> str:
+    """Triton's error message from an error response body (generate_stream answers with one `data:` event)."""
+    detail = raw.decode("utf-8", "replace").strip()
+    body = detail[5:] if detail.startswith("data:") else detail
+    try:
+        return json.loads(body).get("error", detail)
+    except (ValueError, AttributeError):
+        return detail
 
 
 # --------------------------------------------------------------------------- load run
@@ -249,8 +288,13 @@ def summarize(results: list[Result], errors: list[str], wall: float, concurrency
 
 def load_run(prompts: list[str], concurrency: int, requests: int | None = None, max_tokens: int = 64,
              stream: bool = True, http: bool = False, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
-             timeout: float = 600.0, **options) -> tuple[dict, list[Result | None]]:
-    """`requests` requests (default 2 per worker) from `concurrency` workers; returns (summary, results in order)."""
+             timeout: float = 600.0, run_timeout: float = 3600.0, **options) -> tuple[dict, list[Result | None]]:
+    """`requests` requests (default 2 per worker) from `concurrency` workers; returns (summary, results in order).
+
+    Two deadlines: `timeout` per request, `run_timeout` for the whole run. Each request's deadline is cut to the
+    run's, requests not started by then are counted as errors, so the run returns by its deadline (plus the
+    moment a cut-off stream takes to close) whatever the server does.
+    """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if not prompts:
@@ -262,6 +306,8 @@ def load_run(prompts: list[str], concurrency: int, requests: int | None = None, 
     results: list[Result | None] = [None] * total
     errors: list[str] = []
     lock = threading.Lock()
+    start = time.perf_counter()
+    run_deadline = start + run_timeout
 
     def worker() -> None:
         session = None if http else GrpcSession(url, model)
@@ -271,12 +317,18 @@ def load_run(prompts: list[str], concurrency: int, requests: int | None = None, 
                     i = jobs.get_nowait()
                 except queue.Empty:
                     return
+                left = run_deadline - time.perf_counter()
+                if left <= 0:
+                    with lock:
+                        errors.append(f"request {i}: not started: the run's deadline ({run_timeout:g}s) passed")
+                    continue
                 prompt = prompts[i % len(prompts)]
                 try:
                     if http:
-                        r = http_generate(url, prompt, max_tokens, stream, model, timeout=timeout, **options)
+                        r = http_generate(url, prompt, max_tokens, stream, model, timeout=min(timeout, left),
+                                          **options)
                     else:
-                        r = session.generate(prompt, max_tokens, stream, timeout=timeout, **options)
+                        r = session.generate(prompt, max_tokens, stream, timeout=min(timeout, left), **options)
                     results[i] = r
                 except Exception as e:  # counted and reported, the run goes on
                     with lock:
@@ -285,17 +337,18 @@ def load_run(prompts: list[str], concurrency: int, requests: int | None = None, 
             if session is not None:
                 session.close()
 
-    start = time.perf_counter()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(timeout + 60)
+    for t in threads:  # one deadline for all: a request ends by the run's deadline, its stream closes soon after
+        t.join(max(run_deadline + 30 - time.perf_counter(), 0))
     wall = time.perf_counter() - start
-    if any(t.is_alive() for t in threads):
-        errors.append("a worker did not finish in time")
-    done = [r for r in results if r is not None]
-    return summarize(done, errors, wall, concurrency), results
+    stuck = sum(t.is_alive() for t in threads)
+    with lock:
+        if stuck:
+            errors.append(f"{stuck} worker(s) still waiting 30s after the run's deadline (abandoned)")
+        done = [r for r in results if r is not None]
+        return summarize(done, list(errors), wall, concurrency), list(results)
 
 
 def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
@@ -377,7 +430,10 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tree", default=None, help="per-request tree, e.g. 2,1 ('none' = target alone)")
     p.add_argument("--children", default=None, choices=["sample", "topk"])
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a request's final response")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="deadline of one request, seconds (the whole request, however slowly its stream arrives)")
+    p.add_argument("--run-timeout", type=float, default=3600.0,
+                   help="deadline of a --concurrency load run, seconds (requests not started by then are errors)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compare-inprocess", action="store_true",
                    help="overhead at concurrency 1: alternate served (gRPC stream) and in-process generation over "
@@ -428,7 +484,7 @@ def cmd_client(args: argparse.Namespace) -> int:
             return 0
         if args.concurrency:
             summary, _ = load_run(prompts, args.concurrency, args.requests, args.max_tokens, stream, args.http, url,
-                                  args.model, args.timeout, **options)
+                                  args.model, args.timeout, args.run_timeout, **options)
             summary["protocol"] = ("http " if args.http else "grpc ") + ("stream" if stream else "unary")
             if args.json:
                 print(json.dumps(summary))
@@ -458,7 +514,10 @@ def cmd_client(args: argparse.Namespace) -> int:
     except RequestFailed as e:
         print(f"spectrt client: the server refused the request: {e}", file=sys.stderr)
         return 1
-    except (ConnectionError, TimeoutError, urllib.error.URLError, OSError) as e:
+    except TimeoutError as e:  # a deadline (the request's or the run's), not an unreachable server
+        print(f"spectrt client: {e}", file=sys.stderr)
+        return 2
+    except (ConnectionError, urllib.error.URLError, OSError) as e:
         print(f"spectrt client: cannot reach the server at {url}: {e} (is `spectrt serve` running?)", file=sys.stderr)
         return 2
     except Exception as e:  # tritonclient raises InferenceServerException for an unreachable server

@@ -14,16 +14,24 @@ different generator, otherwise the draft tokens and the accept tests share rando
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .tree import Tree
 
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily: logits / T overflows float32 for tiny T (1e-40 gives +-inf and NaN
+probabilities), and at T = 1e-5 a token 1e-3 logits below the top one already has probability e^-100."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; temperature 0 means greedy decoding."""
+    """Per-request sampling settings; temperature 0 (or below MIN_TEMPERATURE, stored as 0) means greedy decoding.
+
+    Validated here, so the CLI, the decoder and the Triton model all refuse the same bad values.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
@@ -31,8 +39,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # frozen dataclass: normalized once, here
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
         if self.top_k < 0:

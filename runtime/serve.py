@@ -1,21 +1,25 @@
 """Run the real Triton Inference Server (the `tritonserver` binary shipped in the `nvidia-pytriton` wheel).
 
-`TritonServer` lays out a run directory, starts the server on 127.0.0.1 and always cleans up:
+`TritonServer` lays out a fresh run directory (a temporary one, or a new subdirectory of `run_dir`: it never
+writes into, or deletes, a directory it did not create), starts the server on 127.0.0.1 and always cleans up:
 
     <run dir>/models/<model>/   a copy of triton_repo/spectrt with the deploy-time parameters written into
                                 its config.pbtxt (absolute paths, instance count)
     <run dir>/backends/python/  libtriton_python.so, triton_python_backend_utils.py and the stub built for
                                 this interpreter's Python version (symlinks into the wheel)
     <run dir>/server.log        the server's stdout and stderr
+    <run dir>/admin-key         the key of the restricted admin APIs (model repository, shared memory, trace,
+                                logging): HTTP header ADMIN_HEADER, gRPC metadata GRPC_ADMIN_HEADER
 
 Environment: LD_LIBRARY_PATH gets the interpreter's `lib/` (libpython for the stub) and the wheel's
 `nvidia_pytriton.libs`; this virtualenv's `bin/` goes first on PATH because the stub finds its Python
 through PATH (PYTHONPATH is ignored: spectrt must be installed into that environment).
 
-The server gets its own process group. If the stub cannot load its libraries the server never becomes
-ready and never exits, so readiness has a timeout, stopping is by PID (SIGINT, then SIGKILL of the whole
-group) and the python backend's shared-memory regions (our own unique prefix under /dev/shm) are swept
-after every stop, normal or not. An atexit hook stops any server still running when Python exits.
+The server runs under `supervise.py` (its own session; see there), which stops it, kills its process group,
+sweeps the python backend's shared-memory regions (our own unique prefix under /dev/shm) and removes a
+temporary run directory when told to stop or when this process dies, however it dies. If the stub cannot
+load its libraries the server never becomes ready and never exits, so readiness has a timeout. An atexit
+hook stops any server still running when Python exits.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import argparse
 import atexit
 import contextlib
 import importlib.util
+import ipaddress
 import json
 import os
 import re
+import secrets
+import select
 import shutil
 import signal
 import socket
@@ -39,11 +46,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from spectrt.runtime.supervise import sweep_shm
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_REPOSITORY = REPO_ROOT / "triton_repo"
 DEFAULT_MODEL = "spectrt"
 SHM_DIR = Path("/dev/shm")
 SHM_GENERIC_PREFIX = "triton_python_backend_shm_region_"
+SUPERVISOR = Path(__file__).resolve().with_name("supervise.py")
+ADMIN_HEADER = "spectrt-admin-key"  # the HTTP header the restricted APIs require
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the gRPC metadata key (Triton adds this prefix)
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
 _RUNNING: set[TritonServer] = set()
 
 
@@ -147,29 +160,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def sweep_shm(prefix: str) -> list[str]:
-    """Remove /dev/shm entries starting with `prefix` (regions a killed server or stub left behind)."""
-    removed = []
-    if not prefix or not SHM_DIR.is_dir():
-        return removed
-    for path in SHM_DIR.glob(prefix + "*"):
-        with contextlib.suppress(OSError):
-            path.unlink()
-            removed.append(path.name)
-    return removed
-
-
 # --------------------------------------------------------------------------- the server process
 
 
 class TritonServer:
-    """One tritonserver process serving a spectrt model repository; use as a context manager or start()/stop()."""
+    """One tritonserver process serving a spectrt model repository; use as a context manager or start()/stop().
+
+    The server runs under `supervise.py`, which stops it and cleans up when this process ends, however it ends.
+    `run_dir=None`: a temporary run directory, removed at stop. `run_dir=DIR`: a fresh `spectrt-triton-*`
+    subdirectory of DIR, kept at stop (its server.log); nothing else in DIR is read, changed or removed.
+    """
 
     def __init__(self, params: dict[str, object] | None = None, *, instances: int | None = None,
                  model: str = DEFAULT_MODEL, served_name: str | None = None, repository: Path = DEFAULT_REPOSITORY,
                  host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  ready_timeout: float = 180.0, exit_timeout: int = 10, run_dir: Path | None = None,
-                 log_verbose: int = 0, console: bool = False):
+                 log_verbose: int = 0, console: bool = False, admin_key: str | None = None):
         # Path values are made absolute here (the deployed copy lives elsewhere); strings are written as given,
         # and the model resolves relative ones against the model repository's parent directory
         self.params = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in (params or {}).items()}
@@ -181,12 +187,17 @@ class TritonServer:
         self.grpc_port = grpc_port or free_port(host)
         self.metrics_port = metrics_port or free_port(host)
         self.ready_timeout, self.exit_timeout = ready_timeout, exit_timeout
-        self._own_run_dir = run_dir is None
-        self.run_dir = Path(run_dir) if run_dir else None
+        self.run_parent = Path(run_dir) if run_dir else None
+        self.run_dir: Path | None = None  # created by prepare()
         self.log_verbose, self.console = log_verbose, console
-        self.proc: subprocess.Popen | None = None
+        if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
+            raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
+                             "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
+        self.admin_key = admin_key or secrets.token_hex(16)
         self.shm_prefix = f"{SHM_GENERIC_PREFIX}spectrt{os.getpid()}x{os.urandom(3).hex()}_"
-        self._log = None
+        self.supervisor: subprocess.Popen | None = None
+        self._report_fd: int | None = None
+        self._reported: dict[str, str] = {}
 
     # endpoints ---------------------------------------------------------------------------------------
     @property
@@ -203,7 +214,8 @@ class TritonServer:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        """The tritonserver's PID (its parent is the supervisor)."""
+        return int(self._reported["pid"]) if "pid" in self._reported else None
 
     @property
     def log_path(self) -> Path:
@@ -218,6 +230,7 @@ class TritonServer:
     # lifecycle ---------------------------------------------------------------------------------------
     def command(self) -> list[str]:
         dist = pytriton_dist()
+        restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}"
         return [
             str(dist / "bin" / "tritonserver"),
             f"--model-repository={self.run_dir / 'models'}",
@@ -226,6 +239,7 @@ class TritonServer:
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
             "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
             "--strict-readiness=true", f"--exit-timeout-secs={self.exit_timeout}", "--exit-on-error=true",
             "--backend-config=python,shm-default-byte-size=4194304",
@@ -234,30 +248,66 @@ class TritonServer:
         ]
 
     def prepare(self) -> None:
-        if self.run_dir is None:
-            self.run_dir = Path(tempfile.mkdtemp(prefix="spectrt-triton-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        models = self.run_dir / "models"
-        if models.exists():
-            shutil.rmtree(models)
-        prepare_model_repository(models, self.repository, self.model, self.params, self.instances, self.served_name)
+        """A fresh run directory (never one that exists: we delete only what we made) with the model and backends."""
+        if self.run_parent is not None:
+            self.run_parent.mkdir(parents=True, exist_ok=True)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="spectrt-triton-", dir=self.run_parent))  # mode 0700
+        prepare_model_repository(self.run_dir / "models", self.repository, self.model, self.params, self.instances,
+                                 self.served_name)
         prepare_backends(self.run_dir / "backends")
+        (self.run_dir / "admin-key").write_text(self.admin_key + "\n")
 
     def start(self) -> TritonServer:
-        if self.proc is not None:
+        if self.supervisor is not None:
             raise ServeError("this server is already started")
-        self.prepare()
-        out = None if self.console else open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
-        self._log = out
-        self.proc = subprocess.Popen(self.command(), env=server_env(), cwd=self.run_dir, stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        try:
+            self.prepare()
+            spec = {"command": self.command(), "cwd": str(self.run_dir),
+                    "log": None if self.console else str(self.log_path), "shm_prefix": self.shm_prefix,
+                    "remove_dir": None if self.run_parent else str(self.run_dir), "exit_timeout": self.exit_timeout}
+            read_fd, write_fd = os.pipe()
+            self._report_fd = read_fd
+            try:
+                self.supervisor = subprocess.Popen([sys.executable, str(SUPERVISOR), json.dumps(
+                    {**spec, "report_fd": write_fd})], env=server_env(), stdin=subprocess.PIPE, pass_fds=(write_fd,),
+                    start_new_session=True)
+            finally:
+                os.close(write_fd)
+        except BaseException:
+            self._remove_run_dir()
+            raise
         _RUNNING.add(self)
         try:
+            if not self._wait_report("pid", 60):
+                raise ServeError(f"the supervisor could not start tritonserver (exit code {self.supervisor.poll()})")
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_report(self, key: str, timeout: float) -> bool:
+        """Read the supervisor's report lines until `key` arrives (True), EOF or the timeout (False)."""
+        deadline = time.monotonic() + timeout
+        while key not in self._reported and self._report_fd is not None:
+            ready, _, _ = select.select([self._report_fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                return False
+            data = os.read(self._report_fd, 4096)
+            if not data:
+                os.close(self._report_fd)
+                self._report_fd = None
+                break
+            for line in data.decode().splitlines():
+                name, _, value = line.partition(" ")
+                self._reported[name] = value
+        return key in self._reported
+
+    def poll(self) -> int | None:
+        """The server's exit code once it has exited (on its own or stopped), else None."""
+        if not self._wait_report("exit", 0):
+            return None
+        return None if self._reported["exit"] == "None" else int(self._reported["exit"])
 
     def is_ready(self) -> bool:
         try:
@@ -269,9 +319,9 @@ class TritonServer:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
-            code = self.proc.poll()
-            if code is not None:
-                raise ServeError(f"tritonserver exited with code {code} before it was ready\n{self.log_tail()}")
+            if self.poll() is not None or self.supervisor.poll() is not None:
+                raise ServeError(f"tritonserver exited with code {self.poll()} before it was ready\n"
+                                 f"{self.log_tail()}")
             if self.is_ready():
                 return
             time.sleep(0.2)
@@ -284,34 +334,39 @@ class TritonServer:
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(["--- server log (tail) ---", *text[-lines:]])
 
-    def stop(self, keep_run_dir: bool = False) -> int | None:
-        """SIGINT (graceful: in-flight requests get exit_timeout seconds), then SIGKILL the process group."""
-        code = None
-        if self.proc is not None:
-            pgid = self.proc.pid  # start_new_session=True: the server leads its own group (the stubs are in it)
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.send_signal(signal.SIGINT)
-                try:
-                    self.proc.wait(timeout=self.exit_timeout + 10)
-                except subprocess.TimeoutExpired:
-                    pass
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)  # stubs left behind, or a server that ignored SIGINT
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=10)
-            code = self.proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    def stop(self) -> int | None:
+        """Tell the supervisor to stop the server (SIGINT, exit_timeout seconds, SIGKILL) and clean up; idempotent.
+
+        Interrupting this wait changes nothing: the supervisor finishes the cleanup on its own.
+        """
+        sup = self.supervisor
+        if sup is not None and sup.poll() is None:
+            with contextlib.suppress(OSError):  # a dead supervisor's pipe: it cleaned up already
+                sup.stdin.write(b"stop\n")
+                sup.stdin.flush()
+            try:
+                sup.wait(timeout=self.exit_timeout + 40)
+            except subprocess.TimeoutExpired:  # a wedged supervisor: its death kills the server (PDEATHSIG)
+                sup.kill()
+                sup.wait()
+        if sup is not None and sup.stdin and not sup.stdin.closed:
+            with contextlib.suppress(OSError):
+                sup.stdin.close()
+        self._wait_report("exit", 1 if sup is not None else 0)
+        if self._report_fd is not None:
+            os.close(self._report_fd)
+            self._report_fd = None
         sweep_shm(self.shm_prefix)
+        self._remove_run_dir()
         _RUNNING.discard(self)
-        if self._own_run_dir and not keep_run_dir and self.run_dir is not None:
+        return self.poll()
+
+    def _remove_run_dir(self) -> None:
+        if self.run_parent is None and self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        return code
 
     def __enter__(self) -> TritonServer:
-        return self.start() if self.proc is None else self
+        return self.start() if self.supervisor is None else self
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -321,6 +376,19 @@ class TritonServer:
 def _stop_all() -> None:
     for server in list(_RUNNING):
         server.stop()
+
+
+def host_warning(host: str) -> str | None:
+    """A warning when `host` is reachable from other machines (anything but a loopback address)."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return (f"--host {host} serves beyond this machine: inference is unauthenticated, the python backend of this "
+            "bundled tritonserver 2.51 predates security fixes, and the admin key is visible in the local process "
+            "list. Use it on a trusted network only; deploy triton_repo/ on a current Triton release instead.")
 
 
 # --------------------------------------------------------------------------- command line
@@ -348,7 +416,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
-    p.add_argument("--run-dir", type=Path, default=None, help="where to write the deployed repository and log")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
+                        "directory (nothing else in it is touched; default: a temporary directory, removed at stop)")
+    p.add_argument("--admin-key", default=os.environ.get("SPECTRT_ADMIN_KEY"),
+                   help=f"value of the '{ADMIN_HEADER}' header/metadata that Triton's {', '.join(RESTRICTED_APIS)} "
+                        "APIs require (default: $SPECTRT_ADMIN_KEY, else random, in <run dir>/admin-key)")
     p.add_argument("--log", action="store_true", help="server log to the terminal instead of <run dir>/server.log")
     p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose level (1: one line per request)")
 
@@ -384,46 +457,70 @@ def model_params(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """`spectrt serve`: start the real tritonserver, wait for readiness, print the endpoints, stop on Ctrl-C."""
+    """`spectrt serve`: start the real tritonserver, wait for readiness, print the endpoints, stop on Ctrl-C.
+
+    SIGINT, SIGTERM and SIGHUP (a closed terminal) stop it; signals during the stop are ignored, so the cleanup
+    always finishes, and if this process is killed outright its supervisor stops the server and cleans up.
+    """
     try:
-        params = model_params(args)
+        server = TritonServer(model_params(args), instances=args.instances, served_name=args.model_name,
+                              host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                              metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
+                              console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2
-    server = TritonServer(params, instances=args.instances, served_name=args.model_name, host=args.host,
-                          http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          ready_timeout=args.ready_timeout, run_dir=args.run_dir, console=args.log,
-                          log_verbose=args.log_verbose)
+    if warning := host_warning(args.host):
+        print(f"spectrt serve: warning: {warning}", file=sys.stderr)
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGINT too: a background job of a non-interactive
+    # shell starts with SIGINT ignored
+
+    def _stopping(*_):
+        _say("spectrt serve: already stopping (the cleanup finishes first)")
 
     def _terminate(*_):
+        for sig in signals:  # from the first signal on, later ones cannot interrupt the stop
+            signal.signal(sig, _stopping)
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}  # SIGINT too:
-    # a background job of a non-interactive shell starts with SIGINT ignored
+    previous = {sig: signal.signal(sig, _terminate) for sig in signals}
     try:
-        print(f"starting tritonserver (model {args.model_name}, {args.instances} instance(s)) ...", flush=True)
+        _say(f"starting tritonserver (model {args.model_name}, {args.instances} instance(s)) ...", sys.stdout)
         try:
             server.start()
         except (ServeError, TimeoutError) as e:
-            print(f"spectrt serve: error: {e}", file=sys.stderr)
+            _say(f"spectrt serve: error: {e}")
             return 2
         ends = server.endpoints()
-        print(json.dumps({**ends, "pid": server.pid, "run_dir": str(server.run_dir)}, indent=2))
-        print(f"ready: gRPC {ends['grpc']} | HTTP {ends['http']} | metrics {ends['metrics']}  (Ctrl-C stops)",
-              flush=True)
-        while server.proc.poll() is None:
+        _say(json.dumps({**ends, "pid": server.pid, "supervisor_pid": server.supervisor.pid,
+                         "run_dir": str(server.run_dir), "shm_prefix": server.shm_prefix,
+                         "admin_header": {"http": ADMIN_HEADER, "grpc": GRPC_ADMIN_HEADER},
+                         "admin_key_file": str(server.run_dir / "admin-key")},
+                        indent=2), sys.stdout)
+        _say(f"ready: gRPC {ends['grpc']} | HTTP {ends['http']} | metrics {ends['metrics']}  (Ctrl-C stops)",
+             sys.stdout)
+        while server.poll() is None:
             time.sleep(0.5)
-        print(f"tritonserver exited with code {server.proc.returncode}\n{server.log_tail()}", file=sys.stderr)
+        _say(f"tritonserver exited with code {server.poll()}\n{server.log_tail()}")
         return 1
     except KeyboardInterrupt:
-        print("\nstopping tritonserver ...", file=sys.stderr, flush=True)
+        _say("\nstopping tritonserver ...")
         return 0
     finally:
+        for sig in signals:
+            signal.signal(sig, _stopping)
         code = server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if code is not None:
-            print(f"tritonserver stopped (exit code {code})", file=sys.stderr)
+            _say(f"tritonserver stopped (exit code {code})")
+
+
+def _say(message: str, stream=None) -> None:
+    """Print, unless the terminal is gone (SIGHUP): stopping must not fail on a closed stdout/stderr."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=stream or sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -133,6 +133,13 @@ def test_temperature_zero_is_greedy(target, draft, prompt_ids, ar_outputs):
     assert result.token_ids == ar_outputs[0]
 
 
+def test_tiny_temperature_decodes_greedily(target, draft, prompt_ids, ar_outputs):
+    """temperature=1e-40 used to make the logits +-inf and multinomial raise; below MIN_TEMPERATURE it is greedy."""
+    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    result = decoder.generate(prompt_ids[0], 128, Tree.parse("2,1"), params=SamplingParams(temperature=1e-40, seed=3))
+    assert result.token_ids == ar_outputs[0]
+
+
 def test_draft_vocabulary_must_match(target, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

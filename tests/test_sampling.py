@@ -387,10 +387,29 @@ def test_sampling_params_validation():
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
     for kwargs, name in [
         ({"temperature": -0.1}, "temperature"),
-        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("-inf")}, "temperature must be a finite number >= 0"),
         ({"top_p": 0.0}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
     ]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, sampling.MIN_TEMPERATURE / 2])
+def test_temperature_below_epsilon_is_greedy(temperature):
+    """logits / 1e-40 overflows to +-inf (NaN probabilities, multinomial raises): such temperatures decode greedily."""
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=0.5, seed=1)
+    assert params.greedy and params.temperature == 0.0
+    logits = torch.randn(4, 7, generator=torch.Generator().manual_seed(0)) * 30
+    assert torch.equal(sampling_probs(logits, params), sampling_probs(logits, SamplingParams()))
+
+
+def test_smallest_sampling_temperature_gives_a_distribution():
+    logits = torch.tensor([[300.0, 299.9999, -300.0, float("-inf")]])
+    probs = sampling_probs(logits, SamplingParams(temperature=sampling.MIN_TEMPERATURE))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
+    assert torch.multinomial(probs, 1).item() in (0, 1)

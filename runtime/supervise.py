@@ -1,0 +1,133 @@
+"""Tie a tritonserver to its launcher: start it, and when the launcher ends, however it ends, stop it and clean up.
+
+The launcher (`serve.TritonServer`) can end without running any Python cleanup: SIGKILL, a terminal closed while
+it stops, an interpreter crash. So this small process (standard library only, run by path) sits between them:
+
+    launcher --stdin pipe--> supervise.py (own session) --> tritonserver (own process group) --> python stubs
+
+- It runs in its own session, so Ctrl-C and the SIGHUP of a closed terminal reach the launcher, never it.
+- The launcher writes "stop" on its stdin to stop the server; the launcher's death closes that pipe (EOF), which
+  means the same. SIGINT, SIGTERM and SIGHUP sent to this process directly mean stop too.
+- Stopping: SIGINT to the server (in-flight requests get `exit_timeout` seconds), then SIGKILL to its whole
+  process group while the server's PID is still unreaped (so the group id cannot have been reused), reaping every
+  leftover stub (this process is their subreaper), removing the python backend's /dev/shm regions (our unique
+  prefix) and, if told to, the run directory. Further signals during the stop are ignored: it always finishes.
+- The server gets PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of this process cannot leave it running.
+
+Argument: one JSON object {command, cwd, log (file or null: inherit stdout), shm_prefix, remove_dir (or null),
+exit_timeout, report_fd}. On report_fd it writes "pid N" once the server runs and "exit CODE" once it has exited
+and its group is reaped; the run directory goes only after the launcher's "stop" (or death), so that a launcher
+whose server died can still read the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the preexec hook only calls into it
+
+
+def _die_with(parent: int) -> None:
+    """preexec hook of the server: SIGKILL when this supervisor dies (and exit if it is already gone)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _exited(pid: int) -> bool:
+    """Has `pid` exited? Leaves it unreaped (WNOWAIT): its PID, and so its process group id, stay ours."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def sweep_shm(prefix: str) -> None:
+    """Remove the /dev/shm entries starting with `prefix` (regions of a killed server or stub)."""
+    if prefix:
+        for path in Path("/dev/shm").glob(prefix + "*"):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def stop(proc: subprocess.Popen, exit_timeout: float) -> int:
+    """SIGINT, up to exit_timeout + 10 s for a graceful exit, then SIGKILL the group; reap it all."""
+    if not _exited(proc.pid):
+        os.kill(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + exit_timeout + 10
+        while not _exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the stubs (and a server that ignored SIGINT); the group id is safe
+    except (ProcessLookupError, PermissionError):
+        pass
+    code = proc.wait()
+    deadline = time.monotonic() + 10  # the stubs, re-parented to us (subreaper), die from the SIGKILL above
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.05)
+        except ChildProcessError:
+            break
+    return code
+
+
+def main(spec: dict) -> int:
+    report = os.fdopen(spec["report_fd"], "w", buffering=1)
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    log = open(spec["log"], "ab") if spec["log"] else None  # noqa: SIM115 (open for the server's lifetime)
+    code = None
+    try:
+        parent = os.getpid()
+        proc = subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT if log else None, start_new_session=True,
+                                preexec_fn=lambda: _die_with(parent))
+        _say(report, f"pid {proc.pid}")
+        with selectors.DefaultSelector() as sel:
+            sel.register(sys.stdin.fileno(), selectors.EVENT_READ)  # "stop", or EOF when the launcher is gone
+            while not stopping and not _exited(proc.pid) and not sel.select(timeout=0.2):
+                pass
+            code = stop(proc, spec["exit_timeout"])
+            sweep_shm(spec["shm_prefix"])
+            _say(report, f"exit {code}")
+            while not stopping and not sel.select(timeout=0.2):  # the server exited on its own: the launcher
+                pass  # still reads the log, so the run directory stays until it says stop (or dies)
+    finally:
+        if log is not None:
+            log.close()
+        sweep_shm(spec["shm_prefix"])
+        if spec["remove_dir"]:
+            shutil.rmtree(spec["remove_dir"], ignore_errors=True)
+        if code is None:
+            _say(report, "exit None")  # the server could not be started
+        try:
+            report.close()
+        except OSError:
+            pass
+    return 0
+
+
+def _say(report, line: str) -> None:
+    try:
+        report.write(line + "\n")
+    except OSError:  # the launcher is gone: nobody reads the report, the cleanup goes on
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))
