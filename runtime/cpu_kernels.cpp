@@ -124,10 +124,14 @@ inline void int8_block(const uint8_t* xq, int64_t ldx, const int8_t* panel, int6
       int32_t four;
       std::memcpy(&four, xq + m * ldx + 4 * k, 4);
       __m512i a = _mm512_set1_epi32(four);
+#ifdef __AVX512VNNI__
       acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], a, w0);
       acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], a, w1);
       acc[m][2] = _mm512_dpbusd_epi32(acc[m][2], a, w2);
       acc[m][3] = _mm512_dpbusd_epi32(acc[m][3], a, w3);
+#else  // never reached: runtime/kernels.py routes W8A8 engines to the torch path on CPUs without VNNI
+      (void)a; (void)w0; (void)w1; (void)w2; (void)w3;
+#endif
     }
   }
   for (int m = 0; m < M; ++m)

@@ -62,6 +62,11 @@ def load_kernels():
         return None
 
 
+def supports_int8() -> bool:
+    """W8A8 projections need VNNI (dpbusd); without it an INT8 engine runs on the torch path."""
+    return "avx512_vnni" in _cpu_flags()
+
+
 def native_unavailable() -> str | None:
     """None when the native forward can run here, else the reason it cannot."""
     return None if load_kernels() is not None else _failure
