@@ -146,6 +146,10 @@ class SpecDecoder:
         to pay. Returns the draft time spent, in the policy's cost units."""
         cal, verify, dcost, budget = policy.calibration, policy.verify_cost, policy.draft_cost, policy.budget
         sunk, frontier, fed = dcost(len(ids) - self.draft_cache.length), [0], []
+        free = sorted(trie.scores[1:], reverse=True)
+        b, rate = best_size(free, 0.0, verify, budget)
+        if (1 + sum(free[:b - 1]) + cal.draft[-1]) / (sunk + verify(min(b + 1, budget))) <= rate:
+            return 0.0  # even a sure-to-be-accepted draft token would not pay for the draft pass
         logits = self._catch_up(self.draft, self.draft_cache, ids)[None]
         stats.draft_passes += 1
         for depth in range(1, policy.depth + 1):
