@@ -82,3 +82,34 @@ def test_policy_json_round_trip(tmp_path):
     assert load_policy(tmp_path / "missing.json") is None
     with pytest.raises(ValueError, match="budget >= 1"):
         Policy(budget=0)
+
+
+def test_acceptance_tables_from_a_trace():
+    from spectrt.runtime.tune import acceptance_tables
+
+    trace = [
+        ("draft", (1, 0, 0.92), True, True), ("draft", (1, 0, 0.95), True, False),  # depth 1 rank 0: 1/2
+        ("draft", (1, 1, 0.05), True, False),  # depth 1 rank 1: 0/1
+        ("draft", (2, 0, 0.91), True, True), ("draft", (2, 0, 0.5), False, False),  # parent rejected: not counted
+        ("suffix", (3, 0), True, True), ("suffix", (3, 0), True, False), ("suffix", (9, 0), True, True),
+        ("suffix", (3, 1), True, True), ("suffix", (3, 2), False, False),
+    ]
+    acc, cal, counts = acceptance_tables(trace, depth=2, width=2)
+    assert acc == [[0.5, 0.0], [1.0, 0.0]]
+    assert cal.draft[9] == pytest.approx(2 / 3) and cal.draft[0] == 0.0
+    assert cal.draft[5] == Calibration().draft[5]  # no data: the default stays
+    assert cal.suffix[3] == 0.5 and cal.suffix[-1] == 1.0 and cal.suffix_next == 1.0
+    assert counts == {"draft_candidates": 4, "suffix_candidates": 4}
+
+
+def test_profile_file_curves():
+    from spectrt.runtime.tune import curve_from_profile
+
+    profile = {"backend": "torch", "dtype": "fp32", "threads": 2,
+               "target": {"128": {"1": 20.0, "2": 22.0, "4": 30.0}, "1024": {"1": 40.0, "2": 50.0}},
+               "draft": {"128": {"1": 4.0, "2": 4.5}}}
+    verify = curve_from_profile(profile, "target", context=200)
+    assert verify(1) == 20.0 and verify(3) == 26.0
+    assert curve_from_profile(profile, "target", context=900)(2) == 50.0
+    assert curve_from_profile(profile, "draft")(2) == 4.5
+    assert curve_from_profile({"target": {}}, "draft") is None
