@@ -144,7 +144,8 @@ class SpecDecoder:
         """EAGLE-2 expansion: each level, the draft reads the `width` best unread nodes whose parent it has
         read and adds their top-`width` children; it stops at `depth` or when another level is not expected
         to pay. Returns the draft time spent, in the policy's cost units."""
-        cal, verify, dcost, budget = policy.calibration, policy.verify_cost, policy.draft_cost, policy.budget
+        cal, verify, dcost = policy.calibration, policy.verify_cost, policy.draft_cost
+        budget = min(policy.budget, self.max_tree_tokens)
         sunk, frontier, fed = dcost(len(ids) - self.draft_cache.length), [0], []
         free = sorted(trie.scores[1:], reverse=True)
         b, rate = best_size(free, 0.0, verify, budget)
@@ -170,7 +171,8 @@ class SpecDecoder:
             # the next level is expected to add about what this one added per unit of parent score
             edge = cal.draft_edge(float(top.values[:, 0].mean()))
             gain = 1 + sum(scores[:b - 1]) + sum(trie.scores[i] for i in nxt) * edge
-            if not nxt or gain / (sunk + dcost(len(nxt)) + verify(min(b + len(nxt), budget))) <= rate:
+            if (not nxt or len(fed) + len(nxt) > self.max_tree_tokens
+                    or gain / (sunk + dcost(len(nxt)) + verify(min(b + len(nxt), budget))) <= rate):
                 break
             mask = torch.zeros(len(nxt), len(fed) + len(nxt), dtype=torch.bool)
             for row, node in enumerate(nxt):
@@ -265,7 +267,7 @@ class SpecDecoder:
                 sunk = self._draft_dynamic(trie, ids, n, policy, params, stats, keys) if use_draft else 0.0
                 b, _ = best_size(sorted(trie.scores[1:], reverse=True), sunk, policy.verify_cost, budget)
                 nodes = trie.best(b)
-            step_tree, order = trie.subtree(nodes)
+            step_tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
             tokens = torch.tensor([trie.tokens[i] for i in order])
             logits = self.target.forward(tokens, step_tree.positions(n), step_tree.mask, self.target_cache)
             stats.target_passes += 1

@@ -50,8 +50,8 @@ class Calibration:
     """
 
     draft: tuple[float, ...] = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
-    suffix: tuple[float, ...] = (0.0, 0.2, 0.35, 0.5, 0.6, 0.7)
-    suffix_next: float = 0.8
+    suffix: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.6)
+    suffix_next: float = 0.7
 
     def draft_edge(self, q: float) -> float:
         return self.draft[min(int(q * len(self.draft)), len(self.draft) - 1)]
