@@ -202,6 +202,35 @@ class SpecDecoder:
             for k, node in enumerate(trie.add_path(tokens, scores[:len(tokens)])):
                 keys.setdefault(node, []).append(("suffix", (cand.match, k)))
 
+    def _build(self, ids: list[int], n: int, static: Tree | None, policy: Policy | None, index: SuffixIndex | None,
+               use_draft: bool, params: SamplingParams, children: str, stats: DecodeStats,
+               draft_gen: torch.Generator) -> tuple[TokenTrie, list[int], dict, torch.Tensor | None]:
+        """This step's candidates, from every proposer, merged into one trie; which nodes to verify.
+
+        Returns the trie, the nodes to verify (root first), each node's proposer keys (for tuning) and,
+        for a static tree of sampled children, the draft distributions they were drawn from (trie order).
+        """
+        trie, keys = TokenTrie(ids[-1]), {}
+        if static is None:  # dynamic: free candidates first, then the draft extends the best nodes
+            budget = min(policy.budget, self.max_tree_tokens)
+            if index is not None:
+                self._add_suffix(trie, index, policy, budget - 1, keys)
+            sunk = self._draft_dynamic(trie, ids, n, policy, params, stats, keys) if use_draft else 0.0
+            b, _ = best_size(sorted(trie.scores[1:], reverse=True), sunk, policy.verify_cost, budget)
+            return trie, trie.best(b), keys, None
+        static_q = None
+        if len(static) > 1:  # the static shape first (trie node i = tree node i, sampled children in draw order)
+            self.node_tokens[0] = ids[-1]
+            self._draft_tree(static, ids, n, stats, params, children, draft_gen)
+            sampled = not params.greedy and children == "sample"
+            for i in range(1, len(static)):
+                node = trie.add(static.parents[i], int(self.node_tokens[i]), 1.0, sampled=sampled)
+                trie.draft_slot[node] = i - 1 if static.depths[i] < static.max_depth else -1
+            static_q = self.node_q[:len(static)] if sampled else None
+        if index is not None:  # all merged in: pruning by score would make the point set depend on the draws
+            self._add_suffix(trie, index, policy, self.max_tree_tokens - len(static), keys)
+        return trie, list(range(len(trie))), keys, static_q
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, params: SamplingParams = GREEDY,
                  children: str = "sample", policy: Policy | None = None) -> DecodeResult:
@@ -247,26 +276,8 @@ class SpecDecoder:
         finish = "length"
         while len(out) < limit:
             n = self.target_cache.length
-            trie, keys, static_q = TokenTrie(ids[-1]), {}, None
-            if static is not None:
-                self.node_tokens[0] = ids[-1]
-                if len(static) > 1:
-                    self._draft_tree(static, ids, n, stats, params, children, draft_gen)
-                    sampled = not params.greedy and children == "sample"
-                    for i in range(1, len(static)):
-                        node = trie.add(static.parents[i], int(self.node_tokens[i]), 1.0, sampled=sampled)
-                        trie.draft_slot[node] = i - 1 if static.depths[i] < static.max_depth else -1
-                    static_q = self.node_q[:len(static)] if sampled else None
-                if index is not None:
-                    self._add_suffix(trie, index, policy, self.max_tree_tokens - len(static), keys)
-                nodes = list(range(len(trie)))
-            else:
-                budget = min(policy.budget, self.max_tree_tokens)
-                if index is not None:
-                    self._add_suffix(trie, index, policy, budget - 1, keys)
-                sunk = self._draft_dynamic(trie, ids, n, policy, params, stats, keys) if use_draft else 0.0
-                b, _ = best_size(sorted(trie.scores[1:], reverse=True), sunk, policy.verify_cost, budget)
-                nodes = trie.best(b)
+            trie, nodes, keys, static_q = self._build(ids, n, static, policy, index, use_draft, params, children,
+                                                      stats, draft_gen)
             step_tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
             tokens = torch.tensor([trie.tokens[i] for i in order])
             logits = self.target.forward(tokens, step_tree.positions(n), step_tree.mask, self.target_cache)
