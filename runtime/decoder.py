@@ -288,7 +288,8 @@ class SpecDecoder:
             else:
                 q = point = sampled = None
                 if static_q is not None:  # static tree rows first, in their own order (trie nodes 0..len-1)
-                    q = static_q[[i if i < len(static) else 0 for i in order]]  # suffix-only nodes: no sampled kids
+                    # rows of nodes without sampled children are never read: any valid distribution will do
+                    q = static_q[[i if i < len(static) and static.children[i] else 0 for i in order]]
                     point = [trie.point[i] for i in order]
                     sampled = [trie.sampled[i] for i in order]
                 path, bonus = verify_sampled(step_tree, tokens, sampling_probs(logits, params), q, verify_gen,
