@@ -28,17 +28,19 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
         raise CheckpointError(f"--backend {args.backend} runs built engines: pass --engines engines/<name> "
                               "(make engines)")
     target = resolve_target(args.target, args.artifacts)
-    if getattr(args, "no_spec", False):
+    if getattr(args, "no_spec", False) or (args.draft or "").lower() == "none":
         return target, None
     draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
     if not draft.is_dir():
-        raise CheckpointError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}`")
+        raise CheckpointError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
+                              "(or pass --draft none: speculation with suffix candidates only)")
     return target, draft
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts); "
+                   "none: draft-less speculation with suffix candidates")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
@@ -68,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: pass some text with --prompt")
     target, draft = _models(args)
-    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len)
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
     gen = pipe.generate(args.prompt, args.max_new_tokens, None if args.no_spec else args.tree,
                         chat=not args.raw, on_text=on_text, params=params, children=args.children)
@@ -76,7 +78,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(gen.as_dict()))
         return 0
     s = gen.stats
-    mode = "autoregressive" if args.no_spec else f"tree {args.tree_spec}"
+    p = pipe.policy
+    mode = "autoregressive" if args.no_spec else f"tree {args.tree_spec}" if args.tree_spec != "auto" else (
+        f"policy budget {p.budget} depth {p.depth if p.draft and draft else 0} width {p.width}"
+        f"{' + suffix' if p.suffix else ''}")
     print(f"\n\n[{mode}] {s.new_tokens} tokens in {s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s | "
           f"tau {s.tau:.2f} | target passes {s.target_passes} | draft passes {s.draft_passes} | "
           f"finish {gen.finish_reason}", file=sys.stderr)
@@ -101,6 +106,29 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not draft.is_dir():
             raise CheckpointError(f"draft {draft} does not exist: build it with `spectrt draft` or pass --no-draft")
     run_profile(target, draft, args.dtype, args.artifacts, args.out, args.repeats)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from spectrt.build.draft import HELDOUT_PROMPTS, read_prompts
+    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.tune import run_tune
+
+    target, draft = _models(args)
+    if args.prompts:
+        from spectrt.runtime.bench import read_prompts as read_lines
+
+        prompts = read_lines(args.prompts)
+    else:
+        prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1]
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
+    pipe.generate(prompts[0], 8, None)  # warm-up: kernel choice
+    report = run_tune(pipe, target, draft, args.dtype, args.artifacts, prompts[:args.limit], args.max_new_tokens,
+                      args.depth, args.width)
+    p = report["policy"]
+    print(f"{report['path']}: budget {p['budget']}, depth {p['depth']}, width {p['width']}, draft {p['draft']}, "
+          f"suffix {p['suffix']}; expected {report['expected_tokens_per_second']:.1f} tok/s vs AR "
+          f"{report['ar_tokens_per_second']:.1f} (costs: {report['cost_source']})")
     return 0
 
 
@@ -172,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with tree speculative decoding")
     _add_model_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--tree", dest="tree_spec", default=None, help="expansion per depth, e.g. 3,2,2,1,1")
+    g.add_argument("--tree", dest="tree_spec", default=None,
+                   help="a static tree: expansion per depth, e.g. 3,2,2,1,1 (default: auto, dynamic trees "
+                        "under the policy from `spectrt tune`)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--no-spec", action="store_true", help="run the target alone (autoregressive baseline)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -199,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=_positive, default=15, help="timed forwards per shape (median reported)")
     pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     pr.set_defaults(func=cmd_profile)
+
+    t = sub.add_parser("tune", help="pick the speculation policy from this machine's costs and measured acceptance")
+    _add_model_args(t)
+    t.add_argument("--prompts", type=Path, help="one prompt per line (default: build/prompts/heldout.txt)")
+    t.add_argument("--limit", type=_positive, default=8, help="prompts used")
+    t.add_argument("--max-new-tokens", type=_positive, default=64)
+    t.add_argument("--depth", type=_positive, default=4, help="deepest draft level considered")
+    t.add_argument("--width", type=_positive, default=3, help="widest draft expansion considered")
+    t.set_defaults(func=cmd_tune)
 
     d = sub.add_parser("draft", help="slice the target and distill it on the target's own outputs")
     d.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
@@ -255,10 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "tree_spec", "x") is None:
-        from spectrt.runtime.pipeline import DEFAULT_TREE
+        from spectrt.runtime.pipeline import AUTO, DEFAULT_TREE
 
-        args.tree_spec = DEFAULT_TREE
-    if hasattr(args, "tree_spec"):
+        args.tree_spec = AUTO if args.command == "generate" else DEFAULT_TREE
+    if getattr(args, "tree_spec", None) == "auto":
+        args.tree = "auto"
+    elif hasattr(args, "tree_spec"):
         try:
             args.tree = Tree.parse(args.tree_spec)
         except TreeError as e:

@@ -1,4 +1,7 @@
-"""`spectrt bench`: autoregressive vs chain vs tree on one prompt set, ratios measured in one run.
+"""`spectrt bench`: autoregressive vs static trees vs suffix-only vs the default policy, per prompt set.
+
+Two prompt sets by default: chat (bench/prompts.txt) and repetitive tasks (bench/prompts_repetitive.txt:
+edits, conversions, corrections, extraction, where answers repeat the prompt). Ratios measured in one run.
 
 Configurations are interleaved prompt by prompt so machine noise hits all of them alike; the
 baseline is the same engine's own autoregressive loop (its fastest kernels included).
@@ -9,15 +12,20 @@ from __future__ import annotations
 import json
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
+from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 from tqdm import tqdm
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.txt"
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+DEFAULT_PROMPTS = BENCH_DIR / "prompts.txt"
+PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt"}
 DEFAULT_CHAIN = "1,1,1"
 
 
@@ -31,24 +39,40 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
+def bench_configs(pipe: Pipeline, trees: str | None, has_draft: bool) -> dict[str, Tree | Policy | None]:
+    """AR, the static trees asked for (default: a chain and the 2,1 tree), draft-less suffix speculation and
+    the default policy (what `generate` runs)."""
+    configs: dict[str, Tree | Policy | None] = {"autoregressive": None}
+    if has_draft:
+        for spec in trees.split(";") if trees else [DEFAULT_CHAIN, DEFAULT_TREE]:
+            tree = Tree.parse(spec)
+            configs[f"{'chain' if all(len(k) <= 1 for k in tree.children) else 'tree'} {spec}"] = tree
+    suffix_only = replace(pipe.policy, draft=False, depth=0)
+    configs["suffix only (no draft)"] = suffix_only
+    if pipe.policy != suffix_only and has_draft:
+        configs["policy (default)"] = pipe.policy
+    return configs
+
+
 def run_bench(target: Path, draft: Path | None, args) -> dict:
-    prompts = read_prompts(args.prompts)[: args.limit]
-    specs = args.trees.split(";") if args.trees else [DEFAULT_CHAIN, DEFAULT_TREE]
-    configs: dict[str, Tree | None] = {"autoregressive": None}
-    for spec in specs:
-        tree = Tree.parse(spec)
-        is_chain = all(len(kids) <= 1 for kids in tree.children)
-        configs[f"{'chain' if is_chain else 'tree'} {spec}"] = tree
+    sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
+    prompt_sets = {name: read_prompts(path)[: args.limit] for name, path in sets.items()}
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
-    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len)
-    pipe.generate(prompts[0], 8, DEFAULT_TREE)  # warm-up: kernel choice, allocator, caches
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
+                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS))
+    configs = bench_configs(pipe, args.trees, draft is not None)
+    first = next(iter(prompt_sets.values()))[0]
+    for tree in configs.values():  # warm-up: kernel choice for every shape, allocator, caches
+        pipe.generate(first, 8, tree)
 
     rows = []
-    for temperature in temperatures:
-        rows += _bench_temperature(pipe, prompts, configs, temperature, args)
+    for set_name, prompts in prompt_sets.items():
+        for temperature in temperatures:
+            rows += _bench_temperature(pipe, set_name, prompts, configs, temperature, args)
     report = {
         "target": str(target), "draft": str(draft), "dtype": args.dtype, "backend": args.backend,
-        "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "prompt_sets": {name: len(p) for name, p in prompt_sets.items()}, "max_new_tokens": args.max_new_tokens,
+        "policy": pipe.policy.to_json(),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows,
     }
@@ -58,15 +82,16 @@ def run_bench(target: Path, draft: Path | None, args) -> dict:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     table = markdown_table(report)
     (out / f"{stem}.md").write_text(table)
+    plot(report, out / f"{stem}.png")
     print(table)
     return report
 
 
-def _bench_temperature(pipe: Pipeline, prompts: list[str], configs: dict[str, Tree | None], temperature: float,
+def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], configs: dict, temperature: float,
                        args) -> list[dict]:
     totals = {name: {"tokens": 0, "emitted": 0, "seconds": 0.0, "passes": 0, "draft_passes": 0, "accepted": [],
-                     "same_as_ar": 0} for name in configs}
-    for i, prompt in enumerate(tqdm(prompts, desc=f"bench {args.dtype} T={temperature}", unit="prompt")):
+                     "verified": [], "same_as_ar": 0, "per_prompt": []} for name in configs}
+    for i, prompt in enumerate(tqdm(prompts, desc=f"bench {set_name} {args.dtype} T={temperature}", unit="prompt")):
         reference = None
         for name, tree in configs.items():
             params = SamplingParams(temperature=temperature, seed=i)
@@ -78,21 +103,27 @@ def _bench_temperature(pipe: Pipeline, prompts: list[str], configs: dict[str, Tr
             t["emitted"] += gen.stats.emitted_tokens
             t["draft_passes"] += gen.stats.draft_passes
             t["accepted"] += gen.stats.accepted
+            t["verified"] += gen.stats.verified
+            t["per_prompt"].append(gen.stats.tokens_per_second)
             reference = gen.token_ids if reference is None else reference
             t["same_as_ar"] += gen.token_ids == reference
 
-    base = totals["autoregressive"]["tokens"] / totals["autoregressive"]["seconds"]
+    ar = totals["autoregressive"]
+    base = ar["tokens"] / ar["seconds"]
     rows = []
     for name, tree in configs.items():
         t = totals[name]
-        depth = tree.max_depth if tree is not None else 0
+        depth = max(len(t["accepted"]) and max(t["accepted"]), tree.max_depth if isinstance(tree, Tree) else 0)
         passes = max(len(t["accepted"]), 1)
+        per_prompt = [s / a for s, a in zip(t["per_prompt"], ar["per_prompt"], strict=True) if a > 0]
         rows.append({
+            "set": set_name,
             "config": name,
             "temperature": temperature,
-            "tree_nodes": len(tree) if tree is not None else 1,
+            "tree_nodes": sum(t["verified"]) / max(len(t["verified"]), 1),
             "tokens_per_second": t["tokens"] / t["seconds"],
             "speedup_vs_ar": t["tokens"] / t["seconds"] / base,
+            "min_prompt_speedup": min(per_prompt, default=1.0),
             "tau": t["emitted"] / max(t["passes"], 1),
             "draft_passes_per_target_pass": t["draft_passes"] / max(t["passes"], 1),
             "acceptance_per_depth": [sum(a >= d for a in t["accepted"]) / passes for d in range(1, depth + 1)],
@@ -103,18 +134,49 @@ def _bench_temperature(pipe: Pipeline, prompts: list[str], configs: dict[str, Tr
 
 
 def markdown_table(report: dict) -> str:
+    sets = ", ".join(f"{n} {k}" for n, k in report["prompt_sets"].items())
     lines = [
-        f"### {report['backend']} {report['dtype']} — {report['prompts']} prompts × {report['max_new_tokens']} "
+        f"### {report['backend']} {report['dtype']} — prompts: {sets} × {report['max_new_tokens']} "
         f"new tokens ({report['machine']})",
         "",
-        "| config | temperature | nodes | tok/s | speedup vs AR | τ | acceptance per depth | output = AR |",
-        "|---|---|---|---|---|---|---|---|",
+        "| set | config | temperature | mean nodes | tok/s | speedup vs AR | worst prompt | τ | acceptance per depth "
+        "| output = AR |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_depth"]) or "—"
-        lines.append(f"| {r['config']} | {r['temperature']} | {r['tree_nodes']} | {r['tokens_per_second']:.1f} | "
-                     f"{r['speedup_vs_ar']:.2f}× | {r['tau']:.2f} | {acc} | {r['outputs_equal_to_ar']} |")
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance_per_depth"][:6]) or "—"
+        lines.append(f"| {r['set']} | {r['config']} | {r['temperature']} | {r['tree_nodes']:.1f} | "
+                     f"{r['tokens_per_second']:.1f} | {r['speedup_vs_ar']:.2f}× | {r['min_prompt_speedup']:.2f}× | "
+                     f"{r['tau']:.2f} | {acc} | {r['outputs_equal_to_ar']} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Speedup vs AR per configuration, one group of bars per prompt set (worst prompt as a marker)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if r["temperature"] == report["results"][0]["temperature"]]
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    width = 0.8 / len(configs)
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(sets) + 0.4 * len(configs), 4))
+    for i, config in enumerate(configs):
+        xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(sets))]
+        vals = [next(r for r in rows if r["set"] == s and r["config"] == config) for s in sets]
+        bars = ax.bar(xs, [v["speedup_vs_ar"] for v in vals], width, label=config)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.scatter(xs, [v["min_prompt_speedup"] for v in vals], marker="_", color="black", s=60, zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylabel("tokens/s vs autoregressive (— worst prompt)")
+    ax.set_title(f"{report['backend']} {report['dtype']}, T={rows[0]['temperature']} ({report['machine']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def step_cost_ms(engine, tokens: int = 1, context: int = 128, repeats: int = 20) -> float:

@@ -1,8 +1,12 @@
-"""The speculative decode loop: draft a token tree level by level, verify it in one target pass.
+"""The speculative decode loop: build a token tree, verify it in one target pass, accept, compact.
 
-Autoregressive decoding is the same loop with a root-only tree (no draft pass, one token per
-target pass), so the baseline runs on exactly the engine, cache and kernels that speculation uses.
-Both caches are allocated once here; a request only moves their committed lengths.
+Each step's tree comes from one place, `_build`: a per-request suffix index (free candidates) and the
+draft model, merged into one `TokenTrie`. With a `Policy` the tree is dynamic (EAGLE-2): the draft
+expands the best-scoring nodes level by level and the step verifies the B best nodes, B chosen from the
+policy's cost curve so that a step with no candidate worth a verify is plain autoregressive decoding.
+With an explicit static `Tree` (SpecInfer expansion vector) the draft fills that shape and suffix
+candidates are merged in. Autoregressive decoding is the root-only tree, so the baseline runs on exactly
+the engine, cache and kernels that speculation uses. Both caches are allocated once here.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 from spectrt.runtime.engine import Engine
+from spectrt.runtime.policy import Policy, best_size
 from spectrt.runtime.sampling import SamplingParams, draw_children, sampling_probs, verify_sampled
-from spectrt.runtime.tree import Tree, greedy_accept
+from spectrt.runtime.suffix import SuffixIndex
+from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
@@ -33,6 +39,8 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per target pass
+    verified: list[int] = field(default_factory=list)  # tree nodes verified per target pass (1 = plain AR step)
+    trace: list[tuple] = field(default_factory=list)  # with SpecDecoder.record: (kind, key, parent ok, accepted)
 
     @property
     def tau(self) -> float:
@@ -58,6 +66,8 @@ class DecodeStats:
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "tau": round(self.tau, 4),
+            "mean_tree_nodes": round(sum(self.verified) / max(len(self.verified), 1), 3),
+            "speculative_passes": sum(v > 1 for v in self.verified),
         }
 
 
@@ -93,6 +103,7 @@ class SpecDecoder:
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.node_tokens = torch.zeros(max_tree_tokens, dtype=torch.long)
         self.node_q = torch.zeros(max_tree_tokens, target.config.vocab_size) if draft is not None else None
+        self.record = False  # fill DecodeStats.trace (what `spectrt tune` measures acceptance from)
 
     def _catch_up(self, engine: Engine, cache, ids: list[int]) -> torch.Tensor:
         """Feed ids[cache.length:] causally in window-sized chunks; return the last token's logits."""
@@ -128,11 +139,109 @@ class SpecDecoder:
                 )
                 stats.draft_passes += 1
 
+    def _draft_dynamic(self, trie: TokenTrie, ids: list[int], n: int, policy: Policy, params: SamplingParams,
+                       stats: DecodeStats, keys: dict) -> float:
+        """EAGLE-2 expansion: each level, the draft reads the `width` best unread nodes whose parent it has
+        read and adds their top-`width` children; it stops at `depth` or when another level is not expected
+        to pay. Returns the draft time spent, in the policy's cost units."""
+        cal, verify, dcost = policy.calibration, policy.verify_cost, policy.draft_cost
+        budget = min(policy.budget, self.max_tree_tokens)
+        sunk, frontier, fed = dcost(len(ids) - self.draft_cache.length), [0], []
+        free = sorted(trie.scores[1:], reverse=True)
+        b, rate = best_size(free, 0.0, verify, budget)
+        if (1 + sum(free[:b - 1]) + cal.draft[-1]) / (sunk + verify(min(b + 1, budget))) <= rate:
+            return 0.0  # even a sure-to-be-accepted draft token would not pay for the draft pass
+        logits = self._catch_up(self.draft, self.draft_cache, ids)[None]
+        stats.draft_passes += 1
+        for depth in range(1, policy.depth + 1):
+            q = logits.softmax(-1) if params.greedy else sampling_probs(logits, params)
+            top = q.topk(policy.width, dim=-1)
+            probs, toks = top.values.tolist(), top.indices.tolist()
+            for row, parent in enumerate(frontier):
+                for rank, (prob, tok) in enumerate(zip(probs[row], toks[row], strict=True)):
+                    node = trie.add(parent, tok, trie.scores[parent] * cal.draft_edge(prob))
+                    keys.setdefault(node, []).append(("draft", (depth, rank, prob)))
+            if depth == policy.depth:
+                break
+            ranked = trie.best(len(trie))[1:]
+            scores = [trie.scores[i] for i in ranked]
+            b, rate = best_size(scores, sunk, verify, budget)
+            nxt = [i for i in ranked if trie.depths[i] == depth
+                   and (trie.parents[i] == 0 or trie.draft_slot[trie.parents[i]] >= 0)][:policy.width]
+            # the next level is expected to add about what this one added per unit of parent score
+            edge = cal.draft_edge(float(top.values[:, 0].mean()))
+            gain = 1 + sum(scores[:b - 1]) + sum(trie.scores[i] for i in nxt) * edge
+            if (not nxt or len(fed) + len(nxt) > self.max_tree_tokens
+                    or gain / (sunk + dcost(len(nxt)) + verify(min(b + len(nxt), budget))) <= rate):
+                break
+            mask = torch.zeros(len(nxt), len(fed) + len(nxt), dtype=torch.bool)
+            for row, node in enumerate(nxt):
+                mask[row, len(fed) + row] = True
+                anc = trie.parents[node]
+                while anc > 0:
+                    mask[row, trie.draft_slot[anc]] = True
+                    anc = trie.parents[anc]
+            for node in nxt:
+                trie.draft_slot[node] = len(fed)
+                fed.append(node)
+            logits = self.draft.forward(torch.tensor([trie.tokens[i] for i in nxt]),
+                                        torch.full((len(nxt),), n + depth), mask, self.draft_cache)
+            stats.draft_passes += 1
+            sunk += dcost(len(nxt))
+            frontier = nxt
+        return sunk
+
+    def _add_suffix(self, trie: TokenTrie, index: SuffixIndex, policy: Policy, room: int, keys: dict) -> None:
+        """Merge the suffix index's candidates (point masses) into the trie, at most `room` tokens in all."""
+        for cand in index.propose(policy.suffix_depth):
+            tokens = cand.tokens[:room]
+            if not tokens:
+                break
+            room -= len(tokens)
+            scores = policy.calibration.suffix_path(cand.match, cand.share)
+            for k, node in enumerate(trie.add_path(tokens, scores[:len(tokens)])):
+                keys.setdefault(node, []).append(("suffix", (cand.match, k)))
+
+    def _build(self, ids: list[int], n: int, static: Tree | None, policy: Policy | None, index: SuffixIndex | None,
+               use_draft: bool, params: SamplingParams, children: str, stats: DecodeStats,
+               draft_gen: torch.Generator) -> tuple[TokenTrie, list[int], dict, torch.Tensor | None]:
+        """This step's candidates, from every proposer, merged into one trie; which nodes to verify.
+
+        Returns the trie, the nodes to verify (root first), each node's proposer keys (for tuning) and,
+        for a static tree of sampled children, the draft distributions they were drawn from (trie order).
+        """
+        trie, keys = TokenTrie(ids[-1]), {}
+        if static is None:  # dynamic: free candidates first, then the draft extends the best nodes
+            budget = min(policy.budget, self.max_tree_tokens)
+            if index is not None:
+                self._add_suffix(trie, index, policy, budget - 1, keys)
+            sunk = self._draft_dynamic(trie, ids, n, policy, params, stats, keys) if use_draft else 0.0
+            b, _ = best_size(sorted(trie.scores[1:], reverse=True), sunk, policy.verify_cost, budget)
+            return trie, trie.best(b), keys, None
+        static_q = None
+        if len(static) > 1:  # the static shape first (trie node i = tree node i, sampled children in draw order)
+            self.node_tokens[0] = ids[-1]
+            self._draft_tree(static, ids, n, stats, params, children, draft_gen)
+            sampled = not params.greedy and children == "sample"
+            for i in range(1, len(static)):
+                node = trie.add(static.parents[i], int(self.node_tokens[i]), 1.0, sampled=sampled)
+                trie.draft_slot[node] = i - 1 if static.depths[i] < static.max_depth else -1
+            static_q = self.node_q[:len(static)] if sampled else None
+        if index is not None:  # all merged in: pruning by score would make the point set depend on the draws
+            self._add_suffix(trie, index, policy, self.max_tree_tokens - len(static), keys)
+        return trie, list(range(len(trie))), keys, static_q
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None, params: SamplingParams = GREEDY,
-                 children: str = "sample") -> DecodeResult:
-        """Decode; `tree=None` (or a draft-less decoder) is plain autoregressive decoding."""
-        tree = tree if (tree is not None and self.draft is not None) else ROOT_ONLY
+                 children: str = "sample", policy: Policy | None = None) -> DecodeResult:
+        """Decode. `tree` (with a draft): that static shape, plus suffix candidates if `policy.suffix`;
+        `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
+        neither (or a draft-less decoder given only a tree): plain autoregressive decoding."""
+        static = tree if (tree is not None and self.draft is not None) else None
+        if static is None and policy is None:
+            static = ROOT_ONLY
+        use_draft = self.draft is not None and (static is not None and len(static) > 1
+                                                or static is None and policy.draft and policy.depth > 0)
         if children not in CHILD_MODES:
             raise ValueError(f"children must be one of {CHILD_MODES}, got {children!r}")
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**62)
@@ -148,17 +257,18 @@ class SpecDecoder:
                 f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}: "
                 "shorten the prompt or raise --max-seq-len"
             )
-        if len(tree) > self.max_tree_tokens:
-            raise ValueError(f"the tree has {len(tree)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
+        if static is not None and len(static) > self.max_tree_tokens:
+            raise ValueError(f"the tree has {len(static)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
 
         stats = DecodeStats(prompt_tokens=len(prompt_ids))
         start = time.perf_counter()
         ids = list(prompt_ids)
         self.target_cache.reset()
         self._catch_up(self.target, self.target_cache, ids[:-1])
-        if len(tree) > 1:
+        if use_draft:
             self.draft_cache.reset()
             self._catch_up(self.draft, self.draft_cache, ids[:-1])
+        index = SuffixIndex(ids) if policy is not None and policy.suffix else None
         stats.prefill_seconds = time.perf_counter() - start
 
         limit = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
@@ -166,22 +276,36 @@ class SpecDecoder:
         finish = "length"
         while len(out) < limit:
             n = self.target_cache.length
-            self.node_tokens[0] = ids[-1]
-            if len(tree) > 1:
-                self._draft_tree(tree, ids, n, stats, params, children, draft_gen)
-            tokens = self.node_tokens[:len(tree)]
-            logits = self.target.forward(tokens, tree.positions(n), tree.mask, self.target_cache)
+            trie, nodes, keys, static_q = self._build(ids, n, static, policy, index, use_draft, params, children,
+                                                      stats, draft_gen)
+            step_tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
+            tokens = torch.tensor([trie.tokens[i] for i in order])
+            logits = self.target.forward(tokens, step_tree.positions(n), step_tree.mask, self.target_cache)
             stats.target_passes += 1
+            stats.verified.append(len(step_tree))
             if params.greedy:
-                path, bonus = greedy_accept(tree, tokens.tolist(), logits.argmax(-1).tolist())
+                path, bonus = greedy_accept(step_tree, tokens.tolist(), logits.argmax(-1).tolist())
             else:
-                q = self.node_q[:len(tree)] if len(tree) > 1 and children == "sample" else None
-                path, bonus = verify_sampled(tree, tokens, sampling_probs(logits, params), q, verify_gen)
+                q = point = sampled = None
+                if static_q is not None:  # static tree rows first, in their own order (trie nodes 0..len-1)
+                    # rows of nodes without sampled children are never read: any valid distribution will do
+                    q = static_q[[i if i < len(static) and static.children[i] else 0 for i in order]]
+                    point = [trie.point[i] for i in order]
+                    sampled = [trie.sampled[i] for i in order]
+                path, bonus = verify_sampled(step_tree, tokens, sampling_probs(logits, params), q, verify_gen,
+                                             point, sampled)
             stats.accepted.append(len(path) - 1)
+            if self.record:
+                self._trace(stats, step_tree, order, path, keys)
             self.target_cache.compact(path)
-            if len(tree) > 1:
-                self.draft_cache.compact([i - 1 for i in path[1:] if tree.depths[i] < tree.max_depth])
-            new = [int(self.node_tokens[i]) for i in path[1:]] + [bonus]
+            if use_draft:
+                slots = []
+                for i in path[1:]:
+                    if trie.draft_slot[order[i]] < 0:
+                        break
+                    slots.append(trie.draft_slot[order[i]])
+                self.draft_cache.compact(slots)
+            new = [int(tokens[i]) for i in path[1:]] + [bonus]
             new = new[:limit - len(out)]
             eos = next((j for j, tok in enumerate(new) if tok in self.eos_ids), None)
             stats.emitted_tokens += len(new) if eos is None else eos + 1
@@ -189,6 +313,8 @@ class SpecDecoder:
                 new, finish = new[:eos], "stop"
             out.extend(new)
             ids.extend(new)
+            if index is not None:
+                index.extend(new)
             if on_tokens is not None and new:
                 on_tokens(new)
             if finish == "stop":
@@ -196,3 +322,11 @@ class SpecDecoder:
         stats.new_tokens = len(out)
         stats.seconds = time.perf_counter() - start
         return DecodeResult(out, finish, stats)
+
+    @staticmethod
+    def _trace(stats: DecodeStats, tree: Tree, order: list[int], path: list[int], keys: dict) -> None:
+        """Record, for each verified candidate, whether its parent was accepted and whether it was (for tuning)."""
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            for kind, key in keys.get(order[i], ()):
+                stats.trace.append((kind, key, tree.parents[i] in on_path, i in on_path))

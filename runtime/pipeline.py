@@ -11,13 +11,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.decoder import GREEDY, DecodeStats, SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
+from spectrt.runtime.policy import Policy, load_policy, policy_path
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 from transformers import AutoTokenizer
 
-DEFAULT_TREE = "2,1"
+DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one
+AUTO = "auto"  # the default: dynamic trees under the tuned policy (`spectrt tune`) or the built-in default
+
+
+def default_policy(target: Path, draft: Path | None, dtype: str, artifacts: Path = DEFAULT_ARTIFACTS) -> Policy:
+    """The policy `spectrt tune` saved for this target/draft/dtype, else the untuned default
+    (draft-less speculation with suffix candidates when there is no draft)."""
+    tuned = load_policy(policy_path(artifacts, Path(target).name, Path(draft).name if draft else None, dtype))
+    if tuned is not None:
+        return tuned
+    return Policy() if draft is not None else Policy(budget=16, depth=0, draft=False)
 
 
 @dataclass
@@ -52,8 +64,10 @@ class TextStream:
 
 class Pipeline:
     def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "fp32",
-                 max_seq_len: int = 2048, max_tree_tokens: int = 64):
+                 max_seq_len: int = 2048, max_tree_tokens: int = 64, policy: Policy | None = None,
+                 artifacts: Path = DEFAULT_ARTIFACTS):
         target = Path(target)
+        self.policy = policy or default_policy(target, draft, dtype, artifacts)
         if draft is not None:
             check_draft_matches(target, Path(draft))
         self.tokenizer = AutoTokenizer.from_pretrained(target)
@@ -80,15 +94,21 @@ class Pipeline:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | str | None = DEFAULT_TREE,
+    def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | Policy | str | None = AUTO,
                  chat: bool = True, on_text: Callable[[str], None] | None = None,
                  params: SamplingParams = GREEDY, children: str = "sample") -> Generation:
-        """Generate; `tree=None` runs the target alone (the autoregressive baseline)."""
-        if isinstance(tree, str):
+        """Generate; `tree`: "auto" (the pipeline's policy), a Policy, a static Tree or expansion string
+        ("2,1"), or None to run the target alone (the autoregressive baseline)."""
+        policy = None
+        if tree == AUTO:
+            tree, policy = None, self.policy
+        elif isinstance(tree, Policy):
+            tree, policy = None, tree
+        elif isinstance(tree, str):
             tree = Tree.parse(tree)
         stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
         result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree, on_tokens=stream,
-                                       params=params, children=children)
+                                       params=params, children=children, policy=policy)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         if stream is not None and len(text) > stream.sent:
             on_text(text[stream.sent:])

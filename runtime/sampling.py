@@ -112,16 +112,20 @@ def verify_sampled(
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
+    point: list[bool] | torch.Tensor | None = None,
+    sampled: list[bool] | torch.Tensor | None = None,
 ) -> tuple[list[int], int]:
     """Lossless verification of one draft tree: accepted node indices (root first) and the emitted token.
 
     `tokens[i]` is node i's token, `p[i]` [N, V] the target's `sampling_probs` after node i and `q[i]`
     the draft distribution node i's children were drawn from without replacement (`None` for
-    deterministic top-k children). Same return convention as `greedy_accept`; a thin wrapper around
+    deterministic top-k children); `point` / `sampled` [N] flag a merged tree's mixed children (see
+    `verify_sampled_batch`). Same return convention as `greedy_accept`; a thin wrapper around
     `verify_sampled_batch`.
     """
     tokens = torch.as_tensor(tokens, device=p.device)
-    path, token = verify_sampled_batch(tree, tokens[None], p[None], None if q is None else q[None], generator)
+    flags = [None if f is None else torch.as_tensor(f, dtype=torch.bool)[None] for f in (point, sampled)]
+    path, token = verify_sampled_batch(tree, tokens[None], p[None], None if q is None else q[None], generator, *flags)
     return [i for i in path[0].tolist() if i >= 0], int(token[0])
 
 
@@ -131,6 +135,8 @@ def verify_sampled_batch(
     p: torch.Tensor,
     q: torch.Tensor | None,
     generator: torch.Generator | None,
+    point: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify B trees of one topology at once: tokens [B, N], p and q [B, N, V].
 
@@ -144,6 +150,15 @@ def verify_sampled_batch(
       renormalized; repeated tokens are skipped. This is "sample y ~ p, follow the child holding y".
     A row whose children are all rejected, or which reaches a leaf, emits y ~ R. The residual arithmetic
     runs in float64. Raises ValueError if a child could not have been drawn from q (zero draft mass).
+
+    Mixed children (a merged tree): bool flags `point` and `sampled` [B, N] say which nodes are point-mass
+    candidates (suffix matches, top-k) and which were drawn without replacement from their parent's q
+    (default: all point when q is None, all sampled otherwise). At each node the point children are tried
+    first with the point-mass rule, then the sampled children by recursive rejection against the residual
+    left by the point phase, with D = q (the draw did not depend on the point candidates). Each phase
+    turns a correct residual into a correct residual, so the emitted token is exactly ~ p. A node that is
+    both (a suffix token the draft also drew) is tried in both phases: in the second its R is 0, so it is
+    rejected and D drops its mass, as the draw order requires.
     """
     batch, n_nodes, vocab = p.shape
     if (
@@ -158,6 +173,11 @@ def verify_sampled_batch(
     device = p.device
     rows = torch.arange(batch, device=device)
     tokens = tokens.to(device=device, dtype=torch.long)
+    full = torch.ones(batch, n_nodes, dtype=torch.bool, device=device)
+    point = (full if q is None else ~full) if point is None else point.to(device)
+    sampled = (~full if q is None else full) if sampled is None else sampled.to(device)
+    if q is None and sampled.any():
+        raise ValueError("nodes flagged as sampled need the draft distribution q they were drawn from")
     width = max(len(c) for c in tree.children)
     kids = torch.tensor([c + (-1,) * (width - len(c)) for c in tree.children], device=device)
     node = torch.zeros(batch, dtype=torch.long, device=device)
@@ -166,36 +186,42 @@ def verify_sampled_batch(
     path[:, 0] = 0
     emit_from = torch.zeros(batch, vocab, dtype=torch.float64, device=device)
     impossible = torch.zeros(batch, dtype=torch.bool, device=device)
+    vocab_ids = torch.arange(vocab, device=device)
+    phases = [(is_point, flags) for is_point, flags in ((True, point), (False, sampled)) if flags.any()]
     for depth, level in enumerate(tree.levels):
         resid = _normalize(p[rows, node].double())
         if q is not None:
             q_node = _normalize(q[rows, node].double())
             draft = q_node
+        tried_point = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         tried = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         moved = torch.zeros(batch, dtype=torch.bool, device=device)
         nxt = node
-        for slot in range(max(len(tree.children[i]) for i in level)):
-            child = kids[node, slot]
-            x = tokens[rows, child.clamp(min=0)]
-            try_it = live & ~moved & (child >= 0)
-            r = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
-            r_x = resid[rows, x]
-            if q is None:
-                try_it &= ~tried[rows, x]
-                accept = try_it & (r < r_x)
-                new_resid = _renormalize_or_keep(resid.scatter(1, x[:, None], 0.0), resid)
-            else:
-                d_x = draft[rows, x]
-                impossible |= try_it & (d_x <= 0)
-                accept = try_it & (r * d_x < r_x)  # r < R[x] / D[x] without dividing by zero
-                new_resid = _renormalize_or_keep(_residual(resid, draft), resid)
-            reject = (try_it & ~accept)[:, None]
-            resid = torch.where(reject, new_resid, resid)
-            tried = tried | (reject & (torch.arange(vocab, device=device) == x[:, None]))
-            if q is not None:
-                draft = torch.where(reject, _untried(q_node, tried), draft)
-            moved |= accept
-            nxt = torch.where(accept, child, nxt)
+        for is_point, flags in phases:
+            for slot in range(max(len(tree.children[i]) for i in level)):
+                child = kids[node, slot]
+                x = tokens[rows, child.clamp(min=0)]
+                try_it = live & ~moved & (child >= 0) & flags[rows, child.clamp(min=0)]
+                r = torch.rand(batch, generator=generator, device=device, dtype=torch.float64)
+                r_x = resid[rows, x]
+                if is_point:
+                    try_it &= ~tried_point[rows, x]
+                    accept = try_it & (r < r_x)
+                    new_resid = _renormalize_or_keep(resid.scatter(1, x[:, None], 0.0), resid)
+                else:
+                    d_x = draft[rows, x]
+                    impossible |= try_it & (d_x <= 0)
+                    accept = try_it & (r * d_x < r_x)  # r < R[x] / D[x] without dividing by zero
+                    new_resid = _renormalize_or_keep(_residual(resid, draft), resid)
+                reject = (try_it & ~accept)[:, None]
+                resid = torch.where(reject, new_resid, resid)
+                if is_point:
+                    tried_point = tried_point | (reject & (vocab_ids == x[:, None]))
+                else:
+                    tried = tried | (reject & (vocab_ids == x[:, None]))
+                    draft = torch.where(reject, _untried(q_node, tried), draft)
+                moved |= accept
+                nxt = torch.where(accept, child, nxt)
         stop = live & ~moved
         emit_from = torch.where(stop[:, None], resid, emit_from)
         if depth < tree.max_depth:

@@ -141,3 +141,77 @@ def greedy_accept(tree: Tree, tokens: list[int], target_argmax: list[int]) -> tu
             return path, want
         path.append(nxt)
         node = nxt
+
+
+class TokenTrie:
+    """Candidates of several proposers merged into one token trie (SpecInfer's merge-based construction).
+
+    Node 0 is the root (the last accepted token). `add` merges a candidate into an existing child with
+    the same token, so shared prefixes appear once. Each node carries a score, the estimated probability
+    that the target accepts the path to it, capped at its parent's so that any top-B selection (ties to
+    the shallower node) stays connected. Flags say how verification must treat a node:
+    `point` (a deterministic candidate: suffix match or draft top-k, verified as a point mass) and/or
+    `sampled` (drawn without replacement from the draft's q at its parent, in creation order).
+    `draft_slot` is the node's slot in the draft's uncommitted window once the draft has read it.
+    """
+
+    def __init__(self, root_token: int):
+        self.tokens, self.parents, self.depths, self.scores = [int(root_token)], [-1], [0], [1.0]
+        self.point, self.sampled, self.draft_slot = [False], [False], [-1]
+        self.kids: list[dict[int, int]] = [{}]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, sampled: bool = False) -> int:
+        """Merge one child candidate under `parent`; returns its node (new or the existing one)."""
+        token, score = int(token), min(float(score), self.scores[parent])
+        node = self.kids[parent].get(token)
+        if node is None:
+            node = len(self.tokens)
+            self.kids[parent][token] = node
+            self.kids.append({})
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.scores.append(score)
+            self.point.append(False)
+            self.sampled.append(False)
+            self.draft_slot.append(-1)
+        else:
+            self.scores[node] = max(self.scores[node], score)
+        if sampled:
+            self.sampled[node] = True
+        else:
+            self.point[node] = True
+        return node
+
+    def add_path(self, tokens: list[int] | tuple[int, ...], scores: list[float] | tuple[float, ...]) -> list[int]:
+        """A deterministic candidate continuation from the root (e.g. a suffix match): one node per token."""
+        node, nodes = 0, []
+        for tok, score in zip(tokens, scores, strict=True):
+            node = self.add(node, tok, score)
+            nodes.append(node)
+        return nodes
+
+    def best(self, budget: int) -> list[int]:
+        """The root and the budget-1 highest-scoring other nodes (ties to the shallower, then the older)."""
+        order = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))
+        return [0] + order[:max(budget - 1, 0)]
+
+    def subtree(self, nodes: list[int]) -> tuple[Tree, list[int]]:
+        """The tree over `nodes` (which must contain each one's parent) in breadth-first order.
+
+        Returns the Tree and, for each of its nodes, the trie node it is: siblings keep creation order,
+        so sampled children stay in draw order.
+        """
+        keep = set(nodes)
+        if 0 not in keep or any(self.parents[i] not in keep for i in keep if i):
+            raise TreeError("a selection of trie nodes must contain the root and every selected node's parent")
+        order, where, parents = [0], {0: 0}, [-1]
+        for i in order:
+            for child in sorted(c for c in self.kids[i].values() if c in keep):
+                where[child] = len(order)
+                order.append(child)
+                parents.append(where[i])
+        return Tree(tuple(parents)), order

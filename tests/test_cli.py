@@ -77,3 +77,19 @@ def test_unusable_model_paths(tmp_path):
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(CheckpointError, match="not a .gguf"):
         resolve_target(tmp_path / "weights.bin")
+
+
+def test_tune_saves_a_policy_that_generate_uses(target_dir, tmp_path):
+    """Draft-less: `tune` writes the policy for (target, nodraft, fp32); `generate` picks it up by default."""
+    model = ["--target", str(target_dir), "--draft", "none", "--artifacts", str(tmp_path)]
+    tuned = spectrt("tune", *model, "--limit", "1", "--max-new-tokens", "12")
+    assert tuned.returncode == 0, tuned.stderr
+    saved = json.loads((tmp_path / f"policy-{target_dir.name}-nodraft-fp32.json").read_text())
+    assert saved["policy"]["draft"] is False and saved["cost_source"].startswith("measured")
+    assert [t for t, _ in saved["policy"]["verify_ms"]] == [1, 2, 4, 8, 16, 32, 64]
+    prompt = ["generate", "--prompt", "Repeat exactly: red, green, blue, red, green, blue.", "--max-new-tokens", "24"]
+    spec = spectrt(*prompt, *model)
+    ar = spectrt(*prompt, *model, "--no-spec", "--json")
+    assert spec.returncode == 0 and ar.returncode == 0, spec.stderr + ar.stderr
+    assert f"budget {saved['policy']['budget']} depth 0" in spec.stderr  # the tuned policy ran
+    assert spec.stdout.strip() == json.loads(ar.stdout)["text"].strip()

@@ -6,6 +6,7 @@ import pytest
 from spectrt.build.draft import slice_target
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.model import Transformer
+from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 
@@ -148,3 +149,58 @@ def test_draft_vocabulary_must_match(target, tmp_path):
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="draft vocabulary"):
         SpecDecoder(target, Transformer.load(tmp_path), EOS)
+
+
+FLAT = ((1, 1.0), (64, 1.0))  # verify cost flat in T: every candidate with a chance is verified (big trees)
+REPEAT = "Repeat this list exactly, then add one more fruit: apple, banana, cherry, grape, melon, orange, peach, plum."
+
+
+@pytest.mark.parametrize("draft_name, policy", [
+    ("none", Policy(budget=16, depth=0, draft=False)),  # draft-less: suffix candidates only
+    ("weak", Policy(budget=12, depth=3, width=3, verify_ms=FLAT)),  # dynamic, mostly rejected draft nodes
+    ("mid", Policy(budget=8, depth=3, width=2, verify_ms=FLAT)),
+    ("target", Policy(budget=10, depth=4, width=2, verify_ms=FLAT)),  # long accepted paths, merged with suffixes
+])
+def test_greedy_dynamic_merged_trees_are_lossless(request, target, prompt_ids, ar_outputs, tokenizer, draft_name,
+                                                  policy):
+    draft = None if draft_name == "none" else request.getfixturevalue(
+        {"weak": "draft", "mid": "mid_draft", "target": "target"}[draft_name])
+    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder.record = True
+    repeat = list(tokenizer.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+    ar = SpecDecoder(target, None, EOS, max_seq_len=512).generate(repeat, 64).token_ids
+    kinds = set()
+    for ids, expected in zip(prompt_ids + [repeat], ar_outputs + [ar], strict=True):
+        result = decoder.generate(ids, 128 if ids is not repeat else 64, policy=policy)
+        assert result.token_ids == expected
+        kinds |= {kind for kind, _, _, accepted in result.stats.trace if accepted}
+    assert "suffix" in kinds  # suffix candidates were accepted (the repeated list at least)
+    if draft_name in ("mid", "target"):
+        assert "draft" in kinds and max(result.stats.verified) > policy.width
+
+
+def test_static_tree_with_suffix_candidates_is_lossless(target, draft, prompt_ids, ar_outputs):
+    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    for ids, expected in zip(prompt_ids[:4], ar_outputs[:4], strict=True):
+        result = decoder.generate(ids, 128, Tree.parse("2,1"), policy=Policy())
+        assert result.token_ids == expected
+        assert max(result.stats.verified) >= len(Tree.parse("2,1"))
+
+
+def test_no_speculation_when_it_cannot_pay(target, draft, prompt_ids, ar_outputs):
+    """A verify of 2 tokens costing 100 steps: every step is a plain AR step and the draft never runs."""
+    steep = Policy(budget=8, depth=3, width=2, verify_ms=((1, 1.0), (2, 100.0)))
+    result = SpecDecoder(target, draft, EOS, max_seq_len=512).generate(prompt_ids[1], 128, policy=steep)
+    assert result.token_ids == ar_outputs[1]
+    assert set(result.stats.verified) == {1} and result.stats.draft_passes == 0
+
+
+@pytest.mark.parametrize("tree", [None, Tree.parse("2,1")])
+def test_sampling_with_suffix_candidates_is_seeded(target, draft, prompt_ids, tree):
+    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    policy = Policy(budget=8, depth=2, width=2, verify_ms=FLAT)
+    runs = [decoder.generate(prompt_ids[5], 32, tree, params=SamplingParams(temperature=0.8, seed=s),
+                             policy=policy).token_ids for s in (4, 4, 5)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert all(0 <= t < target.config.vocab_size for t in runs[0])

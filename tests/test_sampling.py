@@ -413,3 +413,105 @@ def test_smallest_sampling_temperature_gives_a_distribution():
     probs = sampling_probs(logits, SamplingParams(temperature=sampling.MIN_TEMPERATURE))
     assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(1))
     assert torch.multinomial(probs, 1).item() in (0, 1)
+
+
+# ---------------------------------------------------------------- merged trees: point candidates + sampled children
+
+MIXED = Tree((-1, 0, 0, 0, 1, 2))  # root: P (point), S1, S2 (sampled); P -> P1 (point); S1 -> S11 (sampled)
+MERGED = Tree((-1, 0, 0, 0, 2))  # root: P (point, or merged into an S holding its token), S1, S2; S1 -> S11
+
+
+def _suffix_token(prev: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """A deterministic candidate that depends only on the context, as a suffix match does."""
+    return (3 * prev + last + 1) % V
+
+
+def simulate_mixed(mode: str, params: SamplingParams, seed: int) -> torch.Tensor:
+    """Tree speculative sampling with point-mass candidates and sampled draft children under one parent.
+
+    "mixed": MIXED with a duplicate when P's token was also drawn (both tried, in the point then the
+    sampled phase); "merged": MERGED, where a drawn child holding P's token becomes one node flagged both
+    ways and P is absent. Wrong rules: "mixed-allq" verifies P as if drawn from q; "merged-skip" drops
+    the merged node from the sampled phase (a hole in the without-replacement draw order).
+    """
+    tree = MERGED if mode.startswith("merged") else MIXED
+    p_tab, q_tab = sampling_probs(TARGET_LOGITS, params), sampling_probs(DRAFT_LOGITS, params)
+    draft_gen, verify_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    out = torch.full((SAMPLES, LENGTH), -1, dtype=torch.long)
+    count = torch.zeros(SAMPLES, dtype=torch.long)
+    ctx = torch.tensor(CONTEXT).repeat(SAMPLES, 1)
+    while True:
+        todo = (count < LENGTH).nonzero().squeeze(1)
+        if todo.numel() == 0:
+            break
+        m, n = todo.numel(), len(tree)
+        tok = torch.zeros(m, n, dtype=torch.long)
+        prev = torch.zeros(m, n, dtype=torch.long)
+        prev[:, 0], tok[:, 0] = ctx[todo, 0], ctx[todo, 1]
+        tok[:, 1] = _suffix_token(prev[:, 0], tok[:, 0])
+        tok[:, 2:4] = draw_children(q_tab[prev[:, 0], tok[:, 0]], 2, draft_gen)
+        if tree is MIXED:
+            tok[:, 4] = _suffix_token(tok[:, 0], tok[:, 1])
+        tok[:, -1] = draw_children(q_tab[tok[:, 0], tok[:, 2]], 1, draft_gen)[:, 0]
+        prev[:, 1:4] = tok[:, :1]
+        prev[:, -1] = tok[:, 2]
+        if tree is MIXED:
+            prev[:, 4] = tok[:, 1]
+        point = torch.zeros(m, n, dtype=torch.bool)
+        sampled = torch.ones(m, n, dtype=torch.bool)
+        point[:, 1], sampled[:, 1] = True, False
+        if tree is MIXED:
+            point[:, 4], sampled[:, 4] = True, False
+        else:
+            for j in (2, 3):
+                dup = tok[:, j] == tok[:, 1]
+                point[dup, 1] = False
+                point[dup, j] = True
+                if mode == "merged-skip":
+                    sampled[dup, j] = False
+        if mode == "mixed-allq":
+            point[:], sampled[:] = False, True
+        p, q = p_tab[prev, tok], q_tab[prev, tok]
+        path, y = verify_sampled_batch(tree, tok, p, q, verify_gen, point, sampled)
+        accepted = (path[:, 1:] >= 0).sum(1)
+        emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
+        emitted[torch.arange(m), accepted] = y
+        for j in range(emitted.shape[1]):
+            pos = count[todo] + j
+            ok = (j <= accepted) & (pos < LENGTH)
+            out[todo[ok], pos[ok]] = emitted[ok, j]
+        before_y = torch.where(
+            accepted > 0, emitted.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0], tok[:, 0]
+        )
+        ctx[todo] = torch.stack([before_y, y], 1)
+        count[todo] += accepted + 1
+    return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
+
+
+def check_mixed(mode: str, params: SamplingParams, seed: int = 0) -> tuple[float, int, float]:
+    counts, probs = simulate_mixed(mode, params, seed), exact_joint(params)
+    assert counts[probs == 0].sum() == 0, "emitted a token sequence the target gives probability 0"
+    return goodness_of_fit(counts, probs)
+
+
+@pytest.mark.parametrize("mode", ["mixed", "merged"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_point_candidates_mixed_with_sampled_children_are_exact(mode, temperature, top_p):
+    stat, df, pval = check_mixed(mode, SamplingParams(temperature=temperature, top_p=top_p), seed=3)
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+@pytest.mark.parametrize("mode", ["mixed-allq", "merged-skip"])
+def test_check_rejects_wrong_rules_for_mixed_children(mode):
+    stat, df, pval = check_mixed(mode, SamplingParams(temperature=1.0), seed=4)
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_merged_tree_sees_duplicates_often():
+    """The merged case must actually occur in the simulation for the tests above to mean anything."""
+    g = torch.Generator().manual_seed(0)
+    q = sampling_probs(DRAFT_LOGITS, SamplingParams(temperature=1.0))
+    prev, last = torch.randint(V, (5000,), generator=g), torch.randint(V, (5000,), generator=g)
+    drawn = draw_children(q[prev, last], 2, g)
+    share = (drawn == _suffix_token(prev, last)[:, None]).any(1).double().mean()
+    assert share > 0.2

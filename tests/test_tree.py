@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from spectrt.runtime.tree import Tree, TreeError, greedy_accept
+from spectrt.runtime.tree import TokenTrie, Tree, TreeError, greedy_accept
 
 
 def test_seed_example_mask():
@@ -69,3 +69,49 @@ def test_greedy_accept_follows_target_argmax():
     assert greedy_accept(tree, tokens, [3, 0, 0, 0, 0, 0]) == ([0], 3)
     # second sibling at depth 2 (D under A)
     assert greedy_accept(tree, tokens, [10, 21, 0, 0, 8, 0]) == ([0, 1, 4], 8)
+
+
+def _ancestors(tree: Tree, i: int) -> set[int]:
+    chain = {i}
+    while tree.parents[i] >= 0:
+        i = tree.parents[i]
+        chain.add(i)
+    return chain
+
+
+def test_trie_merges_proposers_with_shared_prefixes_once():
+    trie = TokenTrie(7)
+    a = trie.add(0, 10, 0.6, sampled=True)  # draft children, drawn from q
+    b = trie.add(0, 11, 0.3, sampled=True)
+    c = trie.add(a, 20, 0.4, sampled=True)
+    path = trie.add_path([10, 21, 30], [0.9, 0.8, 0.7])  # a suffix match sharing the prefix 10
+    assert path[0] == a and len(trie) == 6  # 10 appears once; 21 and 30 are new
+    assert trie.point[a] and trie.sampled[a]  # verified as both kinds (see verify_sampled_batch)
+    assert trie.sampled[b] and not trie.point[b] and trie.point[path[1]] and not trie.sampled[path[1]]
+    assert trie.scores[a] == 0.9  # the better estimate of the merged node
+    assert trie.add_path([10, 21], [0.1, 0.1]) == path[:2] and len(trie) == 6  # a repeated candidate adds nothing
+
+    tree, order = trie.subtree(list(range(len(trie))))
+    tokens = [trie.tokens[i] for i in order]
+    assert tokens == [7, 10, 11, 20, 21, 30]  # breadth-first; siblings in creation (draw) order
+    assert tree.parents == (-1, 0, 0, 1, 1, 4)
+    assert order[3] == c
+    for i in range(len(tree)):  # each row of the mask is the node's ancestor chain; positions follow depth
+        assert set(torch.nonzero(tree.mask[i]).flatten().tolist()) == _ancestors(tree, i)
+    assert tree.positions(50).tolist() == [50, 51, 51, 52, 52, 53]
+    # every root path of the merged tree is one proposer's candidate
+    paths = {tuple(tokens[j] for j in sorted(_ancestors(tree, i))) for i in range(len(tree)) if not tree.children[i]}
+    assert paths == {(7, 11), (7, 10, 20), (7, 10, 21, 30)}
+
+
+def test_trie_scores_stay_monotone_and_best_nodes_connected():
+    trie = TokenTrie(0)
+    x = trie.add_path([1, 2, 3], [0.5, 0.9, 0.5])  # a child never scores above its parent
+    assert [trie.scores[i] for i in x] == [0.5, 0.5, 0.5]
+    y = trie.add(0, 4, 0.5)
+    assert trie.best(3) == [0, x[0], y]  # ties go to the shallower node
+    for budget in range(1, len(trie) + 1):
+        tree, order = trie.subtree(trie.best(budget))  # any top-B is a connected tree
+        assert len(tree) == budget and order[0] == 0
+    with pytest.raises(TreeError, match="parent"):
+        trie.subtree([0, x[1]])

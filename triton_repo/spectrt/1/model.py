@@ -71,7 +71,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------------------------------ load
     def initialize(self, args):
         import torch
-        from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
+        from spectrt.runtime.pipeline import Pipeline
         from spectrt.runtime.sampling import SamplingParams
 
         self.torch, self.SamplingParams = torch, SamplingParams
@@ -94,7 +94,7 @@ class TritonPythonModel:
         torch.set_num_threads(threads)
 
         target, draft, backend, dtype, tree = self._models(params)
-        self.default_tree = tree if tree is not None else (params.get("tree") or DEFAULT_TREE)
+        self.default_tree = tree if tree is not None else (params.get("tree") or "auto")  # the tuned policy
         load_start = time.perf_counter()
         self.pipe = Pipeline(target, draft, backend, dtype, self.max_seq_len, self.max_tree_tokens)
         self.has_draft = draft is not None
@@ -195,6 +195,8 @@ class TritonPythonModel:
         if spec is None or isinstance(spec, Tree):
             return spec
         spec = str(spec).strip()
+        if spec.lower() == "auto":  # dynamic trees under the pipeline's policy (draft-less: suffix candidates)
+            return "auto"
         if spec.lower() in NO_TREE or not self.has_draft:
             return None
         try:
@@ -393,9 +395,8 @@ class TritonPythonModel:
         finally:
             decoder.eos_ids = eos
         stats = gen.stats
-        nodes = len(row["tree"]) - 1 if row["tree"] is not None and self.has_draft else 0
-        proposed = stats.target_passes * nodes
-        accepted = sum(stats.accepted) if nodes else 0
+        proposed = sum(stats.verified) - len(stats.verified)  # candidates verified beyond each pass's root
+        accepted = sum(stats.accepted)
         self.m_tokens.increment(stats.new_tokens)
         self.m_proposed.increment(proposed)
         self.m_accepted.increment(accepted)

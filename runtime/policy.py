@@ -1,0 +1,190 @@
+"""Speculation policy: how big a tree to build and verify, from this machine's cost curve (pure functions).
+
+Expected tokens per step are Σ over verified nodes of P(target accepts the path to the node) plus the
+target's own token; a step costs its draft passes plus one target verify of B tokens. Both the tuner
+(offline, over measured acceptance by depth and rank: Sequoia) and each decode step (online, over the
+node scores of the tree actually built: EAGLE-2) pick the size that maximises tokens per millisecond,
+and B = 1 (plain autoregressive decoding) is always among the choices, so speculation only runs when the
+measured curve says it pays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Median forward milliseconds vs new tokens T (at one context length), linearly interpolated."""
+
+    ms: dict[int, float]
+
+    def __post_init__(self) -> None:
+        if not self.ms or 1 not in self.ms or any(v <= 0 for v in self.ms.values()):
+            raise ValueError(f"a cost curve needs positive milliseconds for T=1 at least, got {self.ms}")
+
+    def __call__(self, tokens: int) -> float:
+        ts = sorted(self.ms)
+        if tokens <= ts[0]:
+            return self.ms[ts[0]]
+        if tokens >= ts[-1]:  # extrapolate with the last segment's slope
+            a, b = (ts[-2], ts[-1]) if len(ts) > 1 else (ts[-1], ts[-1] + 1)
+            slope = (self.ms[b] - self.ms.get(a, self.ms[b])) / (b - a) if len(ts) > 1 else 0.0
+            return self.ms[ts[-1]] + slope * (tokens - ts[-1])
+        i = bisect.bisect_left(ts, tokens)
+        a, b = ts[i - 1], ts[i]
+        return self.ms[a] + (self.ms[b] - self.ms[a]) * (tokens - a) / (b - a)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured P(accept) for candidate scores: draft edges by probability bin, suffix by match length.
+
+    `draft[i]` is the acceptance rate of draft children whose draft probability lies in bin i of
+    `len(draft)` equal bins; `suffix[m]` that of a suffix candidate's first token after a match of m
+    tokens (the last entry for longer matches); `suffix_next` that of each further suffix token given
+    the previous one was accepted. Defaults are uncalibrated guesses, replaced by `spectrt tune`.
+    """
+
+    draft: tuple[float, ...] = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
+    suffix: tuple[float, ...] = (0.0, 0.1, 0.2, 0.35, 0.5, 0.6)
+    suffix_next: float = 0.7
+
+    def draft_edge(self, q: float) -> float:
+        return self.draft[min(int(q * len(self.draft)), len(self.draft) - 1)]
+
+    def suffix_path(self, match: int, share: tuple[float, ...]) -> list[float]:
+        """Scores of a suffix candidate's tokens: P(first) * P(next)^(k-1), times the share of occurrences."""
+        first = self.suffix[min(match, len(self.suffix) - 1)]
+        return [first * self.suffix_next ** k * s for k, s in enumerate(share)]
+
+
+# Untuned fallback (relative units): verify cost vs T of the fp32 torch engine on a 2-core CPU (DESIGN.md),
+# a 4-layer draft pass ~20% of a target step. `spectrt tune` replaces both with this machine's curves.
+DEFAULT_VERIFY = ((1, 1.0), (2, 1.13), (4, 1.48), (8, 2.23), (16, 3.11), (32, 4.8), (64, 8.0))
+DEFAULT_DRAFT = ((1, 0.2), (2, 0.22), (4, 0.28), (8, 0.4), (16, 0.6))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a decode step may build: at most `budget` verified nodes (root included), `depth` draft
+    levels expanding the `width` best nodes of each level by their top-`width` children, suffix candidates
+    of up to `suffix_depth` tokens. `draft=False` is draft-less speculation (suffix candidates only)."""
+
+    budget: int = 8
+    depth: int = 3
+    width: int = 2
+    draft: bool = True
+    suffix: bool = True
+    suffix_depth: int = 8
+    calibration: Calibration = field(default_factory=Calibration)
+    verify_ms: tuple[tuple[int, float], ...] = DEFAULT_VERIFY
+    draft_ms: tuple[tuple[int, float], ...] = DEFAULT_DRAFT
+
+    def __post_init__(self) -> None:
+        if self.budget < 1 or self.depth < 0 or self.width < 1 or self.suffix_depth < 0:
+            raise ValueError(f"policy {self} needs budget >= 1, depth >= 0, width >= 1, suffix_depth >= 0")
+
+    @property
+    def verify_cost(self) -> CostCurve:
+        return CostCurve(dict(self.verify_ms))
+
+    @property
+    def draft_cost(self) -> CostCurve:
+        return CostCurve(dict(self.draft_ms))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Policy:
+        data = dict(data)
+        cal = data.pop("calibration", None)
+        fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth") if k in data}
+        for k in ("verify_ms", "draft_ms"):
+            if k in data:
+                fields[k] = tuple((int(t), float(ms)) for t, ms in data[k])
+        calibration = Calibration(**{k: tuple(v) if isinstance(v, list) else v for k, v in cal.items()}) if cal \
+            else Calibration()
+        return cls(**fields, calibration=calibration)
+
+
+AR = Policy(budget=1, depth=0, draft=False, suffix=False)
+SUFFIX_ONLY = Policy(budget=16, depth=0, draft=False, suffix=True)
+
+
+def best_size(scores: list[float], sunk_ms: float, verify: CostCurve, budget: int) -> tuple[int, float]:
+    """Nodes to verify (root included) maximising (1 + Σ best scores) / (sunk + verify(B)); and that rate.
+
+    `scores` are the candidate nodes' path scores in descending order; B = 1 is plain decoding.
+    """
+    best, best_rate, gain = 1, 1.0 / (sunk_ms + verify(1)), 1.0
+    for b, s in enumerate(scores[:budget - 1], start=2):
+        gain += s
+        rate = gain / (sunk_ms + verify(b))
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best, best_rate
+
+
+def expected_tokens(acceptance: list[list[float]], budget: int, depth: int, width: int) -> float:
+    """Expected tokens per step of the dynamic tree under an acceptance table (Sequoia's model).
+
+    `acceptance[d - 1][r]` = P(the rank-r draft child at depth d is accepted | its parent was); each of
+    the `width` best nodes of a level gets its top-`width` children; the best budget-1 nodes count.
+    """
+    values, level = [], [1.0]
+    for d in range(1, depth + 1):
+        row = acceptance[min(d, len(acceptance)) - 1] if acceptance else []
+        kids = [v * (row[r] if r < len(row) else 0.0) for v in level for r in range(width)]
+        values += kids
+        level = sorted(kids, reverse=True)[:width]
+    return 1.0 + sum(sorted(values, reverse=True)[:budget - 1])
+
+
+def step_ms(verify: CostCurve, draft: CostCurve | None, budget: int, depth: int, width: int) -> float:
+    """One step's cost: the draft's catch-up pass (root logits), depth-1 level passes, one verify."""
+    if draft is None or depth == 0:
+        return verify(budget)
+    return draft(2) + (depth - 1) * draft(width) + verify(budget)
+
+
+def choose_policy(verify: CostCurve, draft: CostCurve | None, acceptance: list[list[float]],
+                  budgets: list[int], depths: list[int], widths: list[int],
+                  calibration: Calibration | None = None) -> tuple[Policy, float]:
+    """The (budget, depth, width) with the most expected tokens per millisecond; AR (draft off) if none beats it.
+
+    Returns the policy and its expected tokens per millisecond. Suffix candidates stay on: they cost no
+    forward, and each step verifies them only when its own scores say they pay.
+    """
+    curves = {"calibration": calibration or Calibration(), "verify_ms": tuple(sorted(verify.ms.items()))}
+    if draft is not None:
+        curves["draft_ms"] = tuple(sorted(draft.ms.items()))
+    best = Policy(budget=max(budgets), depth=0, draft=False, suffix=True, **curves)
+    best_rate = 1.0 / verify(1)
+    if draft is None:
+        return best, best_rate
+    for b in budgets:
+        for d in depths:
+            for w in widths:
+                if d < 1 or b < 2:
+                    continue
+                rate = expected_tokens(acceptance, b, d, w) / step_ms(verify, draft, b, d, w)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = Policy(budget=b, depth=d, width=w, draft=True, suffix=True, **curves), rate
+    return best, best_rate
+
+
+def policy_path(artifacts: Path, target: str, draft: str | None, dtype: str) -> Path:
+    """Where `spectrt tune` saves the policy for a target/draft/dtype on this machine."""
+    return Path(artifacts) / f"policy-{target}-{draft or 'nodraft'}-{dtype}.json"
+
+
+def load_policy(path: Path) -> Policy | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return Policy.from_json(json.loads(path.read_text(encoding="utf-8"))["policy"])

@@ -1,0 +1,145 @@
+"""`spectrt tune`: pick the speculation policy that maximises expected tokens per second on this machine.
+
+Inputs: the engines' cost curves (`spectrt profile`'s artifacts/cost_profile-<target>-<dtype>.json when
+present, else a short measurement here) and acceptance measured on held-out prompts with a generous
+measurement tree (every candidate verified): P(accept) by draft depth and rank (Sequoia's table),
+by draft probability (calibrating the node scores dynamic trees rank by) and by suffix match length.
+The chosen policy, its curves and calibration are saved under artifacts/, keyed by target/draft/dtype,
+and `generate`, `bench` and the Triton model use it by default.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.policy import Calibration, CostCurve, Policy, choose_policy, policy_path
+from tqdm import tqdm
+
+PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+BUDGETS = [2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
+
+
+def profile_file(artifacts: Path, target: str, dtype: str) -> Path:
+    return Path(artifacts) / f"cost_profile-{target}-{dtype}.json"
+
+
+def curve_from_profile(profile: dict, role: str, context: int = 128) -> CostCurve | None:
+    """The cost curve of `role` ("target" / "draft") at the profiled context nearest `context`."""
+    table = profile.get(role)
+    if not table:
+        return None
+    nearest = min(table, key=lambda c: abs(int(c) - context))
+    return CostCurve({int(t): float(ms) for t, ms in table[nearest].items()})
+
+
+def measure_curve(engine, tokens: tuple[int, ...] = PROFILE_TOKENS, context: int = 128, repeats: int = 5) -> CostCurve:
+    """Median forward milliseconds at `context` cached tokens for each T (the fallback when no profile exists)."""
+    from spectrt.runtime.bench import step_cost_ms
+
+    ms, most = {}, 0.0
+    for t in tokens:  # a forward of more tokens never costs less: a dip is noise (a shared machine)
+        most = max(most, step_cost_ms(engine, t, context, repeats))
+        ms[t] = most
+    return CostCurve(ms)
+
+
+def cost_curves(decoder: SpecDecoder, artifacts: Path, target: str, dtype: str) -> tuple[CostCurve, CostCurve | None,
+                                                                                            str]:
+    """(target curve, draft curve or None, where they came from): the profile file wins when present."""
+    path = profile_file(artifacts, target, dtype)
+    if path.is_file():
+        profile = json.loads(path.read_text(encoding="utf-8"))
+        verify = curve_from_profile(profile, "target")
+        draft = curve_from_profile(profile, "draft") if decoder.draft is not None else None
+        if verify is not None and (draft is not None or decoder.draft is None):
+            return verify, draft, str(path)
+    verify = measure_curve(decoder.target)
+    draft = measure_curve(decoder.draft, tuple(t for t in PROFILE_TOKENS if t <= 16)) if decoder.draft else None
+    return verify, draft, "measured by spectrt tune (no cost profile file)"
+
+
+def acceptance_tables(trace: list[tuple], depth: int, width: int,
+                      default: Calibration | None = None) -> tuple[list[list[float]], Calibration, dict]:
+    """From DecodeStats.trace: acceptance by draft depth/rank, draft-probability bins and suffix match length.
+
+    Only candidates whose parent was accepted count (the rest were never in play). Bins without data
+    keep the default calibration.
+    """
+    default = default or Calibration()
+    tried: dict[tuple, int] = defaultdict(int)
+    hits: dict[tuple, int] = defaultdict(int)
+    bins = len(default.draft)
+    for kind, key, parent_ok, accepted in trace:
+        if not parent_ok:
+            continue
+        if kind == "draft":
+            d, rank, prob = key
+            cells = [("rank", d, rank), ("bin", min(int(prob * bins), bins - 1))]
+        else:
+            match, k = key
+            cells = [("match", min(match, len(default.suffix) - 1))] if k == 0 else [("next",)]
+        for cell in cells:
+            tried[cell] += 1
+            hits[cell] += bool(accepted)
+
+    def rate(cell, fallback):
+        return hits[cell] / tried[cell] if tried[cell] else fallback
+
+    acceptance = [[rate(("rank", d, r), 0.0) for r in range(width)] for d in range(1, depth + 1)]
+    calibration = Calibration(
+        draft=tuple(rate(("bin", i), default.draft[i]) for i in range(bins)),
+        suffix=tuple(rate(("match", m), default.suffix[m]) for m in range(len(default.suffix))),
+        suffix_next=rate(("next",), default.suffix_next),
+    )
+    counts = {"draft_candidates": sum(v for k, v in tried.items() if k[0] == "rank"),
+              "suffix_candidates": sum(v for k, v in tried.items() if k[0] in ("match", "next"))}
+    return acceptance, calibration, counts
+
+
+def measure_acceptance(decoder: SpecDecoder, prompts: list[list[int]], max_new_tokens: int, depth: int,
+                       width: int) -> list[tuple]:
+    """Decode the prompts greedily verifying every candidate of a depth x width dynamic tree; the trace."""
+    budget = decoder.max_tree_tokens
+    # flat costs and a free draft: every candidate with any chance is drafted and verified
+    probe = Policy(budget=budget, depth=depth, width=width, draft=decoder.draft is not None, suffix=True,
+                   verify_ms=((1, 1.0),), draft_ms=((1, 1e-6),))
+    trace: list[tuple] = []
+    decoder.record = True
+    try:
+        for ids in tqdm(prompts, desc="tune: acceptance", unit="prompt"):
+            trace += decoder.generate(ids, max_new_tokens, policy=probe).stats.trace
+    finally:
+        decoder.record = False
+    return trace
+
+
+def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path, prompts: list[str],
+             max_new_tokens: int = 64, depth: int = 4, width: int = 3) -> dict:
+    """Measure, choose, save; returns the saved report."""
+    decoder = pipe.decoder
+    start = time.perf_counter()
+    verify, draft_curve, source = cost_curves(decoder, artifacts, Path(target).name, dtype)
+    trace = measure_acceptance(decoder, [pipe.encode(p) for p in prompts], max_new_tokens, depth, width)
+    acceptance, calibration, counts = acceptance_tables(trace, depth, width)
+    budgets = [b for b in BUDGETS if b <= decoder.max_tree_tokens]
+    policy, rate = choose_policy(verify, draft_curve, acceptance, budgets, list(range(1, depth + 1)),
+                                 list(range(1, width + 1)), calibration)
+    report = {
+        "target": str(target), "draft": str(draft) if draft else None, "dtype": dtype,
+        "threads": torch.get_num_threads(), "cost_source": source, "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens, "candidates": counts,
+        "acceptance_by_depth_rank": acceptance,
+        "expected_tokens_per_second": 1000 * rate, "ar_tokens_per_second": 1000 / verify(1),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "tune_seconds": round(time.perf_counter() - start, 1),
+        "policy": policy.to_json(),
+    }
+    out = policy_path(artifacts, Path(target).name, Path(draft).name if draft else None, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    report["path"] = str(out)
+    return report

@@ -1,0 +1,115 @@
+"""The policy's cost model and the tuner's choice on synthetic cost curves and acceptance tables."""
+
+import json
+
+import pytest
+from spectrt.runtime.policy import (
+    Calibration,
+    CostCurve,
+    Policy,
+    best_size,
+    choose_policy,
+    expected_tokens,
+    load_policy,
+)
+
+BUDGETS, DEPTHS, WIDTHS = [2, 3, 4, 6, 8], [1, 2, 3, 4], [1, 2]
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve({1: 10.0, 2: 12.0, 4: 20.0})
+    assert curve(1) == 10.0 and curve(3) == 16.0 and curve(4) == 20.0
+    assert curve(6) == 28.0  # the last segment's slope
+    with pytest.raises(ValueError, match="T=1"):
+        CostCurve({2: 1.0})
+
+
+def test_best_size_takes_nodes_only_while_they_pay():
+    flat = CostCurve({1: 10.0, 64: 10.0})
+    assert best_size([0.9, 0.5, 0.1], 0.0, flat, 8)[0] == 4  # free verify: every node with a chance pays
+    assert best_size([0.9, 0.5, 0.1], 0.0, flat, 2)[0] == 2  # within the budget
+    steep = CostCurve({1: 10.0, 2: 20.0, 4: 40.0})
+    assert best_size([0.9, 0.5], 0.0, steep, 8)[0] == 1  # doubling the cost for < 1 token: plain AR
+    mild = CostCurve({1: 10.0, 2: 11.0, 3: 12.0, 4: 18.0})
+    # rates: B=1 1/10, B=2 1.9/11, B=3 2.4/12, B=4 2.5/18
+    assert best_size([0.9, 0.5, 0.1], 0.0, mild, 8) == (3, pytest.approx(2.4 / 12))
+
+
+def test_expected_tokens_of_a_dynamic_tree():
+    acc = [[0.8, 0.1], [0.5, 0.2]]
+    assert expected_tokens(acc, 2, 1, 1) == pytest.approx(1.8)  # the top-1 child
+    # depth 2, width 2: level 1 {.8, .1}; level 2 under both: {.4, .16, .05, .02}; best 4 of all 6 nodes
+    assert expected_tokens(acc, 5, 2, 2) == pytest.approx(1 + 0.8 + 0.4 + 0.16 + 0.1)
+    assert expected_tokens(acc, 64, 2, 2) == pytest.approx(1 + 0.8 + 0.1 + 0.4 + 0.16 + 0.05 + 0.02)
+
+
+def test_tuner_picks_the_deepest_chain_when_verify_is_flat_and_drafting_cheap():
+    verify, draft = CostCurve({1: 10.0, 64: 10.0}), CostCurve({1: 1.0, 64: 1.0})
+    acc = [[0.9, 0.0]] * 4  # only the draft's top-1 is ever accepted, 0.9 at every depth
+    policy, rate = choose_policy(verify, draft, acc, BUDGETS, DEPTHS, WIDTHS)
+    # chain of depth d: (1 + Σ_{k<=d} 0.9^k) / (1 + (d-1) + 10), increasing in d up to 4; a width-2 tree adds
+    # only zero-probability nodes at a higher draft cost, so width 1; budget: the depth-4 chain needs 5 nodes
+    assert (policy.depth, policy.width, policy.draft) == (4, 1, True)
+    assert policy.budget in (6, 8)
+    assert rate == pytest.approx((1 + sum(0.9**k for k in range(1, 5))) / 14)
+
+
+def test_tuner_picks_autoregressive_when_verify_is_expensive():
+    verify, draft = CostCurve({1: 10.0, 2: 20.0, 8: 80.0}), CostCurve({1: 2.0, 8: 2.0})
+    policy, rate = choose_policy(verify, draft, [[0.9, 0.5]] * 4, BUDGETS, DEPTHS, WIDTHS)
+    assert not policy.draft and policy.depth == 0 and rate == pytest.approx(0.1)
+    assert policy.suffix  # free candidates stay on: each step verifies them only when they pay
+
+
+def test_tuner_brute_force_optimum_on_a_small_grid():
+    verify = CostCurve({1: 10.0, 2: 10.5, 3: 11.0, 4: 13.0, 8: 20.0})
+    draft = CostCurve({1: 1.5, 2: 1.6, 8: 2.0})
+    acc = [[0.6, 0.25], [0.5, 0.2], [0.4, 0.1]]
+    policy, rate = choose_policy(verify, draft, acc, [2, 3, 4], [1, 2], [1, 2])
+    # hand-computed rates, cost = draft(2) + (d-1)·draft(w) + verify(b):
+    # (b=3,d=1,w=2): 1.85/12.6 = .1468; (b=3,d=2,w=1): 1.9/(1.6+1.5+11) = .1348;
+    # (b=4,d=2,w=2): (1+.6+.3+.25)/(1.6+1.6+13) = .1327; (b=2,d=1,w=1): 1.6/12.1 = .1322; AR .1
+    assert (policy.budget, policy.depth, policy.width) == (3, 1, 2)
+    assert rate == pytest.approx(1.85 / 12.6)
+
+
+def test_policy_json_round_trip(tmp_path):
+    policy = Policy(budget=6, depth=2, width=3, draft=False, calibration=Calibration(suffix_next=0.7),
+                    verify_ms=((1, 5.0), (8, 9.0)))
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"policy": policy.to_json()}))
+    assert load_policy(path) == policy
+    assert load_policy(tmp_path / "missing.json") is None
+    with pytest.raises(ValueError, match="budget >= 1"):
+        Policy(budget=0)
+
+
+def test_acceptance_tables_from_a_trace():
+    from spectrt.runtime.tune import acceptance_tables
+
+    trace = [
+        ("draft", (1, 0, 0.92), True, True), ("draft", (1, 0, 0.95), True, False),  # depth 1 rank 0: 1/2
+        ("draft", (1, 1, 0.05), True, False),  # depth 1 rank 1: 0/1
+        ("draft", (2, 0, 0.91), True, True), ("draft", (2, 0, 0.5), False, False),  # parent rejected: not counted
+        ("suffix", (3, 0), True, True), ("suffix", (3, 0), True, False), ("suffix", (9, 0), True, True),
+        ("suffix", (3, 1), True, True), ("suffix", (3, 2), False, False),
+    ]
+    acc, cal, counts = acceptance_tables(trace, depth=2, width=2)
+    assert acc == [[0.5, 0.0], [1.0, 0.0]]
+    assert cal.draft[9] == pytest.approx(2 / 3) and cal.draft[0] == 0.0
+    assert cal.draft[5] == Calibration().draft[5]  # no data: the default stays
+    assert cal.suffix[3] == 0.5 and cal.suffix[-1] == 1.0 and cal.suffix_next == 1.0
+    assert counts == {"draft_candidates": 4, "suffix_candidates": 4}
+
+
+def test_profile_file_curves():
+    from spectrt.runtime.tune import curve_from_profile
+
+    profile = {"backend": "torch", "dtype": "fp32", "threads": 2,
+               "target": {"128": {"1": 20.0, "2": 22.0, "4": 30.0}, "1024": {"1": 40.0, "2": 50.0}},
+               "draft": {"128": {"1": 4.0, "2": 4.5}}}
+    verify = curve_from_profile(profile, "target", context=200)
+    assert verify(1) == 20.0 and verify(3) == 26.0
+    assert curve_from_profile(profile, "target", context=900)(2) == 50.0
+    assert curve_from_profile(profile, "draft")(2) == 4.5
+    assert curve_from_profile({"target": {}}, "draft") is None
