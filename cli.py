@@ -82,7 +82,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mode = "autoregressive" if args.no_spec else f"tree {args.tree_spec}" if args.tree_spec != "auto" else (
         f"policy budget {p.budget} depth {p.depth if p.draft and draft else 0} width {p.width}"
         f"{' + suffix' if p.suffix else ''}")
-    print(f"\n\n[{mode}] {s.new_tokens} tokens in {s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s | "
+    print(f"\n\n[{mode}] {s.new_tokens} tokens in {s.decode_seconds:.2f}s = {s.tokens_per_second:.1f} tok/s decode "
+          f"(prefill {s.prompt_tokens} tokens {s.prefill_seconds:.2f}s) | "
           f"tau {s.tau:.2f} | target passes {s.target_passes} | draft passes {s.draft_passes} | "
           f"finish {gen.finish_reason}", file=sys.stderr)
     return 0

@@ -51,7 +51,7 @@ def run_compare(target: Path, int8: Path, draft: Path, prompts_path: Path | None
             outputs[name, mode] = gen.token_ids
             t = totals[name, mode]
             t["tokens"] += gen.stats.new_tokens
-            t["seconds"] += gen.stats.seconds
+            t["seconds"] += gen.stats.decode_seconds
             t["passes"] += gen.stats.target_passes
             t["emitted"] += gen.stats.emitted_tokens
         reference = outputs["fp32", "AR"]

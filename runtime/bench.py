@@ -98,7 +98,7 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
             gen = pipe.generate(prompt, args.max_new_tokens, tree, params=params)
             t = totals[name]
             t["tokens"] += gen.stats.new_tokens
-            t["seconds"] += gen.stats.seconds
+            t["seconds"] += gen.stats.decode_seconds
             t["passes"] += gen.stats.target_passes
             t["emitted"] += gen.stats.emitted_tokens
             t["draft_passes"] += gen.stats.draft_passes
@@ -208,9 +208,9 @@ def draft_runtime_report(target: Path, draft: Path, prompts: list[str], tree: st
         ar = pipe.generate(prompt, max_new_tokens, None)
         spec = pipe.generate(prompt, max_new_tokens, tree)
         totals["ar"][0] += ar.stats.new_tokens
-        totals["ar"][1] += ar.stats.seconds
+        totals["ar"][1] += ar.stats.decode_seconds
         totals["tree"][0] += spec.stats.new_tokens
-        totals["tree"][1] += spec.stats.seconds
+        totals["tree"][1] += spec.stats.decode_seconds
         passes += spec.stats.target_passes
         emitted += spec.stats.emitted_tokens
     target_ms = step_cost_ms(pipe.decoder.target)

@@ -37,7 +37,7 @@ class DecodeStats:
     target_passes: int = 0
     draft_passes: int = 0
     prefill_seconds: float = 0.0
-    seconds: float = 0.0
+    seconds: float = 0.0  # prefill + decode
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per target pass
     verified: list[int] = field(default_factory=list)  # tree nodes verified per target pass (1 = plain AR step)
     trace: list[tuple] = field(default_factory=list)  # with SpecDecoder.record: (kind, key, parent ok, accepted)
@@ -48,8 +48,14 @@ class DecodeStats:
         return self.emitted_tokens / max(self.target_passes, 1)
 
     @property
+    def decode_seconds(self) -> float:
+        """Time after the prompt's prefill: what speedups compare (prefill is the same work with or without a tree)."""
+        return max(self.seconds - self.prefill_seconds, 0.0)
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
+        """Decode tokens per second (prefill excluded)."""
+        return self.new_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def acceptance_per_depth(self, depth: int) -> list[float]:
         """Fraction of target passes whose accepted path reached each depth 1..depth."""
@@ -63,8 +69,9 @@ class DecodeStats:
             "target_passes": self.target_passes,
             "draft_passes": self.draft_passes,
             "prefill_seconds": round(self.prefill_seconds, 4),
+            "decode_seconds": round(self.decode_seconds, 4),
             "seconds": round(self.seconds, 4),
-            "tokens_per_second": round(self.tokens_per_second, 3),
+            "tokens_per_second": round(self.tokens_per_second, 3),  # decode only
             "tau": round(self.tau, 4),
             "mean_tree_nodes": round(sum(self.verified) / max(len(self.verified), 1), 3),
             "speculative_passes": sum(v > 1 for v in self.verified),

@@ -201,7 +201,7 @@ def decode_all(target, draft, ids_list, tree_spec: str | None, new_tokens: int, 
         r = decoder.generate(ids, new_tokens, Tree.parse(tree_spec) if tree_spec else None)
         outs.append(r.token_ids)
         tokens += r.stats.new_tokens
-        seconds += r.stats.seconds
+        seconds += r.stats.decode_seconds
         passes += r.stats.target_passes
     return outs, {"tokens_per_s": round(tokens / seconds, 2) if seconds else None,
                   "tau": round(tokens / max(passes, 1), 3)}
