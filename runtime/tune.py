@@ -18,14 +18,11 @@ from pathlib import Path
 import torch
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.policy import Calibration, CostCurve, Policy, choose_policy, policy_path
+from spectrt.runtime.profile import cost_profile_path
 from tqdm import tqdm
 
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BUDGETS = [2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
-
-
-def profile_file(artifacts: Path, target: str, dtype: str) -> Path:
-    return Path(artifacts) / f"cost_profile-{target}-{dtype}.json"
 
 
 def curve_from_profile(profile: dict, role: str, context: int = 128) -> CostCurve | None:
@@ -51,7 +48,7 @@ def measure_curve(engine, tokens: tuple[int, ...] = PROFILE_TOKENS, context: int
 def cost_curves(decoder: SpecDecoder, artifacts: Path, target: str, dtype: str) -> tuple[CostCurve, CostCurve | None,
                                                                                             str]:
     """(target curve, draft curve or None, where they came from): the profile file wins when present."""
-    path = profile_file(artifacts, target, dtype)
+    path = cost_profile_path(Path(target), dtype, artifacts)
     if path.is_file():
         profile = json.loads(path.read_text(encoding="utf-8"))
         verify = curve_from_profile(profile, "target")
