@@ -92,7 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    from spectrt.build.draft import HELDOUT_PROMPTS, make_draft, read_prompts
+    from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+    from spectrt.build.draft import make_draft
     from spectrt.runtime.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
