@@ -335,5 +335,5 @@ class Transformer:
         if self.head_ids is None:
             return logits
         if self._full_logits.shape[0] < len(h):
-            self._full_logits = torch.full((len(h), self.config.vocab_size), -torch.inf)
+            self._full_logits = torch.full((len(h), self.config.vocab_size), -torch.inf, device=logits.device)
         return self._full_logits[:len(h)].index_copy_(1, self.head_ids, logits)
