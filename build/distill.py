@@ -41,7 +41,10 @@ class DistillConfig:
       2e-3 25.2%, 3e-3 23.6%; 240 x 256 tokens, 1.5e-3: 24.3% -> lr 2e-3, 512-token batches;
     - train_norm: 25.2% / 40.2% (trained) vs 25.2% / 40.1% (frozen): no gain, stays shared;
     - vocab_subset (FR-Spec head over the K ids most frequent in the target's answers, trained and
-      served alike): see make_draft's docstring for the measured choice of K.
+      served alike). Draft step (4 layers, fp32, T=1, 1 thread) as a share of a target step: full head
+      18.1%, K=16k 11.4%, 8k 10.7%, 4k 9.0% (the 4 layers alone ~9%); held-out target argmaxes inside
+      the subset (an 11k-token corpus): 16k 94.9%, 8k 90.2%, 4k 83.6%, 2k 78.5% -> K=8192. A bf16
+      draft was slower (8k head: 12.5% vs 10.7%), so the draft runs in the target's precision.
     """
 
     # data generation

@@ -17,7 +17,6 @@ from spectrt.build import distill as T
 from spectrt.build import draft as D
 from spectrt.build import slice as S
 
-REAL_TARGET = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
@@ -104,10 +103,9 @@ def test_slice_is_bit_identical_prefix(tiny, tmp_path):
     _assert_slice_matches(tiny, S.slice_target(tiny, 2, tmp_path / "s"), 2)
 
 
-@pytest.mark.skipif(not (REAL_TARGET / "config.json").is_file(), reason="embedded target not converted")
-def test_slice_real_target_bit_identical(tmp_path):
-    out = S.slice_target(REAL_TARGET, 1, tmp_path / "s")
-    _assert_slice_matches(REAL_TARGET, out, 1)
+def test_slice_real_target_bit_identical(target_dir, tmp_path):
+    out = S.slice_target(target_dir, 1, tmp_path / "s")
+    _assert_slice_matches(target_dir, out, 1)
     assert (out / "chat_template.jinja").is_file() and (out / "tokenizer.json").is_file()
 
 
@@ -311,6 +309,22 @@ def test_subset_draft_onnx_parity(distilled, tmp_path):
         torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-4, atol=1e-4)
         for c in caches:
             c.commit(len(tokens))
+
+
+def test_subset_draft_engines(tiny, distilled, tmp_path):
+    """`spectrt engines` takes a subset draft: the graphs keep the [T, V] contract and a TensorRT plan builds."""
+    from spectrt.build.engines import make_engines
+    from spectrt.build.export import graph_io
+    from spectrt.runtime.onnx_engine import OnnxEngine
+
+    out = make_engines(tiny, distilled, tmp_path / "engines", precision="fp16", archs=["sm80"], max_seq_len=128,
+                       max_tree_tokens=8, log=lambda *_: None)
+    assert graph_io(out / "draft" / "model.fp16.onnx")["outputs"]["logits"]["shape"] == ["T", 384]
+    assert (out / "draft" / "model.fp16.plan").stat().st_size > 0
+    engine = OnnxEngine.load(out / "draft")
+    logits = engine.forward(torch.tensor([1, 5, 9]), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(),
+                            engine.new_cache(64, 8))
+    assert torch.isfinite(logits).sum(-1).tolist() == [TINY["vocab_subset"]] * 3
 
 
 def test_bad_vocab_subset(tiny, corpora, tmp_path):
