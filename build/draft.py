@@ -120,7 +120,7 @@ def make_draft(
     run), so running again keeps improving the draft. `max_steps` caps training steps (tests);
     `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for a layer count
     outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a
-    target without LM head or without config.json, a vocab_subset outside 0..vocab-1.
+    target without LM head or without config.json, a negative vocab_subset.
     """
     t_start = time.monotonic()
     target, out_dir = Path(target), Path(out_dir)
@@ -137,8 +137,9 @@ def make_draft(
     work_dir = Path(work_dir) if work_dir else out_dir.with_name(out_dir.name + ".work")
     slice_dir = slice_target(target, layers, work_dir / f"slice-{layers}")
     vocab = json.loads((slice_dir / "config.json").read_text())["vocab_size"]
-    if not 0 <= cfg.vocab_subset < vocab:
-        raise ValueError(f"vocab_subset must be between 0 (full head) and {vocab - 1}, got {cfg.vocab_subset}")
+    if cfg.vocab_subset < 0:
+        raise ValueError(f"vocab_subset must be 0 (full head) or a positive number of ids, got {cfg.vocab_subset}")
+    subset = cfg.vocab_subset if cfg.vocab_subset < vocab else 0  # a subset as large as the vocabulary is the head
     fingerprint = target_fingerprint(target)
     budget_s = budget_minutes * 60
     deadline = t_start + budget_s
@@ -149,7 +150,7 @@ def make_draft(
     data_s = cfg.data_fraction * budget_s
     records, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=t_start + data_s,
                                                 progress=progress, time_budget_s=data_s)
-    vocab_ids = frequent_ids(records, cfg.vocab_subset, vocab) if cfg.vocab_subset else None
+    vocab_ids = frequent_ids(records, subset, vocab) if subset else None
 
     untrained = evaluate(load_draft(slice_dir), eval_records, vocab_ids)
     eval_reserve = 5 + 2 * untrained["tokens"] / 1000  # measured ~1.5 s per 1000 eval tokens, plus save
@@ -168,7 +169,7 @@ def make_draft(
         "target": str(target),
         "layers": layers,
         "budget_minutes": budget_minutes,
-        "vocab_subset": cfg.vocab_subset,
+        "vocab_subset": subset,
         "heldout": {"prompts": len(eval_convs), "tokens": untrained["tokens"], "untrained": untrained,
                     "distilled": distilled},
         "budget_split_s": {"heldout_answers": eval_stats["generation_s"], "training_data": data_stats["generation_s"],

@@ -327,10 +327,15 @@ def test_subset_draft_engines(tiny, distilled, tmp_path):
     assert torch.isfinite(logits).sum(-1).tolist() == [TINY["vocab_subset"]] * 3
 
 
-def test_bad_vocab_subset(tiny, corpora, tmp_path):
-    with pytest.raises(ValueError, match="vocab_subset must be between 0"):
-        D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1],
-                     **{**FAST, "vocab_subset": 384})
+def test_vocab_subset_as_large_as_the_vocabulary_is_the_full_head(tiny, corpora, tmp_path):
+    out = D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1],
+                       **{**FAST, "vocab_subset": 384})
+    assert not {"draft_head.weight", "draft_head.ids"} & set(load_file(out / "model.safetensors"))
+    assert "vocab_subset" not in json.loads((out / "config.json").read_text())["spectrt_draft"]
+    assert json.loads((out / D.REPORT_NAME).read_text())["heldout"]["distilled"]["coverage"] == 1.0
+    with pytest.raises(ValueError, match="vocab_subset must be 0"):
+        D.make_draft(tiny, tmp_path / "e", layers=1, prompts=corpora[0], heldout=corpora[1],
+                     **{**FAST, "vocab_subset": -1})
 
 
 # ------------------------------------------------------------------------------------------------ resume
