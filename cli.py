@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
+from spectrt.build.distill import DistillConfig
 from spectrt.runtime.tree import Tree, TreeError
 
 
@@ -111,7 +112,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from spectrt.build.draft import HELDOUT_PROMPTS, read_prompts
+    from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
     from spectrt.runtime.pipeline import Pipeline
     from spectrt.runtime.tune import run_tune
 
@@ -134,7 +135,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
-    from spectrt.build.draft import HELDOUT_PROMPTS, make_draft, read_prompts
+    from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+    from spectrt.build.draft import make_draft
     from spectrt.runtime.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
@@ -143,15 +145,16 @@ def cmd_draft(args: argparse.Namespace) -> int:
     if (out / "config.json").is_file() and report_path.is_file() and not args.force:
         print(f"reusing the draft in {out} (--force rebuilds it)")
         return 0
-    make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes)
+    make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes, vocab_subset=args.vocab_subset)
     # what the draft buys at run time, measured on held-out prompts with the default tree
     prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1][:8]
     report = json.loads(report_path.read_text())
     report["runtime"] = draft_runtime_report(target, out, prompts, max_new_tokens=64)
     report_path.write_text(json.dumps(report, indent=2))
-    r = report["runtime"]
-    print(f"{out}: tau {r['tau']:.2f} with tree {r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, "
-          f"draft step {r['draft_to_target_step_cost']:.0%} of a target step")
+    r, held, split = report["runtime"], report["heldout"]["distilled"], report["budget_split_s"]
+    print(f"{out}: held-out top-1 {held['top1']:.1%} / top-3 {held['top3']:.1%}, tau {r['tau']:.2f} with tree "
+          f"{r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, draft step {r['draft_to_target_step_cost']:.0%} of a "
+          f"target step; budget: {split['training_data']:.0f} s target answers, {split['training']:.0f} s training")
     return 0
 
 
@@ -245,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--budget-minutes", type=float, default=10.0)
+    d.add_argument("--vocab-subset", type=int, default=DistillConfig.vocab_subset,
+                   help="draft head over the K most frequent ids of the target's answers (0: full vocabulary)")
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.set_defaults(func=cmd_draft)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from spectrt.runtime.model import ModelConfig, rope_frequencies
+from spectrt.runtime.model import ModelConfig, rope_frequencies, subset_head
 from torch import nn
 
 INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_k", "cache_v")
@@ -175,8 +175,15 @@ class TreeVerifyModel(nn.Module):
                 layer.register_buffer("k_norm", vector(p + "self_attn.k_norm.weight", c.head_dim))
             self.layers.append(layer)
         self.register_buffer("norm", vector("model.norm.weight", h))
-        self.head = nn.Linear(h, c.vocab_size, bias=False, dtype=dtype)
-        if c.tie_word_embeddings:
+        subset = subset_head(w, c.vocab_size) if weights is not None else None
+        self.head = nn.Linear(h, c.vocab_size if subset is None else len(subset[1]), bias=False, dtype=dtype)
+        # a subset draft head scores K ids; the graph scatters them into a row of -inf, so the contract
+        # (logits [T, V]) and every engine stay unchanged (see runtime/model.py `_logits`)
+        self.register_buffer("head_ids", subset[1] if subset else None)
+        self.register_buffer("neg_row", torch.full((1, c.vocab_size), -torch.inf) if subset else None)
+        if subset is not None:
+            self.head.weight.data.copy_(subset[0])
+        elif c.tie_word_embeddings:
             self.head.weight = self.embed.weight  # one initializer in the graph, not two
         elif weights is not None:
             self.head.weight.data.copy_(w["lm_head.weight"])
@@ -185,7 +192,7 @@ class TreeVerifyModel(nn.Module):
 
     @classmethod
     def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32) -> TreeVerifyModel:
-        from spectrt.build.draft import load_state_dict
+        from spectrt.build.slice import load_state_dict
 
         return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype)
 
@@ -242,6 +249,8 @@ class TreeVerifyModel(nn.Module):
             gate, up = layer.w13(h).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up).float()
         logits = self.head(self._rms_norm(x, self.norm).to(dt)).float()
+        if self.head_ids is not None:
+            logits = self.neg_row.expand(t, -1).scatter(1, self.head_ids.expand(t, -1), logits)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 

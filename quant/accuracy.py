@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from spectrt.build.draft import HELDOUT_PROMPTS, DistillConfig, generate_distill_data, read_prompts
+from spectrt.build.corpus import HELDOUT_PROMPTS, generate_distill_data, read_prompts
+from spectrt.build.distill import DistillConfig
 from spectrt.runtime.engine import Engine
 from spectrt.runtime.model import Transformer
 

@@ -28,17 +28,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from spectrt.build.draft import (
+from spectrt.build.corpus import (
     DISTILL_PROMPTS,
     HELDOUT_PROMPTS,
-    TOKENIZER_FILES,
     Conversation,
-    DistillConfig,
     generate_distill_data,
     read_prompts,
     target_fingerprint,
 )
+from spectrt.build.distill import DistillConfig
 from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module
+from spectrt.build.slice import TOKENIZER_FILES
 from spectrt.runtime.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
 from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format, quantize, scale_of
 from spectrt.runtime.model import ModelConfig

@@ -111,14 +111,16 @@ class NativeModel:
     """
 
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],
-                 inv_freq: torch.Tensor, rope_scale: float, dtype: torch.dtype):
+                 inv_freq: torch.Tensor, rope_scale: float, dtype: torch.dtype,
+                 head_ids: torch.Tensor | None = None):
+        """`head_ids`: a vocabulary-subset draft head's target ids (its K rows score those; every other id gets -inf)."""
         c = config
         self.config, self.inv_freq, self.rope_scale = c, inv_freq, rope_scale
         self.kernels = load_kernels()
         fp32 = torch.float32
         self.embed = embed.to(fp32).contiguous()
         self.final_norm = norm.to(fp32).contiguous()
-        self.head = pack(head, dtype)
+        self.head, self.head_ids = pack(head, dtype), head_ids
         self.norms = [n.to(fp32).contiguous() for layer in layers for n in (layer["attn_norm"], layer["mlp_norm"])]
         # per layer q/k/v, o, gate/up, down; fp weights keep `dtype`, W8A8 ones their int8 form
         self.projections = [pack_projection(layer[name], dtype) for layer in layers
@@ -165,11 +167,13 @@ class NativeModel:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}): got {tokens.tolist()}")
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
-        logits = torch.empty(total, self.config.vocab_size)
+        logits = torch.empty(total, self.config.vocab_size if self.head_ids is None else len(self.head_ids))
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, logits,
         )
+        if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
+            logits = torch.full((total, self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
         return list(logits.split(rows))

@@ -30,6 +30,23 @@ from spectrt.runtime.kernels import NativeModel, native_unavailable, supports_in
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
 # 8 rows speed up a 5-node verify, T=5 77 -> 51 (1.52x), but pad every AR step, T=1 48 -> 38 (1.27x).
 ROW_BLOCK = 1
+# A vocabulary-subset draft head (FR-Spec, EAGLE-3's d2t map), saved next to the draft's other tensors:
+# the head's K rows and the target id of each row (config.json: spectrt_draft.vocab_subset = K).
+SUBSET_HEAD, SUBSET_IDS = "draft_head.weight", "draft_head.ids"
+
+
+def subset_head(weights: dict[str, torch.Tensor], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(head rows [K, H], their target ids [K]) of a vocabulary-subset draft, or None for a full head."""
+    if SUBSET_IDS not in weights and SUBSET_HEAD not in weights:
+        return None
+    head, ids = weights.get(SUBSET_HEAD), weights.get(SUBSET_IDS)
+    if head is None or ids is None or ids.dim() != 1 or ids.is_floating_point() or head.shape[0] != ids.shape[0]:
+        raise ValueError(f"a subset draft head needs {SUBSET_HEAD} [K, H] and integer {SUBSET_IDS} [K]: "
+                         "rebuild the draft with `spectrt draft --force`")
+    ids = ids.long()
+    if len(ids.unique()) != len(ids) or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{SUBSET_IDS} must be distinct target ids in [0, {vocab_size}): rebuild the draft")
+    return head, ids
 
 
 @dataclass(frozen=True)
@@ -187,6 +204,11 @@ class Transformer:
         self.embed = w["model.embed_tokens.weight"]
         self.head = w.get("lm_head.weight", self.embed) if config.tie_word_embeddings else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
+        # subset draft head: logits over K ids, scattered into a static full-vocabulary row of -inf (`_logits`)
+        subset = subset_head(weights, config.vocab_size)
+        self.head_ids = subset[1] if subset else None
+        self.head = subset[0].to(dtype) if subset else self.head
+        self._full_logits = torch.empty(0, config.vocab_size)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -213,7 +235,7 @@ class Transformer:
             reason = native_unavailable() or f"it runs fp32/bf16 weights (and W8A8 with VNNI), not {dtype}"
             raise ValueError(f"the native CPU forward cannot run this engine: {reason}")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
-                                  self.rope_scale, dtype) if native else None
+                                  self.rope_scale, dtype, self.head_ids) if native else None
         if self.native is None and measure_kernels:  # the reference path's kernel choice, timed at load
             self.linear.prepare([self.head] + [w for layer in self.layers for k, w in layer.items()
                                                if k in ("wqkv", "wo", "w13", "w2")])
@@ -364,4 +386,15 @@ class Transformer:
             h = self._rms_norm(x, layer["mlp_norm"])
             gate, up = self._project(h, layer["w13"]).chunk(2, dim=-1)
             x = x + self._project(F.silu(gate) * up, layer["w2"])
-        return self.linear(self._rms_norm(x, self.norm), self.head).float()
+        return self._logits(self._rms_norm(x, self.norm))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [T, V]. A subset head's ids get its scores, every other id -inf (probability 0),
+        so top-k and sampling over the row are exact; the row is a buffer made once (per larger T), valid until the
+        next forward."""
+        logits = self.linear(h, self.head).float()
+        if self.head_ids is None:
+            return logits
+        if self._full_logits.shape[0] < len(h):
+            self._full_logits = torch.full((len(h), self.config.vocab_size), -torch.inf, device=logits.device)
+        return self._full_logits[:len(h)].index_copy_(1, self.head_ids, logits)

@@ -134,7 +134,7 @@ def load_pair(device: torch.device, dtype: torch.dtype, target_dir: Path | None,
         weights = weights if weights is not None else random_weights(SMOLLM2, device)
         return (TorchOn(smollm2_config(), weights, dtype, device), TorchOn(smollm2_config(4), weights, dtype, device),
                 weights)
-    from spectrt.build.draft import load_state_dict
+    from spectrt.build.slice import load_state_dict
 
     config = ModelConfig.from_dir(target_dir)
     weights = {k: v.to(device) for k, v in load_state_dict(target_dir).items()}
@@ -279,7 +279,7 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
         target_dir = write_checkpoint(weights, SMOLLM2, SMOLLM2["num_hidden_layers"], work / "random-target")
         draft_dir = write_checkpoint(weights, SMOLLM2, 4, work / "random-draft")
     elif not built and draft_dir is None:
-        from spectrt.build.draft import slice_target
+        from spectrt.build.slice import slice_target
 
         draft_dir = slice_target(target_dir, 4, work / "slice4")
     for precision in list(built) or ["fp32", "fp16"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from spectrt.build.checkpoint import resolve_target
-from spectrt.build.draft import slice_target
+from spectrt.build.slice import slice_target
 from spectrt.runtime.model import Transformer
 
 torch.manual_seed(0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from spectrt.build.draft import slice_target
+from spectrt.build.slice import slice_target
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.policy import Policy

@@ -1,4 +1,4 @@
-"""Draft maker: slicing, target data, distillation, resume, report, errors.
+"""Draft maker: slicing, target data, vocabulary subset, distillation, resume, report, errors.
 
 Most tests use a tiny random LLaMA (3 layers, hidden 64, a 384-token BPE tokenizer with the SmolLM2
 chat template) built in a temp dir; the real embedded target is only sliced (cheap).
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from spectrt.build import corpus as C
+from spectrt.build import distill as T
 from spectrt.build import draft as D
+from spectrt.build import slice as S
 
-REAL_TARGET = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m-instruct"
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n' }}{% endif %}"
@@ -24,14 +26,15 @@ CHAT_TEMPLATE = (
 # the tiny target must be "sharp" enough that its layers matter: with the default 0.02 init a random
 # LLaMA just copies its input token and a 1-layer slice already agrees 100%
 TINY_INIT = 0.2
-TINY = {"max_new_tokens": 48, "eval_max_new_tokens": 48, "batch_tokens": 512, "warmup_steps": 5, "lr": 3e-3}
+TINY = {"max_new_tokens": 48, "eval_max_new_tokens": 48, "batch_tokens": 512, "warmup_steps": 5, "lr": 3e-3,
+        "vocab_subset": 192}  # half of the tiny vocabulary: a subset head, as by default
 # error tests: should a check be missing, the pipeline finishes in seconds (and the test fails)
 FAST = {"budget_minutes": 0.3, "max_steps": 2, "max_new_tokens": 4, "eval_max_new_tokens": 4,
-        "samples_per_prompt": 1, "progress": False}
+        "samples_per_prompt": 1, "progress": False, "vocab_subset": 100}
 
 
 def _corpus_lines() -> list[str]:
-    return [ln for ln in D.DISTILL_PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    return [ln for ln in C.DISTILL_PROMPTS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
 
 
 def make_tiny_target(path: Path, layers: int = 3, tie: bool = True, drop_head: bool = False) -> Path:
@@ -88,7 +91,7 @@ def distilled(tiny, corpora, tmp_path_factory) -> Path:
 
 
 def _assert_slice_matches(target: Path, draft_dir: Path, k: int) -> None:
-    full, part = D.load_state_dict(target), D.load_state_dict(draft_dir)
+    full, part = S.load_state_dict(target), S.load_state_dict(draft_dir)
     expected = {n for n in full if not n.startswith("model.layers.") or int(n.split(".")[2]) < k}
     assert set(part) == expected
     for name, tensor in part.items():
@@ -97,13 +100,12 @@ def _assert_slice_matches(target: Path, draft_dir: Path, k: int) -> None:
 
 
 def test_slice_is_bit_identical_prefix(tiny, tmp_path):
-    _assert_slice_matches(tiny, D.slice_target(tiny, 2, tmp_path / "s"), 2)
+    _assert_slice_matches(tiny, S.slice_target(tiny, 2, tmp_path / "s"), 2)
 
 
-@pytest.mark.skipif(not (REAL_TARGET / "config.json").is_file(), reason="embedded target not converted")
-def test_slice_real_target_bit_identical(tmp_path):
-    out = D.slice_target(REAL_TARGET, 1, tmp_path / "s")
-    _assert_slice_matches(REAL_TARGET, out, 1)
+def test_slice_real_target_bit_identical(target_dir, tmp_path):
+    out = S.slice_target(target_dir, 1, tmp_path / "s")
+    _assert_slice_matches(target_dir, out, 1)
     assert (out / "chat_template.jinja").is_file() and (out / "tokenizer.json").is_file()
 
 
@@ -122,7 +124,7 @@ def test_distillation_improves_heldout_agreement(distilled):
 
 
 def test_frozen_tensors_bit_identical_after_training(tiny, distilled):
-    target, draft = D.load_state_dict(tiny), D.load_state_dict(distilled)
+    target, draft = S.load_state_dict(tiny), S.load_state_dict(distilled)
     report = json.loads((distilled / D.REPORT_NAME).read_text())
     frozen = set(report["frozen"])
     assert {"model.embed_tokens.weight", "model.norm.weight"} <= frozen  # tied head = embeddings
@@ -148,9 +150,9 @@ def test_draft_is_a_normal_checkpoint(tiny, distilled):
 
 def test_target_answers_are_cached(tiny, corpora, tmp_path):
     train, _ = corpora
-    cfg = D.DistillConfig(max_new_tokens=8, temperature=0.0)
-    convs = D.read_prompts(train)[:5]
-    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)
+    convs = C.read_prompts(train)[:5]
+    recs, stats = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
     assert stats["generated_tokens"] == stats["tokens"] > 0 and stats["answers"] == 5  # greedy: one answer each
     for r in recs:
         n = len(r["top_ids"])
@@ -158,23 +160,44 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
         gen = r["input_ids"][r["prompt_len"]:]
         assert torch.equal(gen.long(), r["top_ids"][:, 0].long())  # greedy: the token is the target's argmax
         assert (r["top_logp"].float().exp().sum(-1) <= 1.001).all()
-    again, stats2 = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    again, stats2 = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
     assert stats2["generated_tokens"] == 0
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(recs, again, strict=True))
-    more, stats3 = D.generate_distill_data(tiny, D.read_prompts(train)[:6], tmp_path, cfg, progress=False)
+    more, stats3 = C.generate_distill_data(tiny, C.read_prompts(train)[:6], tmp_path, cfg, progress=False)
     assert 0 < stats3["generated_tokens"] <= cfg.max_new_tokens and len(more) == 6
-    _, stats4 = D.generate_distill_data(tiny, convs, tmp_path, D.DistillConfig(max_new_tokens=9, temperature=0.0),
+    _, stats4 = C.generate_distill_data(tiny, convs, tmp_path, T.DistillConfig(max_new_tokens=9, temperature=0.0),
                                         progress=False)
     assert stats4["generated_tokens"] > 0  # other generation settings: other cache
 
 
+def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
+    import shutil
+
+    convs = C.read_prompts(corpora[0])[:12]
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=1.0, samples_per_prompt=3, gen_batch_size=4)
+    _, first = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False, time_budget_s=1e-6)
+    assert first["answers"] == 4 and first["generated_tokens"] > 0  # budget spent after one batch
+    again, second = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False, time_budget_s=1e-6)
+    assert second["generated_tokens"] == 0 and len(again) == 4  # the cache already spent the budget: no target load
+    assert second["generation_s_total"] >= first["generation_s"] > 0
+    _, more = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False, time_budget_s=1e9)
+    assert more["answers"] == 36 and more["generated_tokens"] > 0  # a bigger budget continues the same cache
+    other = tmp_path / "other"  # same config and tokenizer, one weight changed: another target
+    shutil.copytree(tiny, other)
+    state = load_file(other / "model.safetensors")
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"] * 1.01
+    save_file(state, other / "model.safetensors", metadata={"format": "pt"})
+    _, theirs = C.generate_distill_data(other, convs, tmp_path, cfg, progress=False, time_budget_s=1e9)
+    assert theirs["generated_tokens"] > 0 and theirs["cache"] != more["cache"]
+
+
 def test_sampled_answers_and_deadline(tiny, corpora, tmp_path):
     train, _ = corpora
-    convs = D.read_prompts(train)[:12]
-    cfg = D.DistillConfig(max_new_tokens=16, temperature=1.0, samples_per_prompt=3, gen_batch_size=4)
-    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, deadline=0.0, progress=False)
+    convs = C.read_prompts(train)[:12]
+    cfg = T.DistillConfig(max_new_tokens=16, temperature=1.0, samples_per_prompt=3, gen_batch_size=4)
+    recs, stats = C.generate_distill_data(tiny, convs, tmp_path, cfg, deadline=0.0, progress=False)
     assert stats["answers"] == 4  # deadline already passed: one batch only, then stop
-    recs, stats = D.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
+    recs, stats = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
     assert stats["answers"] == 36 and stats["prompts_answered"] == 12 and stats["generated_tokens"] > 0
     by_prompt: dict[tuple, list] = {}
     for r in recs:
@@ -186,16 +209,133 @@ def test_sampled_answers_and_deadline(tiny, corpora, tmp_path):
     assert len({tuple(r["input_ids"].tolist()) for r in recs}) > 12  # new answers, not copies
 
 
-def test_vocab_subset_training_keeps_full_head(tiny, corpora, tmp_path):
+def _records(answers: list[list[int]], prompt: list[int]) -> list[dict]:
+    return [{"input_ids": torch.tensor(prompt + a, dtype=torch.int32), "prompt_len": len(prompt),
+             "top_ids": torch.zeros(len(a), 1, dtype=torch.int32), "top_logp": torch.zeros(len(a), 1)} for a in answers]
+
+
+def test_subset_is_top_k_by_answer_frequency():
+    g = torch.Generator().manual_seed(0)
+    answers = [torch.randint(0, 40, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (25,), generator=g)]
+    prompt = [45, 46, 47, 45, 45]  # prompt tokens are not counted
+    counts = torch.zeros(50, dtype=torch.long)
+    for a in answers:
+        for tok in a:
+            counts[tok] += 1
+    for k in (1, 7, 20, 45):
+        ids = D.frequent_ids(_records(answers, prompt), k, 50)
+        assert ids.tolist() == sorted(set(ids.tolist())) and len(ids) == k
+        ranked = sorted(range(50), key=lambda i: (-int(counts[i]), i))  # most frequent first, ties to the lower id
+        assert set(ids.tolist()) == set(ranked[:k])
+    with pytest.raises(ValueError, match="vocab_subset must be between"):
+        D.frequent_ids(_records(answers, prompt), 50, 50)
+
+
+def test_subset_head_saved_with_the_draft(tiny, distilled):
+    from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS, Transformer
+
+    state, target = load_file(distilled / "model.safetensors"), S.load_state_dict(tiny)
+    config = json.loads((distilled / "config.json").read_text())
+    ids = state[SUBSET_IDS]
+    assert config["spectrt_draft"]["vocab_subset"] == len(ids) == TINY["vocab_subset"]
+    assert ids.dtype == torch.int64 and ids.tolist() == sorted(set(ids.tolist())) and int(ids.max()) < 384
+    assert torch.equal(state[SUBSET_HEAD], target["model.embed_tokens.weight"][ids])  # the target's own rows
+    assert config["vocab_size"] == 384 and state["model.embed_tokens.weight"].shape[0] == 384  # inputs: any id
+    # the subset is the top-K of the cached target answers it was trained on
+    report = json.loads((distilled / D.REPORT_NAME).read_text())
+    cache = torch.load(report["data"]["cache"], weights_only=True)
+    assert torch.equal(ids, D.frequent_ids(list(cache.values()), len(ids), 384))
+    assert 0 < report["heldout"]["distilled"]["coverage"] <= 1
+    # id map round trip: the runtime's full-vocabulary row holds the subset head's scores at their target ids
+    engine = Transformer.load(distilled)
+    assert torch.equal(engine.head_ids, ids)
+    cache_ = engine.new_cache(64, 8)
+    tokens = torch.tensor([5, 77, 300, 12])
+    logits = engine.forward(tokens, torch.arange(4), torch.ones(4, 4, dtype=torch.bool).tril(), cache_).clone()
+    assert engine.head.shape == (len(ids), 64)
+    outside = torch.ones(384, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isfinite(logits[:, ids]).all() and (logits[:, outside] == -torch.inf).all()
+    assert set(logits.topk(5, dim=-1).indices.flatten().tolist()) <= set(ids.tolist())
+
+
+def test_subset_draft_greedy_tree_decoding_equals_autoregressive(tiny, distilled):
+    """The target verifies over its full vocabulary: a subset draft changes speed, never output."""
+    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.sampling import SamplingParams
+    from spectrt.runtime.tree import Tree
+
+    target, draft = Transformer.load(tiny), Transformer.load(distilled)
+    subset = set(draft.head_ids.tolist())
+    dec = SpecDecoder(target, draft, eos_ids={2}, max_seq_len=256, max_tree_tokens=16)
+    drafted: list[int] = []
+    real_draft_tree = dec._draft_tree
+
+    def spy(tree, *args):
+        real_draft_tree(tree, *args)
+        drafted.extend(dec.node_tokens[1:len(tree)].tolist())
+
+    dec._draft_tree = spy
+    tree = Tree.from_expansion((3, 2, 1))
+    accepted = 0
+    for prompt in ([1, 40, 41, 42, 43], [1, 7, 99, 250, 8, 13], [1, 300, 301, 302]):
+        ar = dec.generate(prompt, 40, None)
+        spec = dec.generate(prompt, 40, tree)
+        assert spec.token_ids == ar.token_ids
+        accepted += sum(spec.stats.accepted)
+        dec.generate(prompt, 20, tree, params=SamplingParams(temperature=1.0, seed=3))
+    assert drafted and set(drafted) <= subset  # greedy top-k and sampled children: always subset ids
+    assert accepted > 0
+
+
+def test_subset_draft_onnx_parity(distilled, tmp_path):
+    """The exported graph scatters the subset head's logits in-graph: same [T, V] contract, same values."""
+    from spectrt.build.export import export_graph
+    from spectrt.runtime.model import ModelConfig, Transformer
+    from spectrt.runtime.onnx_engine import OnnxEngine
+
+    graph = export_graph(distilled, tmp_path / "draft.onnx", "fp32", log=lambda *_: None)
+    config = ModelConfig.from_dir(distilled)
+    ort_engine, torch_engine = OnnxEngine(graph, config, threads=1, optimization="basic"), Transformer.load(distilled)
+    caches = [e.new_cache(64, 8) for e in (ort_engine, torch_engine)]
+    for tokens, mask in ((torch.tensor([1, 40, 41, 42, 43]), torch.ones(5, 5, dtype=torch.bool).tril()),
+                         (torch.tensor([9, 250]), torch.eye(2, dtype=torch.bool))):
+        n = caches[0].length
+        positions = torch.arange(n, n + len(tokens))
+        a, b = (e.forward(tokens, positions, mask, c).clone() for e, c in zip((ort_engine, torch_engine), caches,
+                                                                                strict=True))
+        assert a.shape == (len(tokens), 384) and torch.equal(torch.isinf(a), torch.isinf(b))
+        torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-4, atol=1e-4)
+        for c in caches:
+            c.commit(len(tokens))
+
+
+def test_subset_draft_engines(tiny, distilled, tmp_path):
+    """`spectrt engines` takes a subset draft: the graphs keep the [T, V] contract and a TensorRT plan builds."""
+    from spectrt.build.engines import make_engines
+    from spectrt.build.export import graph_io
+    from spectrt.runtime.onnx_engine import OnnxEngine
+
+    out = make_engines(tiny, distilled, tmp_path / "engines", precision="fp16", archs=["sm80"], max_seq_len=128,
+                       max_tree_tokens=8, log=lambda *_: None)
+    assert graph_io(out / "draft" / "model.fp16.onnx")["outputs"]["logits"]["shape"] == ["T", 384]
+    assert (out / "draft" / "model.fp16.plan").stat().st_size > 0
+    engine = OnnxEngine.load(out / "draft")
+    logits = engine.forward(torch.tensor([1, 5, 9]), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(),
+                            engine.new_cache(64, 8))
+    assert torch.isfinite(logits).sum(-1).tolist() == [TINY["vocab_subset"]] * 3
+
+
+def test_vocab_subset_as_large_as_the_vocabulary_is_the_full_head(tiny, corpora, tmp_path):
     out = D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1],
-                       **{**FAST, "max_steps": 4, "train_vocab": 100})
-    ids = json.loads((out / "draft_vocab.json").read_text())
-    config = json.loads((out / "config.json").read_text())
-    assert len(ids) == 100 == config["spectrt_draft"]["vocab_subset_size"] and ids == sorted(set(ids))
-    head = load_file(out / "model.safetensors")["model.embed_tokens.weight"]
-    assert config["vocab_size"] == 384 and head.shape[0] == 384  # still a normal, full-vocabulary LLaMA
-    report = json.loads((out / D.REPORT_NAME).read_text())
-    assert 0 < report["heldout"]["distilled"]["subset_heldout_coverage"] <= 1
+                       **{**FAST, "vocab_subset": 384})
+    assert not {"draft_head.weight", "draft_head.ids"} & set(load_file(out / "model.safetensors"))
+    assert "vocab_subset" not in json.loads((out / "config.json").read_text())["spectrt_draft"]
+    assert json.loads((out / D.REPORT_NAME).read_text())["heldout"]["distilled"]["coverage"] == 1.0
+    with pytest.raises(ValueError, match="vocab_subset must be 0"):
+        D.make_draft(tiny, tmp_path / "e", layers=1, prompts=corpora[0], heldout=corpora[1],
+                     **{**FAST, "vocab_subset": -1})
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -203,11 +343,11 @@ def test_vocab_subset_training_keeps_full_head(tiny, corpora, tmp_path):
 
 def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
     train, _ = corpora
-    cfg = D.DistillConfig(**{**TINY, "max_new_tokens": 16, "checkpoint_every_s": 1e9})
-    records, _ = D.generate_distill_data(tiny, D.read_prompts(train)[:30], tmp_path / "data", cfg, progress=False)
-    slice_dir = D.slice_target(tiny, 1, tmp_path / "slice")
+    cfg = T.DistillConfig(**{**TINY, "max_new_tokens": 16, "checkpoint_every_s": 1e9})
+    records, _ = C.generate_distill_data(tiny, C.read_prompts(train)[:30], tmp_path / "data", cfg, progress=False)
+    slice_dir = S.slice_target(tiny, 1, tmp_path / "slice")
 
-    straight, s_stats = D.train_draft(slice_dir, records, tmp_path / "a.pt", cfg, max_steps=8, progress=False)
+    straight, s_stats = T.train_draft(slice_dir, records, tmp_path / "a.pt", cfg, max_steps=8, progress=False)
 
     def interrupt(step, _metrics):
         if step == 3:
@@ -215,12 +355,12 @@ def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
 
     state_path = tmp_path / "b.pt"
     with pytest.raises(KeyboardInterrupt):
-        D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False, on_step=interrupt)
+        T.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False, on_step=interrupt)
     saved = torch.load(state_path, weights_only=True)
     assert saved["step"] == 3 and not saved["finished"]
     assert saved["optimizer"]["state"][0]["step"].item() == 3  # AdamW moments saved with it
 
-    resumed, r_stats = D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False)
+    resumed, r_stats = T.train_draft(slice_dir, records, state_path, cfg, max_steps=8, progress=False)
     assert r_stats["resumed_from_step"] == 3 and r_stats["steps"] == 8 and r_stats["steps_this_run"] == 5
     final = torch.load(state_path, weights_only=True)
     assert final["finished"] and final["optimizer"]["state"][0]["step"].item() == 8
@@ -228,7 +368,7 @@ def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
 
-    fresh, f_stats = D.train_draft(slice_dir, records, state_path, cfg, max_steps=8, resume=False, progress=False)
+    fresh, f_stats = T.train_draft(slice_dir, records, state_path, cfg, max_steps=8, resume=False, progress=False)
     assert f_stats["resumed_from_step"] == 0
 
 
@@ -270,14 +410,14 @@ def test_bad_multiturn_line(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text('[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]\n')
     with pytest.raises(ValueError, match="ending with a user message"):
-        D.read_prompts(bad)
+        C.read_prompts(bad)
 
 
 # -------------------------------------------------------------------------------------------- corpus, loss
 
 
 def test_shipped_corpora():
-    train, held = D.read_prompts(D.DISTILL_PROMPTS), D.read_prompts(D.HELDOUT_PROMPTS)
+    train, held = C.read_prompts(C.DISTILL_PROMPTS), C.read_prompts(C.HELDOUT_PROMPTS)
     assert len(train) >= 300 and len(held) >= 40
     assert sum(len(c) > 1 for c in train) >= 20  # multi-turn / system-message conversations
     keys = [json.dumps(c, sort_keys=True) for c in train]
@@ -293,7 +433,7 @@ def test_closed_form_gradient_matches_autograd(temperature):
     valid = torch.rand(n, k) > 0.25
     valid[0] = True
     ids = torch.where(valid, top_ids, -1)  # some ids outside the (sub)vocabulary
-    cfg = D.DistillConfig(kl_temperature=temperature, kl_weight=0.7, ce_weight=1.3)
+    cfg = T.DistillConfig(kl_temperature=temperature, kl_weight=0.7, ce_weight=1.3)
     z = (torch.randn(n, v, dtype=torch.float64) * 2).requires_grad_(True)
     logq = z.log_softmax(-1)
     p = torch.where(valid, top_logp.exp(), 0).double()
@@ -308,6 +448,6 @@ def test_closed_form_gradient_matches_autograd(temperature):
         kl = torch.where(valid, pt.exp() * (pt - qt), 0).sum(-1) * t * t
     ce = -logq.gather(1, top_ids[:, :1]).squeeze(1) * valid[:, 0]
     (0.7 * kl + 1.3 * ce).sum().backward()
-    sums, grad = D.distill_loss(z.detach(), ids, top_logp, cfg, need_grad=True)
+    sums, grad = T.distill_loss(z.detach(), ids, top_logp, cfg, need_grad=True)
     assert float(sums[0]) == pytest.approx(float((0.7 * kl + 1.3 * ce).sum()), rel=1e-5)
     torch.testing.assert_close(grad, z.grad.float(), rtol=1e-4, atol=1e-5)

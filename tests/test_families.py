@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 from spectrt.build.checkpoint import CheckpointError, resolve_target
-from spectrt.build.draft import TOKENIZER_FILES, load_state_dict, slice_target
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
+from spectrt.build.slice import TOKENIZER_FILES, load_state_dict, slice_target
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
 from spectrt.runtime.families import rope_frequencies

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import ARCHS
-from spectrt.build.draft import HELDOUT_PROMPTS, read_prompts, slice_target
+from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
 from spectrt.build.export import TreeVerifyModel, example_inputs
+from spectrt.build.slice import slice_target
 from spectrt.quant.accuracy import accuracy_report, agreement, gate_message, summarize
 from spectrt.quant.quantize import (
     CALIBRATION_PROMPTS,

@@ -121,16 +121,19 @@ def exact_joint(params: SamplingParams) -> torch.Tensor:
     return p[a, b][:, None, None] * p[b][:, :, None] * p
 
 
-def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int) -> torch.Tensor:
+def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int, draft_logits: torch.Tensor = DRAFT_LOGITS,
+             verify_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Tree speculative sampling until LENGTH tokens per sample; returns their joint counts [V, V, V].
 
     mode "topk": deterministic children, verified with q=None; "sampled": children drawn without
     replacement from q by `draw_children`, verified with q; "topk-qratio": deterministic children
     verified with the q-ratio rule (a known-wrong combination); "sampled-delta": sampled children
     verified with the point-mass rule (exact, since that rule works for any child choice).
+    Children come from `draft_logits`; q-based verification uses `verify_logits` (default: the same).
     """
     p_tab = sampling_probs(TARGET_LOGITS, params)
-    q_tab = sampling_probs(DRAFT_LOGITS, params)
+    q_tab = sampling_probs(draft_logits, params)
+    qv_tab = q_tab if verify_logits is None else sampling_probs(verify_logits, params)
     draft_gen = torch.Generator().manual_seed(seed)
     verify_gen = torch.Generator().manual_seed(seed + 1)
     out = torch.full((SAMPLES, LENGTH), -1, dtype=torch.long)
@@ -154,7 +157,7 @@ def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int) -> torch.
                 tok[:, list(kids)] = picks
                 prev[:, list(kids)] = tok[:, i : i + 1]
         p = p_tab[prev, tok]
-        q = q_tab[prev, tok] if mode in ("sampled", "topk-qratio") else None
+        q = qv_tab[prev, tok] if mode in ("sampled", "topk-qratio") else None
         path, y = verify_sampled_batch(tree, tok, p, q, verify_gen)
         accepted = (path[:, 1:] >= 0).sum(1)
         emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
@@ -171,9 +174,9 @@ def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int) -> torch.
     return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
 
 
-def check(tree: Tree, mode: str, params: SamplingParams, seed: int = 0) -> tuple[float, int, float]:
+def check(tree: Tree, mode: str, params: SamplingParams, seed: int = 0, **draft) -> tuple[float, int, float]:
     """Simulate, assert that zero-probability sequences never occur, and return the chi-square fit."""
-    counts = simulate(tree, mode, params, seed)
+    counts = simulate(tree, mode, params, seed, **draft)
     probs = exact_joint(params)
     assert counts.sum() == SAMPLES
     assert counts[probs == 0].sum() == 0, "emitted a token sequence the target gives probability 0"
@@ -205,7 +208,28 @@ def test_top_k_filter_is_exact():
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+# A vocabulary-subset draft head (runtime/model.py `_logits`): ids outside the subset get logit -inf, so the
+# draft puts zero mass on them; the target still gives them mass (half of the vocabulary here).
+SUBSET_DRAFT_LOGITS = DRAFT_LOGITS.masked_fill(torch.tensor([False, True, False, True, True, False]), -torch.inf)
+
+
+@pytest.mark.parametrize("mode", ["topk", "sampled"])
+def test_subset_draft_sampling_is_exact(mode):
+    for seed, (temperature, top_p) in enumerate([(1.0, 1.0), (0.7, 0.8)]):
+        stat, df, pval = check(Tree.from_expansion((3, 2)), mode, SamplingParams(temperature=temperature, top_p=top_p),
+                               seed, draft_logits=SUBSET_DRAFT_LOGITS)
+        assert pval > ALPHA, f"T={temperature} top_p={top_p}: chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
 # ---------------------------------------------------------------- the check rejects wrong rules
+
+
+def test_check_rejects_rule_ignoring_the_subsets_zero_mass():
+    """Children drawn from the subset draft but verified with the full-vocabulary draft's q (as if the -inf
+    entries were not there): the residual keeps mass the draft never proposed, so outputs are biased."""
+    stat, df, pval = check(Tree.from_expansion((2, 1)), "sampled", SamplingParams(temperature=1.0),
+                           draft_logits=SUBSET_DRAFT_LOGITS, verify_logits=DRAFT_LOGITS)
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
 def test_check_rejects_q_ratio_rule_on_top_k_children():
