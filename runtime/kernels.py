@@ -113,7 +113,7 @@ class NativeModel:
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],
                  inv_freq: torch.Tensor, rope_scale: float, dtype: torch.dtype,
                  head_ids: torch.Tensor | None = None):
-        """`head_ids`: a vocabulary-subset draft head's target ids (its K rows score those; every other id gets -inf)."""
+        """`head_ids`: a vocabulary-subset draft head's target ids (its K rows score those, other ids -inf)."""
         c = config
         self.config, self.inv_freq, self.rope_scale = c, inv_freq, rope_scale
         self.kernels = load_kernels()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.decoder import GREEDY, DecodeStats, SpecDecoder
-from spectrt.runtime.engine import check_draft_matches, load_engine
+from spectrt.runtime.engine import check_draft_matches, draft_dtype, load_engine
 from spectrt.runtime.policy import Policy, load_policy, policy_path
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
@@ -78,7 +78,7 @@ class Pipeline:
             eos |= set(configured) if isinstance(configured, list) else {configured}
         self.decoder = SpecDecoder(
             load_engine(target, backend, dtype),
-            load_engine(Path(draft), backend, dtype) if draft is not None else None,
+            load_engine(Path(draft), backend, draft_dtype(backend, dtype)) if draft is not None else None,
             eos_ids={e for e in eos if e is not None},
             max_seq_len=max_seq_len,
             max_tree_tokens=max_tree_tokens,

@@ -137,13 +137,14 @@ def load_cost_profile(target: Path, dtype: str, artifacts: Path) -> dict | None:
 def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, out_dir: Path,
                 repeats: int = 15) -> dict:
     """Measure target (and draft) curves + breakdowns; save the cost profile and the report files."""
-    from spectrt.runtime.engine import DTYPES
+    from spectrt.runtime.engine import DTYPES, draft_dtype
 
     report = {"backend": "torch", "dtype": dtype, "threads": torch.get_num_threads(), "cpu": _cpu_name(),
               "cores": os.cpu_count(), "target_name": Path(target).name}
     engines = {"target": Transformer.load(target, DTYPES[dtype])}
     if draft is not None:
-        engines["draft"] = Transformer.load(draft, DTYPES[dtype])
+        engines["draft"] = Transformer.load(draft, DTYPES[draft_dtype("torch", dtype)])  # as the pipeline runs it
+        report["draft_dtype"] = draft_dtype("torch", dtype)
     report["native"] = engines["target"].native is not None
     report["breakdown"] = {}
     for role, engine in engines.items():
