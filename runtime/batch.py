@@ -138,6 +138,7 @@ class Job:
     stop_words: list[list[int]] = field(default_factory=list)  # stop after emitting any of these sequences
     bad_words: list[list[int]] = field(default_factory=list)  # never emitted (masked in the target distribution)
     on_tokens: Callable[[list[int]], None] | None = None
+    tag: object = None  # the caller's handle (the Triton model: its request and row)
     # decode state
     out: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop", "length", "cancelled" or "error"

@@ -69,7 +69,7 @@ def _params(target_dir, draft_dir, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def server(target_dir, draft_dir):
-    srv = TritonServer(_params(target_dir, draft_dir), instances=2, ready_timeout=300)
+    srv = TritonServer(_params(target_dir, draft_dir), instances=1, ready_timeout=300)
     srv.start()
     pid, run_dir = srv.pid, srv.run_dir
     yield srv
