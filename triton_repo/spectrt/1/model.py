@@ -492,6 +492,7 @@ class TritonPythonModel:
         self.m_step_tree.observe(info.tree_tokens)
         for job in info.finished:
             self._row_done(job)
+        self.m_active.set(len(self.batch.active))
 
     def _enqueue(self, group: Group) -> None:
         from functools import partial
