@@ -26,6 +26,7 @@ LIMIT = 48
 TIMEOUT = 180.0
 MAX_ACTIVE = 4
 MAX_COST = 1000
+MAX_QUEUE = 16
 PROMPTS = [
     "Write a short poem about the sea.",
     "List five animals that live in the ocean.",
@@ -68,7 +69,7 @@ def _params(target_dir, draft_dir, **extra) -> dict:
     # instances and the in-process reference run bitwise the same arithmetic (timing could pick differently)
     return {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": MAX_SEQ_LEN,
             "max_tokens_limit": LIMIT, "threads": 1, "measure_kernels": "false", "max_active": MAX_ACTIVE,
-            "max_request_cost": MAX_COST, **extra}
+            "max_request_cost": MAX_COST, "max_queue_size": MAX_QUEUE, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -505,7 +506,8 @@ def test_min_length_stop_and_bad_words_and_token_counts(server, session, pipe):
 
 def test_queued_request_cancelled_never_prefills_and_slots_free(server, session):
     """Every slot busy: a queued request that is cancelled never takes a slot (the admitted counter does not
-    move) and leaves the queue; cancelling a running request frees its slot within a second."""
+    move) and leaves the queue; a full queue refuses with "overloaded"; cancelling a running request frees its
+    slot within a second."""
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
     busy = [_stream(server, session, request_fields(PROMPTS[i], LIMIT, True, tree="0")) for i in range(MAX_ACTIVE)]
     try:
@@ -515,9 +517,18 @@ def test_queued_request_cancelled_never_prefills_and_slots_free(server, session)
         _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 1, 30)
         queued.close(cancel=True)
         _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 0, 1.0)
+        assert _gauge(server, "spectrt_requests_admitted_total") == admitted, "the cancelled queued request ran"
+        full = [_stream(server, session, request_fields(PROMPTS[k % 8], LIMIT, True)) for k in range(MAX_QUEUE)]
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == MAX_QUEUE, 30)
+        refused = _stream(server, session, request_fields(PROMPTS[0], 4, True)).wait(30)
+        refused.close()
+        assert refused.errors and "overloaded" in refused.errors[0], refused.errors
+        assert f"max_queue_size={MAX_QUEUE}" in refused.errors[0]
+        for st in full:
+            st.close(cancel=True)
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 0, 2.0)
         busy[0].close(cancel=True)
         _wait_for(lambda: _gauge(server, "spectrt_active_requests") == MAX_ACTIVE - 1, 1.0)
-        assert _gauge(server, "spectrt_requests_admitted_total") == admitted, "the cancelled queued request ran"
     finally:
         for st in busy[1:]:
             st.close(cancel=True)

@@ -576,7 +576,11 @@ class TritonPythonModel:
         text = self.pipe.tokenizer.decode(job.out, skip_special_tokens=True)
         if len(text) > stream.sent:  # what the streaming detokenizer held back (as Pipeline.generate does)
             delta, stream.sent = text[stream.sent:], len(text)
-            self._on_text(group, i, delta)
+            try:
+                self._on_text(group, i, delta)
+            except Exception:  # this client is gone: end its request only
+                self._drop(group)
+                return
         stats = job.stats
         accepted = sum(stats.accepted) if job.proposed else 0
         self.m_tokens.increment(len(job.out))
@@ -592,13 +596,19 @@ class TritonPythonModel:
                           "generation_seconds": time.monotonic() - group.arrived}
         group.remaining -= 1
         row, index = group.rows[i], (i if len(group.rows) > 1 else None)
-        if group.stream:
-            flags = FINAL if group.remaining == 0 else 0
-            group.sender.send(self._response([""], [row], [group.perfs[i]], index, [group.unsent[i]]), flags=flags)
-        elif group.remaining == 0:
-            texts = [t if r["exclude_input"] else r["prompt"] + t for r, t in zip(group.rows, group.texts, strict=True)]
-            group.sender.send(self._response(texts, group.rows, group.perfs, None, [len(j.out) for j in group.jobs]),
-                              flags=FINAL)
+        try:
+            if group.stream:
+                flags = FINAL if group.remaining == 0 else 0
+                group.sender.send(self._response([""], [row], [group.perfs[i]], index, [group.unsent[i]]), flags=flags)
+            elif group.remaining == 0:
+                texts = [t if r["exclude_input"] else r["prompt"] + t
+                         for r, t in zip(group.rows, group.texts, strict=True)]
+                group.sender.send(self._response(texts, group.rows, group.perfs, None,
+                                                 [len(j.out) for j in group.jobs]), flags=FINAL)
+        except Exception as e:  # this client is gone: end its request only
+            pb_utils.Logger.log_warn(f"spectrt {self.instance}: could not send a response ({e!r})")
+            self._drop(group)
+            return
         if group.remaining == 0:
             self.groups.pop(id(group), None)
             group.done = True
