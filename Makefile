@@ -14,10 +14,10 @@ BACKEND   ?= torch
 ENGINES   ?= engines/smollm2-135m-instruct-$(PRECISION)
 QFORMAT   ?= int8_sq
 
-INSTANCES   ?= 2
+INSTANCES   ?= 1
 CONCURRENCY ?=
 
-.PHONY: setup demo test bench profile draft quantize compare engines gpu-check serve client lint clean
+.PHONY: setup demo test bench profile draft quantize compare engines gpu-check serve client perf lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -80,6 +80,39 @@ serve: draft  ## the real tritonserver on 127.0.0.1 (gRPC 8001, HTTP 8000, metri
 
 client: setup  ## against `make serve`: gRPC streaming request + stats (CONCURRENCY=N: load run)
 	$(BIN)/spectrt client --prompt "$(PROMPT)" $(if $(CONCURRENCY),--concurrency $(CONCURRENCY),)
+
+# genai-perf 0.0.16 in its own virtual environment: it needs pandas<3, perf_analyzer (bundled in the tritonclient
+# 2.51 wheel), Debian's libb64-0d and libcudart (pip nvidia-cuda-runtime-cu12) on LD_LIBRARY_PATH, even on CPU.
+# perf_analyzer 2.51 never ends a run with warm-up requests (the served model warms up at load instead).
+PERF_VENV  := .venv-perf
+PERF_STAMP := $(PERF_VENV)/.spectrt-perf
+PERF_URL   ?= 127.0.0.1:8001
+PERF_SWEEP ?= 1 2 4 8 16
+PERF_ISL   ?= 32
+PERF_OSL   ?= 96
+PERF_OUT   ?= bench/results/perf
+# perf_analyzer measures 3 windows per concurrency and does not wait for stability (a shared CPU never settles)
+PERF_WINDOW_MS ?= 20000
+SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
+
+$(PERF_STAMP):
+	dpkg -s libb64-0d >/dev/null 2>&1 || $(SUDO) sh -c 'apt-get update -q && apt-get install -y -q libb64-0d'
+	test -x $(PERF_VENV)/bin/python || $(PY) -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/pip install -q genai-perf==0.0.16 "pandas<3" "tritonclient[grpc]==2.51.0" nvidia-cuda-runtime-cu12
+	touch $(PERF_STAMP)
+
+perf: setup $(PERF_STAMP)  ## against `make serve` (other terminal): genai-perf sweep over PERF_SWEEP concurrencies -> $(PERF_OUT)
+	tok=$$($(BIN)/python -c "from spectrt.build.checkpoint import resolve_target; print(resolve_target())"); \
+	cudart=$$(echo $(CURDIR)/$(PERF_VENV)/lib/python3*/site-packages/nvidia/cuda_runtime/lib); \
+	for c in $(PERF_SWEEP); do \
+		PATH="$(CURDIR)/$(PERF_VENV)/bin:$$PATH" LD_LIBRARY_PATH="$$cudart:$$LD_LIBRARY_PATH" \
+		$(PERF_VENV)/bin/genai-perf profile -m spectrt --endpoint-type kserve --backend tensorrtllm --streaming \
+			-u $(PERF_URL) --tokenizer "$$tok" --synthetic-input-tokens-mean $(PERF_ISL) \
+			--synthetic-input-tokens-stddev 0 --output-tokens-mean $(PERF_OSL) --output-tokens-stddev 0 \
+			--output-tokens-mean-deterministic --concurrency $$c --measurement-interval $(PERF_WINDOW_MS) \
+			--warmup-request-count 0 --artifact-dir $(PERF_OUT)/c$$c || exit 1; \
+	done
+	$(BIN)/python scripts/perf_table.py $(PERF_OUT)
 
 lint: setup
 	$(BIN)/ruff check .

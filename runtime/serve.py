@@ -408,7 +408,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context per KV slot (prompt + output)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    p.add_argument("--instances", type=int, default=2, help="model instances = KV slots = requests in flight")
+    p.add_argument("--instances", type=int, default=1,
+                   help="model instances, each a full model copy batching up to max_active requests (config.pbtxt)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: cores / instances)")
     p.add_argument("--model-name", default=DEFAULT_MODEL, help="name the model is served under")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,6 +1,7 @@
 """The Triton deployment end to end: the real tritonserver (nvidia-pytriton wheel) serving triton_repo/spectrt.
 
-One server for the module (2 instances, the 4-layer slice as draft, a short context and max_tokens limit);
+One server for the module (1 instance batching up to 4 requests, the 4-layer slice as draft, a short context and
+max_tokens limit);
 every request has a timeout, and the fixture's finalizer stops the server by PID and checks that no process
 and no shared-memory region is left behind.
 """
@@ -23,6 +24,9 @@ TREE = "2,1"
 MAX_SEQ_LEN = 256
 LIMIT = 48
 TIMEOUT = 180.0
+MAX_ACTIVE = 4
+MAX_COST = 1000
+MAX_QUEUE = 16
 PROMPTS = [
     "Write a short poem about the sea.",
     "List five animals that live in the ocean.",
@@ -64,12 +68,13 @@ def _params(target_dir, draft_dir, **extra) -> dict:
     # measure_kernels=false: the engine's GEMM formulation is fixed instead of timed at load, so the served
     # instances and the in-process reference run bitwise the same arithmetic (timing could pick differently)
     return {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": MAX_SEQ_LEN,
-            "max_tokens_limit": LIMIT, "threads": 1, "measure_kernels": "false", **extra}
+            "max_tokens_limit": LIMIT, "threads": 1, "measure_kernels": "false", "max_active": MAX_ACTIVE,
+            "max_request_cost": MAX_COST, "max_queue_size": MAX_QUEUE, **extra}
 
 
 @pytest.fixture(scope="module")
 def server(target_dir, draft_dir):
-    srv = TritonServer(_params(target_dir, draft_dir), instances=2, ready_timeout=300)
+    srv = TritonServer(_params(target_dir, draft_dir), instances=1, ready_timeout=300)
     srv.start()
     pid, run_dir = srv.pid, srv.run_dir
     yield srv
@@ -150,7 +155,7 @@ def test_batched_request_rows(server, session, pipe):
 
 
 def test_concurrent_streams_get_their_own_tokens(server, pipe):
-    """8 streams x 2 requests in flight on 2 instances: each output equals its sequential in-process output."""
+    """8 streams x 2 requests in flight on one batching instance: each output equals its sequential run."""
     refs = {p: reference(pipe, p, 16)[0].token_ids for p in PROMPTS}
     jobs = {(s, k): (PROMPTS[(s + 3 * k) % 8], 8 + 4 * ((s + k) % 3)) for s in range(8) for k in range(2)}
     expected = {key: pipe.tokenizer.decode(refs[p][:m], skip_special_tokens=True) for key, (p, m) in jobs.items()}
@@ -197,6 +202,9 @@ BAD = [
     ("invalid UTF-8", lambda f: grpc_inputs({**f, "text_input": b"caf\xc3("}), "UTF-8"),
     ("malformed tree", lambda f: grpc_inputs({**f, "tree": "2,x"}), "tree"),
     ("huge tree", lambda f: grpc_inputs({**f, "tree": "1000,1000,1000"}), "max_tree_tokens"),
+    ("deep tree", lambda f: grpc_inputs({**f, "tree": ",".join(["1"] * 20)}), "max_tree_depth=16"),
+    ("request cost", lambda f: grpc_inputs({**f, "tree": "4,4,2", "max_tokens": LIMIT}), "max_request_cost=1000"),
+    ("negative min_length", lambda f: grpc_inputs({**f, "min_length": -1}, {"min_length": "INT32"}), "min_length"),
 ]
 
 
@@ -294,3 +302,276 @@ def test_config_overrides_are_written():
     assert re.search(r'key: "tree"\s+value: \{ string_value: "3,1" \}', out)
     assert 'key: "new_key" value: { string_value: "x" }' in out
     assert re.search(r"instance_group \[ \{ count: 5 kind: KIND_CPU \} \]", out)
+
+
+# ------------------------------------------------------------------------------------------ in-flight batching
+def _inputs(fields: dict):
+    """grpc_inputs with the types of the tensorrtllm_backend fields request_fields does not know."""
+    types = {"min_length": "INT32", "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL",
+             "end_id": "INT32", "exclude_input_in_output": "BOOL"}
+    words = {k: fields.pop(k) for k in ("stop_words", "bad_words") if k in fields}
+    inputs = grpc_inputs(fields, types)
+    if words:
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        for name, values in words.items():
+            data = np.array([[w.encode() for w in values]], dtype=np.object_)
+            tensor = grpcclient.InferInput(name, list(data.shape), "BYTES")
+            tensor.set_data_from_numpy(data)
+            inputs.append(tensor)
+    return inputs
+
+
+class Stream:
+    """One request over a gRPC stream, every response recorded: text deltas, token counts, final flags, errors."""
+
+    def __init__(self, url: str, model: str):
+        import queue
+
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.model = model
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+        self.chunks: list[str] = []
+        self.n_out, self.n_in, self.finals, self.errors = 0, None, 0, []
+
+    def send(self, inputs) -> Stream:
+        self.client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
+        return self
+
+    def next(self, timeout: float = TIMEOUT) -> bool:
+        """Record one response; True once it was final (an error response is final)."""
+        result, error = self.responses.get(timeout=timeout)
+        if error is not None:
+            self.errors.append(error.message() if hasattr(error, "message") else str(error))
+            self.finals += 1
+            return True
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            delta = b"".join(text.reshape(-1).tolist()).decode("utf-8")
+            if delta:
+                self.chunks.append(delta)
+        for name in ("num_output_tokens", "num_input_tokens"):
+            value = result.as_numpy(name)
+            if value is not None and name == "num_output_tokens":
+                self.n_out += int(value.sum())
+            elif value is not None:
+                self.n_in = int(value.reshape(-1)[0])
+        params = result.get_response().parameters
+        final = "triton_final_response" in params and params["triton_final_response"].bool_param
+        self.finals += int(final)
+        return final
+
+    def wait(self, timeout: float = TIMEOUT) -> Stream:
+        while not self.next(timeout):
+            pass
+        return self
+
+    def only_one_final(self, settle: float = 0.3) -> bool:
+        import queue
+
+        try:
+            self.responses.get(timeout=settle)
+        except queue.Empty:
+            return self.finals == 1
+        return False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+
+def _stream(server, session, fields: dict) -> Stream:
+    return Stream(server.grpc_url, session.model).send(_inputs(fields))
+
+
+def _gauge(server, name: str) -> float:
+    return _scrape(server).get(name, 0.0)
+
+
+def _wait_for(predicate, timeout: float) -> float:
+    """Seconds until predicate() held (polling), or raise AssertionError after `timeout`."""
+    import time
+
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, pipe):
+    """16 streams x 20 requests (mixed lengths, trees and AR) on one batching instance; one request per stream
+    is bad and one stream cancels a request mid-way: every other output equals its sequential in-process run,
+    token counts add up, and each request gets exactly one final response."""
+    with _threads(1):  # raw prompts (no chat template): short prefills keep 320 requests quick
+        refs = {p: pipe.generate(p, 8, TREE, chat=False).token_ids for p in PROMPTS}
+    streams, requests = 16, 20
+    results: dict[tuple[int, int], Stream] = {}
+    errors: list[str] = []
+    barrier = threading.Barrier(streams)
+
+    def job(s: int, k: int) -> tuple[str, int, str]:
+        return PROMPTS[(s + 3 * k) % 8], 2 + (s + k) % 7, ("0" if (s + k) % 3 == 0 else TREE)
+
+    def run(s: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            for k in range(requests):
+                prompt, m, tree = job(s, k)
+                fields = {**request_fields(prompt, m, True, tree=tree, chat=False), "return_num_output_tokens": True}
+                if k == 7:  # a bad request in the middle of the load
+                    fields["max_tokens"] = LIMIT + 1 + s
+                if s == 5 and k == 11:  # cancelled mid-way: its stream closes after the first chunk
+                    st = Stream(server.grpc_url, session.model).send(_inputs({**fields, "max_tokens": LIMIT}))
+                    st.next()
+                    st.close(cancel=True)
+                    continue
+                st = Stream(server.grpc_url, session.model).send(_inputs(fields))
+                try:
+                    results[(s, k)] = st.wait()
+                finally:
+                    st.close()
+        except Exception as e:  # reported below
+            errors.append(f"stream {s}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10 * TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    assert not errors, errors
+    assert len(results) == streams * requests - 1
+    for (s, k), r in sorted(results.items()):
+        assert r.finals == 1, (s, k)
+        if k == 7:
+            assert r.errors and "max_tokens must be in" in r.errors[0], (s, k, r.errors)
+            continue
+        prompt, m, _ = job(s, k)
+        want = refs[prompt][:m]
+        assert not r.errors, (s, k, r.errors)
+        assert r.text == pipe.tokenizer.decode(want, skip_special_tokens=True), f"stream {s} request {k}"
+        assert r.n_out == len([t for t in want if t not in pipe.decoder.eos_ids]), (s, k)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+
+
+def _batch_reference(pipe, prompt: str, max_tokens: int, **constraints):
+    from spectrt.runtime.batch import BatchDecoder, Job
+    from spectrt.runtime.tree import Tree
+
+    dec = pipe.decoder
+    job = Job(pipe.encode(prompt), max_tokens, Tree.parse(TREE), **constraints)
+    with _threads(1):
+        BatchDecoder(dec.target, dec.draft, dec.eos_ids, MAX_SEQ_LEN, max_active=1).run([job])
+    return job
+
+
+def test_min_length_stop_and_bad_words_and_token_counts(server, session, pipe):
+    """As tensorrtllm_backend documents them: end-of-sequence masked before min_length, generation stops after a
+    stop word (included), bad words never generated; num_input/num_output_tokens count prompt and output."""
+    tok = pipe.tokenizer
+    prompt = PROMPTS[4]
+    plain = _batch_reference(pipe, prompt, LIMIT)
+    assert plain.finish == "stop"
+    # a word whose tokenization alone is the token the model emitted (so it matches in context)
+    j = next(i for i in range(2, len(plain.out))
+             if tok.encode(tok.decode([plain.out[i]]), add_special_tokens=False) == [plain.out[i]])
+    word = tok.decode([plain.out[j]])
+    cases = [({"min_length": len(plain.out) + 5}, {"min_length": len(plain.out) + 5}),
+             ({"stop_words": [word, "zzzq"]},
+              {"stop_words": [[plain.out[j]], tok.encode("zzzq", add_special_tokens=False)]}),
+             ({"bad_words": [word]}, {"bad_words": [[plain.out[j]]]})]
+    for fields, constraints in cases:
+        want = _batch_reference(pipe, prompt, LIMIT, **constraints)
+        r = _stream(server, session, {**request_fields(prompt, LIMIT, True), **fields,
+                                      "return_num_input_tokens": True, "return_num_output_tokens": True}).wait()
+        assert not r.errors, r.errors
+        assert r.text == tok.decode(want.out, skip_special_tokens=True), fields
+        assert r.n_out == len(want.out) and r.n_in == len(pipe.encode(prompt))
+    assert len(_batch_reference(pipe, prompt, LIMIT, **cases[0][1]).out) >= len(plain.out) + 5
+    stopped = _batch_reference(pipe, prompt, LIMIT, **cases[1][1])
+    assert stopped.out == plain.out[:j + 1]
+    assert plain.out[j] not in _batch_reference(pipe, prompt, LIMIT, **cases[2][1]).out
+    unary = _stream(server, session, {**request_fields(prompt, 6, False), "return_num_output_tokens": True}).wait()
+    assert unary.n_out == len(plain.out[:6]) and len(unary.chunks) == 1
+
+
+def test_queued_request_cancelled_never_prefills_and_slots_free(server, session):
+    """Every slot busy: a queued request that is cancelled never takes a slot (the admitted counter does not
+    move) and leaves the queue; a full queue refuses with "overloaded"; cancelling a running request frees its
+    slot within a second."""
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+    busy = [_stream(server, session, request_fields(PROMPTS[i], LIMIT, True, tree="0")) for i in range(MAX_ACTIVE)]
+    try:
+        _wait_for(lambda: _gauge(server, "spectrt_active_requests") == MAX_ACTIVE, 60)
+        admitted = _gauge(server, "spectrt_requests_admitted_total")
+        queued = _stream(server, session, request_fields(PROMPTS[5], LIMIT, True))
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 1, 30)
+        queued.close(cancel=True)
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 0, 1.0)
+        assert _gauge(server, "spectrt_requests_admitted_total") == admitted, "the cancelled queued request ran"
+        full = [_stream(server, session, request_fields(PROMPTS[k % 8], LIMIT, True)) for k in range(MAX_QUEUE)]
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == MAX_QUEUE, 30)
+        refused = _stream(server, session, request_fields(PROMPTS[0], 4, True)).wait(30)
+        refused.close()
+        assert refused.errors and "overloaded" in refused.errors[0], refused.errors
+        assert f"max_queue_size={MAX_QUEUE}" in refused.errors[0]
+        for st in full:
+            st.close(cancel=True)
+        _wait_for(lambda: _gauge(server, "spectrt_queued_requests") == 0, 2.0)
+        busy[0].close(cancel=True)
+        _wait_for(lambda: _gauge(server, "spectrt_active_requests") == MAX_ACTIVE - 1, 1.0)
+    finally:
+        for st in busy[1:]:
+            st.close(cancel=True)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 5)
+    _good(session)
+
+
+def test_non_streaming_request_cancelled_midway_stops(server, session):
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+    before = _scrape(server)
+    st = _stream(server, session, request_fields(PROMPTS[6], LIMIT, False, tree="0"))
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 1, 30)
+    st.close(cancel=True)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 2.0)
+    after = _scrape(server)
+    assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
+    assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
+    _good(session)
+
+
+def test_edge_inputs_in_sequence_each_get_one_final_response(server, session, pipe):
+    """Custom end_id, a 63-deep chain, a 50 MB prompt, tree "0" and "-1", a whitespace prompt, then a default
+    request: one final response each, errors naming the limit, and the last output equals the in-process one."""
+    ref = reference(pipe, PROMPTS[0], 16)[0].token_ids
+    stop_token = ref[6]
+    cases = [
+        ({"end_id": stop_token}, pipe.tokenizer.decode(ref[:ref.index(stop_token)], skip_special_tokens=True)),
+        ({"tree": ",".join(["1"] * 63)}, "max_tree_depth"),
+        ({"text_input": "x" * (50 << 20)}, "bytes"),
+        ({"tree": "0"}, pipe.tokenizer.decode(ref, skip_special_tokens=True)),
+        ({"tree": "-1"}, "at least 1 child"),
+        ({"text_input": " \n\t "}, "empty"),
+        ({}, pipe.tokenizer.decode(ref, skip_special_tokens=True)),
+    ]
+    for fields, expected in cases:
+        r = _stream(server, session, {**request_fields(PROMPTS[0], 16, True), **fields})
+        try:
+            r.wait(60)
+            assert r.only_one_final(), fields.keys()
+            if r.errors:
+                assert expected in r.errors[0], (list(fields), r.errors)
+            else:
+                assert r.text == expected, list(fields)
+        finally:
+            r.close()
