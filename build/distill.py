@@ -81,9 +81,9 @@ class DistillConfig:
     def generation_key(self, eval_set: bool) -> dict:
         if eval_set:
             return {"dtype": self.eval_dtype, "temperature": 0.0, "max_new_tokens": self.eval_max_new_tokens,
-                    "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "v": 1}
+                    "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "v": 2}
         return {"dtype": self.gen_dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-                "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 3}
+                "top_k": self.top_k, "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 4}
 
 
 def load_draft(slice_dir: Path):

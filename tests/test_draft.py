@@ -451,3 +451,19 @@ def test_closed_form_gradient_matches_autograd(temperature):
     sums, grad = T.distill_loss(z.detach(), ids, top_logp, cfg, need_grad=True)
     assert float(sums[0]) == pytest.approx(float((0.7 * kl + 1.3 * ce).sum()), rel=1e-5)
     torch.testing.assert_close(grad, z.grad.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_native_generator_greedy_answers_equal_the_decoder(target_dir):
+    """Target answers for distillation come from the native batched forward: greedy ones are the served AR output."""
+    from spectrt.build.corpus import _NativeGenerator
+    from spectrt.runtime.decoder import SpecDecoder
+
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:8 + 3 * i]
+               for i in range(3)]
+    gen = _NativeGenerator(target_dir, "float32")
+    records = gen.generate(prompts, 24, 0.0, [2], 0, 8, torch.Generator().manual_seed(0))
+    decoder = SpecDecoder(gen.model, None, {2}, max_seq_len=128)
+    for prompt, rec in zip(prompts, records, strict=True):
+        answer = rec["input_ids"][rec["prompt_len"]:].tolist()
+        assert answer[:len(answer) - (answer[-1] == 2)] == decoder.generate(prompt, 24).token_ids
+        assert rec["top_ids"].shape == (len(answer), 8) and int(rec["top_ids"][0, 0]) == answer[0]
