@@ -24,11 +24,13 @@ AUTO = "auto"  # the default: dynamic trees under the tuned policy (`spectrt tun
 
 
 def default_policy(target: Path, draft: Path | None, dtype: str, artifacts: Path = DEFAULT_ARTIFACTS) -> Policy:
-    """The policy `spectrt tune` saved for this target/draft/dtype, else the untuned default
-    (draft-less speculation with suffix candidates when there is no draft)."""
-    tuned = load_policy(policy_path(artifacts, Path(target).name, Path(draft).name if draft else None, dtype))
-    if tuned is not None:
-        return tuned
+    """The policy `spectrt tune` saved for this target/draft/dtype (in `artifacts`, else next to the target:
+    a served model's working directory is not the user's), else the untuned default (draft-less
+    speculation with suffix candidates when there is no draft)."""
+    for where in (Path(artifacts), Path(target).parent):
+        tuned = load_policy(policy_path(where, Path(target).name, Path(draft).name if draft else None, dtype))
+        if tuned is not None:
+            return tuned
     return Policy() if draft is not None else Policy(budget=16, depth=0, draft=False)
 
 
