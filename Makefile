@@ -17,7 +17,7 @@ QFORMAT   ?= int8_sq
 INSTANCES   ?= 1
 CONCURRENCY ?=
 
-.PHONY: setup demo test bench profile draft quantize compare engines gpu-check serve client perf lint clean
+.PHONY: setup demo test bench profile tune draft quantize compare engines gpu-check serve client perf lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,17 +39,28 @@ setup: $(STAMP)  ## virtual environment + embedded model converted to a HF check
 draft: setup  ## distilled draft for the embedded target (built once, then reused)
 	$(BIN)/spectrt draft
 
-demo: draft  ## the main job on the embedded default: tree speculative decoding vs the target alone
+TUNED := artifacts/policy-smollm2-135m-instruct-smollm2-135m-instruct-draft-fp32.json
+
+$(TUNED): | draft  # this machine's fp32 cost curve (short) and the policy tuned on it, once
+	$(BIN)/spectrt profile --dtype fp32 --repeats 5
+	$(BIN)/spectrt tune --dtype fp32
+
+tune: draft  ## re-measure the fp32 cost curve and re-tune the speculation policy (generate/bench/Triton use it)
+	$(BIN)/spectrt profile --dtype fp32
+	$(BIN)/spectrt tune --dtype fp32
+
+demo: draft $(TUNED)  ## the main job on the embedded default: tree speculative decoding vs the target alone
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" $(TREE_ARG)
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" --no-spec
 
 test: setup  ## the test suite (CPU)
 	$(BIN)/python -m pytest -q
 
-bench: draft  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
+bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
 ifeq ($(BACKEND),torch)
-	$(BIN)/spectrt bench --dtype fp32
-	$(BIN)/spectrt bench --dtype bf16
+	$(BIN)/spectrt bench --dtype fp32 --trees 1,1,1
+	$(BIN)/spectrt profile --dtype bf16 && $(BIN)/spectrt tune --dtype bf16
+	$(BIN)/spectrt bench --dtype bf16 --trees 1,1,1
 	$(BIN)/spectrt bench --dtype fp32 --temperatures 0.7,1.0 --limit 12 --out bench/results/sampling
 else
 	$(MAKE) engines

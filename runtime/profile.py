@@ -99,7 +99,8 @@ def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int 
             (c.hidden_size, 2 * c.intermediate_size, native.projections[2::4]),
         f"gemm down {c.intermediate_size}->{c.hidden_size}": (c.intermediate_size, c.hidden_size,
                                                               native.projections[3::4]),
-        f"lm head {c.hidden_size}->{c.vocab_size}": (c.hidden_size, c.vocab_size, [[native.head]]),
+        f"lm head {c.hidden_size}->{len(native.head_ids) if native.head_ids is not None else c.vocab_size}":
+            (c.hidden_size, native.head.shape[0] * kernels.PANEL, [[native.head]]),
     }
     parts = {}
     for name, (k, n, projections) in shapes.items():
