@@ -318,7 +318,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         "models": models,
         "files": dict(sorted(files.items())),
     }
-    if old.get("created") and old.get("models") == models:
+    if old.get("created") and old.get("models") == json.loads(json.dumps(models)):  # as stored (tuples -> lists)
         manifest["created"] = old["created"]
     else:
         manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")

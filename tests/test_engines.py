@@ -78,8 +78,10 @@ def _parity(reference, engine, ref_cache, cache):
     # on logits of magnitude ~20
     logit_excess = max(float(((a - b).abs() - 1e-5 * a.abs()).max()) for a, b in zip(ref_out, got_out, strict=True))
     used = ref_cache.length + 6
-    kv_err = max(float((ref_cache.k[:, :, :used] - cache.k[:, :, :used].float()).abs().max()),
-                 float((ref_cache.v[:, :, :used] - cache.v[:, :, :used].float()).abs().max()))
+    # K/V likewise: excess over 1e-5 relative (the torch engine's native kernels reduce in another order than
+    # ORT's MLAS: measured 1.06e-4 absolute on K entries of magnitude ~10)
+    kv_err = max(float(((r[:, :, :used] - c[:, :, :used].float()).abs() - 1e-5 * r[:, :, :used].abs()).max())
+                 for r, c in ((ref_cache.k, cache.k), (ref_cache.v, cache.v)))
     return logit_err, logit_excess, kv_err, ref_out, got_out
 
 
