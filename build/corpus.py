@@ -104,6 +104,15 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _sample_step(logits: torch.Tensor, temperature: float, top_k: int,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(next tokens, top-k log-probs, their ids) for a batch of fp32 logits: sampled at `temperature`, else argmax."""
+    values, indices = logits.log_softmax(-1).topk(top_k, dim=-1)
+    if temperature > 0:
+        return torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(1), values, indices
+    return indices[:, 0], values, indices
+
+
 class _TargetGenerator:
     """The target in `dtype` (body and LM head); batched left-padded generation.
 
@@ -156,12 +165,7 @@ class _TargetGenerator:
         for step in range(max_new_tokens):
             # mm(W, h^T)^T: MKL's faster path for skinny products (DESIGN.md), 46 vs 67 ms in fp32 at batch 32
             logits = torch.mm(self.head, hidden.to(self.head.dtype).T).T.float()
-            logp = logits.log_softmax(-1)
-            values, indices = logp.topk(top_k, dim=-1)
-            if temperature > 0:
-                tok = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(1)
-            else:
-                tok = indices[:, 0]
+            tok, values, indices = _sample_step(logits, temperature, top_k, generator)
             for j, r in enumerate(rows.tolist()):
                 tokens[r].append(int(tok[j]))
                 top_ids[r].append(indices[j].to(torch.int32))
@@ -221,12 +225,7 @@ class _NativeGenerator:
         top_logp: list[list[torch.Tensor]] = [[] for _ in prompts]
         eos_set, one = set(eos), torch.ones(1, 1, dtype=torch.bool)
         for step in range(max_new_tokens):
-            logp = logits.log_softmax(-1)
-            values, indices = logp.topk(top_k, dim=-1)
-            if temperature > 0:
-                tok = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(1)
-            else:
-                tok = indices[:, 0]
+            tok, values, indices = _sample_step(logits, temperature, top_k, generator)
             for j, r in enumerate(live):
                 tokens[r].append(int(tok[j]))
                 top_ids[r].append(indices[j].to(torch.int32))
