@@ -295,7 +295,7 @@ def generate_distill_data(
         perm = torch.randperm(len(order), generator=torch.Generator().manual_seed(cfg.seed + 7919 * r)).tolist()
         todo += [(sample_key(order[i], r), order[i], r) for i in perm if sample_key(order[i], r) not in cache]
     t0 = time.monotonic()
-    generated_tokens = 0
+    generated_tokens, generation_s = 0, 0.0  # generation_s: up to the last batch saved (what the sidecar records)
 
     def out_of_time() -> bool:  # never before the first answer exists (a run always gets some data)
         if not any(sample_key(k, 0) in cache for k in unique):
@@ -331,7 +331,8 @@ def generate_distill_data(
                 cache[ck] = rec
                 generated_tokens += len(rec["top_ids"])
             atomic_save(cache, path)
-            spent_path.write_text(json.dumps({"generation_s": round(spent_before + time.monotonic() - t0, 3)}))
+            generation_s = time.monotonic() - t0
+            spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
         bar.close()
@@ -344,8 +345,8 @@ def generate_distill_data(
         "answers": len(records),
         "tokens": int(sum(len(r["top_ids"]) for r in records)),
         "generated_tokens": generated_tokens,
-        "generation_s": round(time.monotonic() - t0, 3),  # ms resolution: the native generator is fast
-        "generation_s_total": round(spent_before + time.monotonic() - t0, 3),
+        "generation_s": round(generation_s, 3),  # ms resolution: the native generator is fast
+        "generation_s_total": round(spent_before + generation_s, 3),
         **key,
     }
     if not records:
