@@ -180,21 +180,10 @@ def plot(report: dict, path: Path) -> None:
 
 
 def step_cost_ms(engine, tokens: int = 1, context: int = 128, repeats: int = 20) -> float:
-    """Median milliseconds of one forward of `tokens` new tokens after `context` cached ones."""
-    cache = engine.new_cache(context + 64, 64)
-    ids = torch.arange(context) % engine.config.vocab_size
-    engine.forward(ids[:64], torch.arange(64), torch.ones(64, 64, dtype=torch.bool).tril(), cache)
-    cache.commit(64)
-    engine.forward(ids[64:], torch.arange(64, context), torch.ones(context - 64, context - 64, dtype=torch.bool).tril(),
-                   cache)
-    cache.commit(context - 64)
-    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
-    times = []
-    for _ in range(repeats + 3):
-        start = time.perf_counter()
-        engine.forward(ids[:tokens], torch.arange(context, context + tokens), mask, cache)
-        times.append(time.perf_counter() - start)
-    return sorted(times[3:])[repeats // 2] * 1000
+    """Median milliseconds of one forward of a `tokens`-node tree after `context` cached ones (runtime/profile.py)."""
+    from spectrt.runtime.profile import forward_ms, prefilled_cache
+
+    return forward_ms(engine, tokens, prefilled_cache(engine, context), repeats)
 
 
 def draft_runtime_report(target: Path, draft: Path, prompts: list[str], tree: str = DEFAULT_TREE,

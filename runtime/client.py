@@ -51,6 +51,15 @@ class Result:
     def tokens(self) -> int:
         return int(self.perf.get("output_tokens", 0))
 
+    def add_text(self, delta: str, start: float, on_text) -> None:
+        """One streamed text chunk: the first non-empty one sets the time to first token."""
+        if delta:
+            if self.ttft is None:
+                self.ttft = time.perf_counter() - start
+            self.chunks.append(delta)
+            if on_text is not None:
+                on_text(delta)
+
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.latency if self.latency else 0.0
@@ -148,13 +157,7 @@ class GrpcSession:
                     raise RequestFailed(error.message() if hasattr(error, "message") else str(error))
                 text = result.as_numpy("text_output")
                 if text is not None and text.size:
-                    delta = b"".join(text.reshape(-1).tolist()).decode("utf-8")
-                    if delta:
-                        if out.ttft is None:
-                            out.ttft = time.perf_counter() - start
-                        out.chunks.append(delta)
-                        if on_text is not None:
-                            on_text(delta)
+                    out.add_text(b"".join(text.reshape(-1).tolist()).decode("utf-8"), start, on_text)
                 out.perf.update(_perf_from(result))
                 params = result.get_response().parameters
                 if "triton_final_response" in params and params["triton_final_response"].bool_param:
@@ -220,13 +223,7 @@ def http_generate(url: str, prompt: str, max_tokens: int = 128, stream: bool = F
         for event in events:
             if "error" in event:
                 raise RequestFailed(event["error"])
-            delta = event.get("text_output", "")
-            if delta:
-                if out.ttft is None:
-                    out.ttft = time.perf_counter() - start
-                out.chunks.append(delta)
-                if on_text is not None:
-                    on_text(delta)
+            out.add_text(event.get("text_output", ""), start, on_text)
             out.perf.update({k: event[k] for k in PERF_OUTPUTS if k in event})
     except (OSError, http.client.HTTPException, ValueError, RequestFailed):
         if not expired.is_set():

@@ -26,8 +26,9 @@ class Engine(Protocol):
                 cache: KVCache) -> torch.Tensor: ...
 
 
-def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32") -> Engine:
-    """Load one model for the given backend (torch is the reference and the CPU path)."""
+def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", measure_kernels: bool = True) -> Engine:
+    """Load one model for the given backend (torch is the reference and the CPU path). `measure_kernels=False`
+    fixes the torch reference path's GEMM formulation instead of timing it at load (reproducible numerics)."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported: choose one of {sorted(DTYPES)}")
     if backend == "onnxruntime":  # `checkpoint` is a model of an engines dir: engines/<name>/{target,draft}
@@ -42,7 +43,7 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32") -
         return TensorRTEngine.load(Path(checkpoint))
     if backend != "torch":
         raise ValueError(f"--backend {backend!r} is not available: choose torch, onnxruntime or tensorrt")
-    return Transformer.load(Path(checkpoint), DTYPES[dtype])
+    return Transformer.load(Path(checkpoint), DTYPES[dtype], measure_kernels)
 
 
 def draft_dtype(backend: str, dtype: str) -> str:

@@ -67,7 +67,7 @@ class TextStream:
 class Pipeline:
     def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "fp32",
                  max_seq_len: int = 2048, max_tree_tokens: int = 64, policy: Policy | None = None,
-                 artifacts: Path = DEFAULT_ARTIFACTS):
+                 artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True):
         target = Path(target)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
         if draft is not None:
@@ -78,9 +78,11 @@ class Pipeline:
         if gen_config.is_file():
             configured = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
             eos |= set(configured) if isinstance(configured, list) else {configured}
+        draft_engine = None if draft is None else load_engine(Path(draft), backend, draft_dtype(backend, dtype),
+                                                              measure_kernels)
         self.decoder = SpecDecoder(
-            load_engine(target, backend, dtype),
-            load_engine(Path(draft), backend, draft_dtype(backend, dtype)) if draft is not None else None,
+            load_engine(target, backend, dtype, measure_kernels),
+            draft_engine,
             eos_ids={e for e in eos if e is not None},
             max_seq_len=max_seq_len,
             max_tree_tokens=max_tree_tokens,

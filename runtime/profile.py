@@ -29,7 +29,8 @@ def binary_tree(nodes: int) -> Tree:
     return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)]))
 
 
-def _prefilled(engine: Transformer, context: int, window: int):
+def prefilled_cache(engine: Transformer, context: int, window: int = 64):
+    """A cache holding `context` committed random tokens, fed in `window`-token causal chunks."""
     cache = engine.new_cache(context + window, window)
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
@@ -61,7 +62,7 @@ def cost_curve(engine: Transformer, contexts=CONTEXTS, t_values=T_VALUES, repeat
     curve = {}
     with tqdm(total=len(contexts) * len(t_values), desc=f"profile {label}".strip(), unit="shape") as bar:
         for context in contexts:
-            cache = _prefilled(engine, context, max(t_values))
+            cache = prefilled_cache(engine, context, max(t_values))
             curve[str(context)] = {}
             for t in t_values:
                 curve[str(context)][str(t)] = round(forward_ms(engine, t, cache, repeats), 3)
@@ -73,11 +74,11 @@ def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int 
     """ms per forward by component at `nodes` rows. Native engine: each packed GEMM shape timed alone (weights
     streamed as in a forward: every layer's own panels) and the rest (attention, norms, RoPE, SiLU, call overhead)
     as the difference. Reference engine: the torch profiler's per-op self CPU time."""
-    total = forward_ms(engine, nodes, _prefilled(engine, context, 64), repeats)
+    total = forward_ms(engine, nodes, prefilled_cache(engine, context, 64), repeats)
     if engine.native is None:
         from torch.profiler import ProfilerActivity, profile
 
-        cache = _prefilled(engine, context, 64)
+        cache = prefilled_cache(engine, context, 64)
         tree = binary_tree(nodes)
         tokens = torch.zeros(nodes, dtype=torch.long)
         with profile(activities=[ProfilerActivity.CPU]) as prof:

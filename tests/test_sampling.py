@@ -159,19 +159,23 @@ def simulate(tree: Tree, mode: str, params: SamplingParams, seed: int, draft_log
         p = p_tab[prev, tok]
         q = qv_tab[prev, tok] if mode in ("sampled", "topk-qratio") else None
         path, y = verify_sampled_batch(tree, tok, p, q, verify_gen)
-        accepted = (path[:, 1:] >= 0).sum(1)
-        emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
-        emitted[torch.arange(m), accepted] = y
-        for j in range(emitted.shape[1]):
-            pos = count[todo] + j
-            ok = (j <= accepted) & (pos < LENGTH)
-            out[todo[ok], pos[ok]] = emitted[ok, j]
-        before_y = torch.where(
-            accepted > 0, emitted.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0], tok[:, 0]
-        )
-        ctx[todo] = torch.stack([before_y, y], 1)
-        count[todo] += accepted + 1
+        _record(path, y, tok, todo, out, count, ctx)
     return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
+
+
+def _record(path, y, tok, todo, out, count, ctx) -> None:
+    """Write one verified step of the `todo` rows into `out` (accepted tokens + y), advance their counts and keep
+    the last two emitted tokens as each row's context."""
+    accepted = (path[:, 1:] >= 0).sum(1)
+    emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
+    emitted[torch.arange(len(todo)), accepted] = y
+    for j in range(emitted.shape[1]):
+        pos = count[todo] + j
+        ok = (j <= accepted) & (pos < LENGTH)
+        out[todo[ok], pos[ok]] = emitted[ok, j]
+    before_y = torch.where(accepted > 0, emitted.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0], tok[:, 0])
+    ctx[todo] = torch.stack([before_y, y], 1)
+    count[todo] += accepted + 1
 
 
 def check(tree: Tree, mode: str, params: SamplingParams, seed: int = 0, **draft) -> tuple[float, int, float]:
@@ -497,18 +501,7 @@ def simulate_mixed(mode: str, params: SamplingParams, seed: int) -> torch.Tensor
             point[:], sampled[:] = False, True
         p, q = p_tab[prev, tok], q_tab[prev, tok]
         path, y = verify_sampled_batch(tree, tok, p, q, verify_gen, point, sampled)
-        accepted = (path[:, 1:] >= 0).sum(1)
-        emitted = torch.cat([tok.gather(1, path[:, 1:].clamp(min=0)), y[:, None]], 1)
-        emitted[torch.arange(m), accepted] = y
-        for j in range(emitted.shape[1]):
-            pos = count[todo] + j
-            ok = (j <= accepted) & (pos < LENGTH)
-            out[todo[ok], pos[ok]] = emitted[ok, j]
-        before_y = torch.where(
-            accepted > 0, emitted.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0], tok[:, 0]
-        )
-        ctx[todo] = torch.stack([before_y, y], 1)
-        count[todo] += accepted + 1
+        _record(path, y, tok, todo, out, count, ctx)
     return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
 
 

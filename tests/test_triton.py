@@ -86,10 +86,7 @@ def server(target_dir, draft_dir):
 def pipe(target_dir, draft_dir):
     from spectrt.runtime.pipeline import Pipeline
 
-    pipe = Pipeline(target_dir, draft_dir, max_seq_len=MAX_SEQ_LEN)
-    for engine in (pipe.decoder.target, pipe.decoder.draft):
-        engine.linear.measure = False  # as the served instances (measure_kernels=false)
-    return pipe
+    return Pipeline(target_dir, draft_dir, max_seq_len=MAX_SEQ_LEN, measure_kernels=False)  # as served
 
 
 @pytest.fixture(scope="module")

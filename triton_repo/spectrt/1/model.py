@@ -101,6 +101,7 @@ class TritonPythonModel:
         import torch
         from spectrt.runtime.batch import BatchDecoder, Job, budget_from_profile
         from spectrt.runtime.pipeline import Pipeline, TextStream
+        from spectrt.runtime.profile import cost_profile_path
         from spectrt.runtime.sampling import SamplingParams
 
         self.SamplingParams, self.Job, self.TextStream = SamplingParams, Job, TextStream
@@ -131,13 +132,11 @@ class TritonPythonModel:
         target, draft, backend, dtype, tree = self._models(params)
         self.default_tree = tree if tree is not None else (params.get("tree") or "auto")  # the tuned policy
         load_start = time.perf_counter()
-        self.pipe = Pipeline(target, draft, backend, dtype, self.max_seq_len, self.max_tree_tokens)
+        # measure_kernels=false: the torch reference path's GEMM formulation is fixed, not timed at load
+        self.pipe = Pipeline(target, draft, backend, dtype, self.max_seq_len, self.max_tree_tokens,
+                             measure_kernels=_truthy(params.get("measure_kernels", "true")))
         decoder = self.pipe.decoder
         self.has_draft = draft is not None
-        if not _truthy(params.get("measure_kernels", "true")):  # fixed GEMM formulation: reproducible numerics
-            for engine in (decoder.target, decoder.draft):
-                if hasattr(getattr(engine, "linear", None), "measure"):
-                    engine.linear.measure = False
         self.vocab_size = decoder.target.config.vocab_size
         tokenizer = self.pipe.tokenizer
         # a token covers at most this many bytes of text: a longer prompt cannot fit, refuse it before tokenizing
@@ -146,13 +145,14 @@ class TritonPythonModel:
         tree_spec = str(self.default_tree)
         self.default_tree = self._tree(self.default_tree)  # validates the deployed default
         budget = number("tree_budget", 0)
-        profile = sorted(Path(os.environ.get("SPECTRT_ARTIFACTS", self.base / "artifacts")).glob("cost_profile-*.json"))
+        artifacts = Path(os.environ.get("SPECTRT_ARTIFACTS", self.base / "artifacts"))
+        profile = cost_profile_path(Path(target), dtype, artifacts)  # this target's, in this dtype
         if budget <= 0:  # from the measured cost curve when there is one, else two default trees' worth per slot
-            budget = (budget_from_profile(profile[-1]) if profile else None) or 0
+            budget = budget_from_profile(profile) or 0
             budget = max(budget, 2 * (len(self.default_tree) if self.default_tree is not None else 1))
         self.batch = BatchDecoder(decoder.target, decoder.draft, decoder.eos_ids, self.max_seq_len,
                                   self.max_tree_tokens, self.max_active, budget, number("prefill_chunk", 0))
-        if _truthy(params.get("warmup", "true")):  # kernels are measured on first use: do it now, not in a request
+        if _truthy(params.get("warmup", "true")):  # first forwards (allocator, scratch growth): now, not in a request
             self.batch.run([Job(self.pipe.encode("Hi"), 4, self.default_tree),
                             Job(self.pipe.encode("Hello"), 4, self.default_tree)])
         self._metrics()
