@@ -25,20 +25,11 @@ from pathlib import Path
 
 import torch
 from spectrt.runtime.decoder import CHILD_MODES, GREEDY, DecodeStats
-from spectrt.runtime.engine import Engine
+from spectrt.runtime.engine import Engine, Segment
 from spectrt.runtime.sampling import SamplingParams, draw_children, sampling_probs, verify_sampled
 from spectrt.runtime.tree import Tree, greedy_accept
 
 ROOT_ONLY = Tree((-1,))
-Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]  # tokens, positions, tree mask, cache
-
-
-def forward_many(engine: Engine, segments: list[Segment]) -> list[torch.Tensor]:
-    """Logits per segment; the torch engine's native forward shares each GEMM across all segments' rows
-    (`Transformer.forward_many`), other engines (ONNX Runtime, TensorRT) run one forward per segment."""
-    if hasattr(engine, "forward_many"):
-        return engine.forward_many(segments)
-    return [engine.forward(*s) for s in segments]
 
 
 @lru_cache(maxsize=256)
@@ -126,9 +117,9 @@ class BatchDecoder:
         self.tree_budget = tree_budget or max_active * max_tree_tokens
         self.prefill_budget = prefill_budget or max_tree_tokens
         capacity = max_seq_len + max_tree_tokens
-        self.target_caches = [target.new_cache(capacity, max_tree_tokens) for _ in range(max_active)]
-        self.draft_caches = [draft.new_cache(capacity, max_tree_tokens) if draft is not None else None
-                             for _ in range(max_active)]
+        self.target_caches = target.new_caches(max_active, capacity, max_tree_tokens)
+        self.draft_caches = draft.new_caches(max_active, capacity, max_tree_tokens) if draft is not None \
+            else [None] * max_active
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.free = list(range(max_active))[::-1]
         self.active: list[Job] = []
@@ -218,7 +209,7 @@ class BatchDecoder:
             cache = self.target_caches[job.slot]
             target_segments.append((tokens, tree.positions(cache.length), tree.mask, cache))
             info.tree_tokens += len(tree)
-        logits = forward_many(self.target, target_segments) if target_segments else []
+        logits = self.target.forward_many(target_segments) if target_segments else []
         for job, t in chunks:
             self.target_caches[job.slot].commit(t)
         for job, job_logits in zip(decode, logits[len(chunks):], strict=True):
@@ -262,7 +253,7 @@ class BatchDecoder:
                 drafting.append(job)
         if not segments:
             return out
-        logits = forward_many(self.draft, segments)
+        logits = self.draft.forward_many(segments)
         for job, seg in zip(drafting, segments, strict=True):
             seg[3].commit(seg[2].shape[0])
             if job is not None:
@@ -295,7 +286,7 @@ class BatchDecoder:
                                      tree.mask[level[0]:level[-1] + 1, 1:level[-1] + 1], cache))
                     next_drafting.append(job)
             if segments:
-                level = forward_many(self.draft, segments)
+                level = self.draft.forward_many(segments)
                 level_logits = {j.slot: lg for j, lg in zip(next_drafting, level, strict=True)}
                 for job in next_drafting:
                     job.stats.draft_passes += 1

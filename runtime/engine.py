@@ -1,7 +1,8 @@
 """The one engine interface shared by draft and target, and loading of a draft/target pair.
 
-Every backend implements `forward(tokens, positions, tree_mask, cache) -> logits` over a static
-cache it allocates once (`new_cache`); the decoder never sees which backend it drives.
+Every backend implements `forward_many(segments) -> logits per segment` (a segment: tokens, positions, tree mask,
+cache) over static caches it allocates once (`new_caches`: one per concurrent request); the decoder never sees
+which backend it drives. `forward` is the one-segment case.
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from spectrt.runtime.model import KVCache, ModelConfig, Transformer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache]  # tokens [T], positions [T], tree mask [T, W], cache
+
+
 class Engine(Protocol):
     config: ModelConfig
 
+    def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
+        """One static cache per concurrent request, allocated once (one pool per engine)."""
+
     def new_cache(self, capacity: int, max_window: int) -> KVCache: ...
+
+    def forward_many(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites)."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor: ...

@@ -97,21 +97,34 @@ class ModelConfig:
 
 
 class KVCache:
-    """Static K/V buffers for `capacity` positions, allocated once and reused for every request.
+    """One request's static K/V buffers for `capacity` positions: a slot of a pool allocated once (`pool`) and
+    reused for every request that takes the slot.
 
     Slots [0, length) hold committed tokens. Uncommitted "window" slots after them hold the tree
     being drafted or verified; `compact` moves an accepted path into contiguous slots and commits it.
-    `attention` is a static bool buffer for the attention mask of one forward.
+    `k`/`v` [layers, kv_heads, capacity, head_dim] are views of the pool's [slots, ...] tensors (`pool_k`,
+    `pool_v`, this cache at index `slot`), so a batched graph can take the whole pool as one input.
+    `attention` is a static bool buffer for the attention mask of one forward (torch reference path).
     """
 
-    def __init__(self, config: ModelConfig, capacity: int, max_window: int, dtype: torch.dtype):
-        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self.attention = torch.zeros(max_window, capacity, dtype=torch.bool)
-        self.capacity = capacity
+    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slot: int, max_window: int):
+        self.pool_k, self.pool_v, self.slot = pool_k, pool_v, slot
+        self.k, self.v = pool_k[slot], pool_v[slot]
+        self.capacity = self.k.shape[2]
+        self.attention = torch.zeros(max_window, self.capacity, dtype=torch.bool, device=self.k.device)
         self.max_window = max_window
         self.length = 0
+
+    @classmethod
+    def pool(cls, config: ModelConfig, slots: int, capacity: int, max_window: int,
+             dtype: torch.dtype) -> list[KVCache]:
+        """`slots` caches backed by one [slots, layers, kv_heads, capacity, head_dim] K and V tensor each."""
+        if slots < 1 or capacity < 1 or not 1 <= max_window <= capacity:
+            raise ValueError(f"a KV pool needs slots >= 1 and 1 <= max_window <= capacity, got slots={slots}, "
+                             f"capacity={capacity}, max_window={max_window}")
+        shape = (slots, config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+        k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        return [cls(k, v, s, max_window) for s in range(slots)]
 
     def reset(self) -> None:
         self.length = 0
@@ -204,11 +217,10 @@ class Transformer:
         self.embed = w["model.embed_tokens.weight"]
         self.head = w.get("lm_head.weight", self.embed) if config.tie_word_embeddings else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
-        # subset draft head: logits over K ids, scattered into a static full-vocabulary row of -inf (`_logits`)
+        # subset draft head: logits over K ids, scattered into a full-vocabulary row of -inf (`_logits`)
         subset = subset_head(weights, config.vocab_size)
         self.head_ids = subset[1] if subset else None
         self.head = subset[0].to(dtype) if subset else self.head
-        self._full_logits = torch.empty(0, config.vocab_size)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -256,11 +268,16 @@ class Transformer:
                     weights[name] = f.get_tensor(name)
         return cls(config, weights, dtype, measure_kernels, native=native)
 
-    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+    def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
+        """`slots` static caches (one per concurrent request), allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
             self.native.reserve(max_window, capacity)
-            return KVCache(self.config, capacity, max_window, torch.float32)
-        return KVCache(self.config, capacity, max_window, self.dtype)
+            return KVCache.pool(self.config, slots, capacity, max_window, torch.float32)
+        return KVCache.pool(self.config, slots, capacity, max_window, self.dtype)
+
+    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+        """One cache (a pool of one): single-request tools and tests."""
+        return self.new_caches(1, capacity, max_window)[0]
 
     def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
         """Logits per (tokens, positions, tree_mask, cache) segment; with the native forward all segments' rows
@@ -389,12 +406,9 @@ class Transformer:
         return self._logits(self._rms_norm(x, self.norm))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [T, V]. A subset head's ids get its scores, every other id -inf (probability 0),
-        so top-k and sampling over the row are exact; the row is a buffer made once (per larger T), valid until the
-        next forward."""
+        """Full-vocabulary logits [T, V], a fresh tensor (callers keep rows of several forwards at once). A subset
+        head's ids get its scores, every other id -inf (probability 0), so top-k and sampling over the row are exact."""
         logits = self.linear(h, self.head).float()
         if self.head_ids is None:
             return logits
-        if self._full_logits.shape[0] < len(h):
-            self._full_logits = torch.full((len(h), self.config.vocab_size), -torch.inf, device=logits.device)
-        return self._full_logits[:len(h)].index_copy_(1, self.head_ids, logits)
+        return torch.full((len(h), self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)

@@ -184,10 +184,13 @@ class OnnxEngine:
         self.new_k = torch.zeros(kv, dtype=self.dtype)
         self.new_v = torch.zeros(kv, dtype=self.dtype)
 
-    def new_cache(self, capacity: int, max_window: int) -> KVCache:
-        cache = KVCache(self.config, capacity, max_window, self.dtype)
+    def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
+        caches = KVCache.pool(self.config, slots, capacity, max_window, self.dtype)
         self._ensure_buffers(max_window, capacity)
-        return cache
+        return caches
+
+    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+        return self.new_caches(1, capacity, max_window)[0]
 
     def _bind(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], output: bool = False) -> None:
         dtype = {torch.float32: np.float32, torch.int32: np.int32, torch.bool: np.bool_,
@@ -197,7 +200,7 @@ class OnnxEngine:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
-        """Logits [T, V] (a view of a static buffer, valid until the next forward); K/V go into `cache`."""
+        """Logits [T, V] (a fresh tensor: callers keep several forwards' logits); K/V go into `cache`."""
         c = self.config
         t = tree_mask.shape[0]
         n = cache.length
@@ -223,4 +226,8 @@ class OnnxEngine:
         numel = c.num_layers * c.num_kv_heads * t * c.head_dim
         cache.k[:, :, start:end] = self.new_k[:numel].view(new_shape)
         cache.v[:, :, start:end] = self.new_v[:numel].view(new_shape)
-        return self.logits[:t]
+        return self.logits[:t].clone()
+
+    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """Logits per (tokens, positions, tree_mask, cache) segment: one graph run per segment (each its own)."""
+        return [self.forward(*segment) for segment in segments]

@@ -113,7 +113,7 @@ class TensorRTEngine:
 
     # -- buffers -------------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+    def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         if capacity > self.max_slots or max_window > self.max_tokens:
             raise ValueError(
                 f"a cache of {capacity} slots / {max_window}-token window exceeds the plan's profile "
@@ -121,9 +121,12 @@ class TensorRTEngine:
                 "--max-seq-len/--max-tree-tokens`"
             )
         with torch.device(self.device):
-            cache = KVCache(self.config, capacity, max_window, self.kv_dtype)
+            caches = KVCache.pool(self.config, slots, capacity, max_window, self.kv_dtype)
         self._ensure_buffers(max_window, capacity)
-        return cache
+        return caches
+
+    def new_cache(self, capacity: int, max_window: int) -> KVCache:
+        return self.new_caches(1, capacity, max_window)[0]
 
     def _ensure_buffers(self, rows: int, columns: int) -> None:
         if rows <= self._rows and columns <= self._columns:
@@ -209,7 +212,7 @@ class TensorRTEngine:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
-        """Logits [T, V] on the host (a view of a static pinned buffer, valid until the next forward)."""
+        """Logits [T, V] on the host, a fresh tensor (callers keep several forwards' logits at once)."""
         c = self.config
         t = tree_mask.shape[0]
         n = cache.length
@@ -241,4 +244,8 @@ class TensorRTEngine:
             cache.k[:, :, start:end] = self.new_k[:numel].view(new_shape)
             cache.v[:, :, start:end] = self.new_v[:numel].view(new_shape)
             self.h_logits[:t] = self.logits[:t * c.vocab_size].view(t, -1)
-        return self.h_logits[:t]
+        return self.h_logits[:t].clone()
+
+    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """Logits per (tokens, positions, tree_mask, cache) segment: one plan run per segment (each its own)."""
+        return [self.forward(*segment) for segment in segments]

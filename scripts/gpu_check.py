@@ -109,7 +109,7 @@ class TorchOn:
         from spectrt.runtime.model import KVCache
 
         with torch.device(self.device):
-            return KVCache(self.config, capacity, max_window, self.model.dtype)
+            return KVCache.pool(self.config, 1, capacity, max_window, self.model.dtype)[0]
 
     def forward(self, tokens, positions, tree_mask, cache):
         d = self.device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spectrt.runtime.batch import BatchDecoder, Job, cut_tree, forward_many
+from spectrt.runtime.batch import BatchDecoder, Job, cut_tree
 from spectrt.runtime.decoder import SpecDecoder
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
@@ -65,7 +65,7 @@ def test_forward_many_equals_one_forward_per_segment(models):
         args = (torch.tensor(ids[:t]), torch.arange(t), causal[:t, :t])
         segs.append((*args, cache))
         refs.append(target.forward(*args, ref_cache))
-    for got, want, cache, ref_cache in zip(forward_many(target, segs), refs, caches, ref_caches, strict=True):
+    for got, want, cache, ref_cache in zip(target.forward_many(segs), refs, caches, ref_caches, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-5, atol=1e-5)
 
