@@ -101,7 +101,7 @@ class DecodeResult:
     stats: DecodeStats
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
 class Job:
     """One request: what to decode (checked by `Decoder.check`) and its decode state.
 

@@ -28,7 +28,7 @@ from spectrt.runtime.suffix import SuffixIndex
 from spectrt.runtime.tree import TokenTrie, Tree
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and looked up as objects
 class Candidates:
     """One decoding request's candidates this step.
 
@@ -84,7 +84,7 @@ class SuffixProposer:
                 cand.keys.setdefault(node, []).append(("suffix", (found.match, k)))
 
 
-@dataclass
+@dataclass(eq=False)  # identity: compared and looked up as objects
 class _Drafting:
     """One request's draft state during a step: the nodes fed to the draft so far (window order) and the level."""
 

@@ -58,7 +58,7 @@ class Limits:
         return 4 * self.max_tree_depth + 8  # "k," per level with k < 1000, and some spaces
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
 class Row:
     """One row of a request: its decode job and how to answer it."""
 

@@ -87,7 +87,7 @@ class RowResult:
     seconds: float
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
 class Request:
     rows: list[Row]
     sink: Sink

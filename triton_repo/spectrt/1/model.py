@@ -31,8 +31,7 @@ for _name in ("", "C.UTF-8", "en_US.UTF-8"):
         break
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CODES = {"invalid": pb_utils.TritonError.INVALID_ARG, "unavailable": pb_utils.TritonError.UNAVAILABLE,
-         "deadline": pb_utils.TritonError.UNAVAILABLE, "internal": pb_utils.TritonError.INTERNAL}
+CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "deadline": "UNAVAILABLE", "internal": "INTERNAL"}
 PERF = (("acceptance_rate", np.float32), ("total_accepted_draft_tokens", np.int32), ("total_draft_tokens", np.int32),
         ("target_passes", np.int32), ("output_tokens", np.int32), ("generation_seconds", np.float32))
 COUNTERS = {  # scheduler metric -> (Prometheus name, help)
@@ -149,7 +148,7 @@ class TritonSink:
                                             [r.finish_reason for r in self.results]), flags=FINAL)
 
     def fail(self, message: str, code: str) -> None:
-        error = pb_utils.TritonError(message, CODES[code])
+        error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, CODES[code]))  # set up once the stub runs
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
 
     def close(self) -> None:
