@@ -406,8 +406,10 @@ class TritonPythonModel:
     # ------------------------------------------------------------------------------------------ outputs
     @staticmethod
     def _response(texts: list[str], rows: list[dict], perf: list[dict] | None = None,
-                  batch_index: int | None = None, n_out: list[int] | None = None):
+                  batch_index: int | None = None, n_out: list[int] | None = None, finish: list[str] | None = None):
         tensors = [pb_utils.Tensor("text_output", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))]
+        if finish is not None:  # the final response of each row: why it ended ("stop", "length")
+            tensors.append(pb_utils.Tensor("finish_reason", np.array([[f.encode()] for f in finish], dtype=np.object_)))
         if perf is not None and any(r["perf"] for r in rows):
             for name, dtype in PERF:
                 tensors.append(pb_utils.Tensor(name, np.array([[p[name]] for p in perf], dtype=dtype)))
@@ -605,12 +607,14 @@ class TritonPythonModel:
         try:
             if group.stream:
                 flags = FINAL if group.remaining == 0 else 0
-                group.sender.send(self._response([""], [row], [group.perfs[i]], index, [group.unsent[i]]), flags=flags)
+                group.sender.send(self._response([""], [row], [group.perfs[i]], index, [group.unsent[i]], [job.finish]),
+                                  flags=flags)
             elif group.remaining == 0:
                 texts = [t if r["exclude_input"] else r["prompt"] + t
                          for r, t in zip(group.rows, group.texts, strict=True)]
                 group.sender.send(self._response(texts, group.rows, group.perfs, None,
-                                                 [len(j.out) for j in group.jobs]), flags=FINAL)
+                                                 [len(j.out) for j in group.jobs], [j.finish for j in group.jobs]),
+                                  flags=FINAL)
         except Exception as e:  # this client is gone: end its request only
             pb_utils.Logger.log_warn(f"spectrt {self.instance}: could not send a response ({e!r})")
             self._drop(group)
