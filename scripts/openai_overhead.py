@@ -228,12 +228,14 @@ def cmd_served(args: argparse.Namespace) -> dict:
     import http.client
 
     from spectrt.runtime.client import GrpcSession
-    from spectrt.runtime.serve import TritonServer, model_params, parse_serve_args
+    from spectrt.runtime.serve import TritonServer, add_serve_args, model_params
 
-    serve_args = parse_serve_args(["--openai-port", "0", "--http-port", "0", "--grpc-port", "0",
-                                   "--metrics-port", "0", *args.serve_args])
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    serve_args = parser.parse_args(args.serve_args)
     prompts = [p.strip() for p in Path(args.prompts).read_text(encoding="utf-8").splitlines() if p.strip()]
-    with TritonServer(model_params(serve_args), instances=1, openai_port=0, ready_timeout=600) as server:
+    with TritonServer(model_params(serve_args), instances=1, openai_port=0, ready_timeout=600,
+                      served_name=serve_args.model_name) as server:
         host, port = server.openai_url.removeprefix("http://").split(":")
 
         def frontend(prompt: str) -> tuple[float, float, int]:
