@@ -236,7 +236,7 @@ def cmd_served(args: argparse.Namespace) -> dict:
     prompts = [p.strip() for p in Path(args.prompts).read_text(encoding="utf-8").splitlines() if p.strip()]
     with TritonServer(model_params(serve_args), instances=1, openai_port=0, ready_timeout=600,
                       served_name=serve_args.model_name) as server:
-        host, port = server.openai_url.removeprefix("http://").split(":")
+        host, port = server.openai_host, server.openai_port
 
         def frontend(prompt: str) -> tuple[float, float, int]:
             body = json.dumps({"model": server.served_name, "messages": [{"role": "user", "content": prompt}],
