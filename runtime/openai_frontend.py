@@ -15,7 +15,8 @@ frontend holds only the target's tokenizer, to apply its chat template to `messa
   event followed by `data: [DONE]`.
 - HTTP stack: aiohttp, chosen by measurement (scripts/openai_overhead.py stacks, bench/results/openai/): a token
   reaches the client ~0.25 ms after it is made (30 µs more than a hand-written asyncio server; 2-4% of a decode
-  step here), 27 µs of CPU per event in a burst; one dependency; see README.
+  step here), 27 µs of CPU per event in a burst; one dependency. End to end against the gRPC stream it adds
+  0.53 ms per token and 4 ms to the first one (scripts/openai_overhead.py served); see README.
 
 `spectrt serve --openai-port P` starts this process next to tritonserver under the same supervisor; it can also run
 alone against any spectrt deployment: `python -m spectrt.runtime.openai_frontend --grpc-url HOST:8001 --tokenizer
