@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     from spectrt.runtime.client import add_client_args
     from spectrt.runtime.serve import add_serve_args
 
-    s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1")
+    s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1 "
+                                      "(--openai-port P: and the OpenAI API)")
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("client", help="tritonclient gRPC streaming, --http generate, --concurrency load run")
