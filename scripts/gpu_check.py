@@ -201,10 +201,10 @@ def verify_cost(engine, device: torch.device, tokens=TOKENS, past: int = 256, it
 
 
 def decode_all(target, draft, ids_list, tree_spec: str | None, new_tokens: int, max_seq_len: int = 512):
-    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.decoder import Decoder
     from spectrt.runtime.tree import Tree
 
-    decoder = SpecDecoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
+    decoder = Decoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
     outs, tokens, seconds, passes = [], 0, 0.0, 0
     for ids in ids_list:
         r = decoder.generate(ids, new_tokens, Tree.parse(tree_spec) if tree_spec else None)
@@ -286,18 +286,18 @@ def batched_parity(ck: Check, label: str, engine, reference, exact: bool) -> dic
 
 def batch_throughput(ck: Check, label: str, target, draft, ids_list, new_tokens: int, tree: str | None,
                      batches=(1, 8), invariant: bool = False) -> dict:
-    """Decode tokens/s of the batched decode loop (runtime/batch.py) at each batch size over the same 8 requests
+    """Decode tokens/s of the batched decode loop (runtime/decoder.py) at each batch size over the same 8 requests
     (the prompts cycled), wall time of the whole run; greedy outputs at every batch size compared with batch 1's
     (asserted equal for a batch-invariant engine: ONNX Runtime's fp32 graph, the per-segment torch path)."""
-    from spectrt.runtime.batch import BatchDecoder, Job
+    from spectrt.runtime.decoder import Decoder, Job
     from spectrt.runtime.tree import Tree
 
     jobs = lambda: [Job(ids_list[i % len(ids_list)], new_tokens, Tree.parse(tree) if tree else None)  # noqa: E731
                     for i in range(max(batches))]
     res, first = {"tree": tree or "none (target alone)", "requests": max(batches)}, None
     for b in batches:
-        decoder = BatchDecoder(target, draft if tree else None, {2}, max_seq_len=512, max_tree_tokens=64,
-                               max_active=b)
+        decoder = Decoder(target, draft if tree else None, {2}, max_seq_len=512, max_tree_tokens=64,
+                          max_active=b)
         decoder.run(jobs()[:2])  # warm-up (first forwards, CUDA graph capture)
         start = time.perf_counter()
         done = decoder.run(jobs())
