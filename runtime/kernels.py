@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from spectrt.runtime.resources import package_path
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = package_path("runtime/cpu_kernels.cpp")
 PANEL = 64  # output columns per packed weight panel (NR in cpu_kernels.cpp)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _failure: str | None = None
@@ -47,6 +48,9 @@ def load_kernels():
         return None
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512bw"} <= _cpu_flags():
         _failure = "this CPU has no AVX-512 (the native kernels need avx512f and avx512bw)"
+        return None
+    if not SOURCE.is_file():
+        _failure = f"the kernel source {SOURCE} is missing from this install: reinstall spectrt (the wheel ships it)"
         return None
     source = SOURCE.read_text()
     key = hashlib.sha256((source + " ".join(CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
