@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import EOS, PROMPTS, chat_ids
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
 from transformers import AutoModelForCausalLM
@@ -85,7 +85,7 @@ def test_compaction_keeps_exactly_the_accepted_path(target):
 def answer(target, tokenizer) -> list[int]:
     """Real text to teacher-force: a chat prompt and the fp32 target's greedy answer to it."""
     ids = chat_ids(tokenizer, PROMPTS[0])
-    return ids + SpecDecoder(target, None, EOS, max_seq_len=256).generate(ids, 32).token_ids
+    return ids + Decoder(target, None, EOS, max_seq_len=256).generate(ids, 32).token_ids
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The losslessness tests elsewhere compare speculative output with the same loop's root-only tree, so a bug shared by
 catch-up, compaction and positions would pass them all. Here spectrt's greedy output, autoregressive and speculative,
-through the public `SpecDecoder.generate` and `Pipeline.generate`, is held against transformers' own greedy decoding
+through the public `Decoder.generate` and `Pipeline.generate`, is held against transformers' own greedy decoding
 of the same checkpoint: the embedded target on chat prompts (one repeats its prompt, so suffix candidates are
 accepted) and the families' tiny random checkpoints.
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import EOS, FAMILIES, PROMPTS, VOCAB, chat_ids
 from spectrt.build.slice import slice_target
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.pipeline import Pipeline
 from spectrt.runtime.policy import Policy
@@ -84,16 +84,16 @@ def chats(tokenizer, hf_target) -> list[tuple[str, list[int], list[int]]]:
     return cases
 
 
-def _decoders(target, draft) -> dict[str, tuple[SpecDecoder, dict]]:
+def _decoders(target, draft) -> dict[str, tuple[Decoder, dict]]:
     """Every decoding mode the public API offers, as (decoder, generate kwargs)."""
     return {
-        "autoregressive": (SpecDecoder(target, None, EOS, max_seq_len=512), {}),
-        "static tree 2,1": (SpecDecoder(target, draft, EOS, max_seq_len=512), {"tree": Tree.parse("2,1")}),
-        "static tree 3,2,1 + suffix": (SpecDecoder(target, draft, EOS, max_seq_len=512),
+        "autoregressive": (Decoder(target, None, EOS, max_seq_len=512), {}),
+        "static tree 2,1": (Decoder(target, draft, EOS, max_seq_len=512), {"tree": Tree.parse("2,1")}),
+        "static tree 3,2,1 + suffix": (Decoder(target, draft, EOS, max_seq_len=512),
                                        {"tree": Tree.parse("3,2,1"), "policy": Policy()}),
-        "dynamic, target drafting for itself": (SpecDecoder(target, target, EOS, max_seq_len=512),
+        "dynamic, target drafting for itself": (Decoder(target, target, EOS, max_seq_len=512),
                                                 {"policy": Policy(budget=10, depth=4, width=2, verify_ms=FLAT)}),
-        "suffix candidates only": (SpecDecoder(target, None, EOS, max_seq_len=512),
+        "suffix candidates only": (Decoder(target, None, EOS, max_seq_len=512),
                                    {"policy": Policy(budget=16, depth=0, draft=False)}),
     }
 
@@ -132,9 +132,9 @@ def test_family_decoding_equals_hugging_face_greedy(family_checkpoints, family, 
     target = Transformer.load(path)
     draft = Transformer.load(slice_target(path, 1, tmp_path / "slice1"))
     eos = 2
-    decoders = {"autoregressive": (SpecDecoder(target, None, {eos}, max_seq_len=128), None),
-                "1-layer slice, tree 2,1": (SpecDecoder(target, draft, {eos}, max_seq_len=128), Tree.parse("2,1")),
-                "self-draft, chain 2,1,1": (SpecDecoder(target, target, {eos}, max_seq_len=128), Tree.parse("2,1,1"))}
+    decoders = {"autoregressive": (Decoder(target, None, {eos}, max_seq_len=128), None),
+                "1-layer slice, tree 2,1": (Decoder(target, draft, {eos}, max_seq_len=128), Tree.parse("2,1")),
+                "self-draft, chain 2,1,1": (Decoder(target, target, {eos}, max_seq_len=128), Tree.parse("2,1,1"))}
     for seed in (1, 2):
         prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
         reference = hf_greedy(hf, prompt, 24, eos)
