@@ -114,7 +114,7 @@ def test_embedded_target_decoding_equals_hugging_face_greedy(target, draft, hf_t
 def test_pipeline_generate_equals_hugging_face_greedy(target_dir, draft_dir, hf_target, chats):
     """The user-facing path (chat template, default policy and a static tree) against the same reference."""
     (eos,) = EOS
-    pipe = Pipeline(target_dir, draft_dir, max_seq_len=512)
+    pipe = Pipeline(target_dir, draft_dir, dtype="fp32", max_seq_len=512)  # the reference is fp32 (default: auto)
     for prompt, ids, reference in chats[:2]:
         assert pipe.encode(prompt) == ids
         for tree in ("auto", "2,1", None):
