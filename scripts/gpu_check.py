@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -438,7 +439,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--target", type=Path, default=REPO / "artifacts" / "smollm2-135m-instruct")
+    p.add_argument("--target", type=Path,  # the checkout's artifacts/ (this script runs from a checkout)
+                   default=Path(os.environ.get("SPECTRT_ARTIFACTS", REPO / "artifacts")) / "smollm2-135m-instruct")
     p.add_argument("--draft", type=Path, default=None, help="default: <target>-draft if present, else a 4-layer slice")
     p.add_argument("--engines", type=Path, default=None,
                    help="an engines dir (manifest.json) to load plans from / run onnxruntime on (--device cpu), "

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx  # hard imports: without onnx / onnxruntime these tests fail, they never skip
 import onnxruntime as ort
 import pytest
 import torch
