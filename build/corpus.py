@@ -381,7 +381,7 @@ def write_shipped(path: Path, target: Path, sets: dict[str, tuple[dict, dict[str
     path.parent.mkdir(parents=True, exist_ok=True)
     packed = lzma.compress(b"".join(chunks), preset=9 | lzma.PRESET_EXTREME)
     (path.parent / f"{path.name}.tokens.xz").write_bytes(packed)
-    (path.parent / f"{path.name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (path.parent / f"{path.name}.json").write_text(json.dumps(meta, separators=(",", ":")) + "\n")
     return path
 
 
