@@ -170,12 +170,12 @@ def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tm
     answers are the target's argmax; features come with feature layers."""
     from spectrt.runtime.model import Transformer
 
-    cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)  # answers by the bf16 target (gen_dtype)
     recs, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
-    forced, stats = C.teacher_force(tiny, recs, "float32", 5, feature_layers=(1, 3), rows_per_call=64,
+    forced, stats = C.teacher_force(tiny, recs, "bfloat16", 5, feature_layers=(1, 3), rows_per_call=64,
                                     progress=False)
     assert stats["records"] == 7 and stats["tokens"] == sum(len(r["input_ids"]) for r in recs)
-    engine = Transformer.load(tiny)
+    engine = Transformer.load(tiny, torch.bfloat16)
     by_ids = {tuple(r["input_ids"].tolist()): r for r in forced}
     for rec in recs:
         got = by_ids[tuple(rec["input_ids"].tolist())]
