@@ -418,6 +418,35 @@ def load_shipped(fingerprint: str, key: dict, answers_dir: Path = ANSWERS_DIR) -
 # Teacher forcing
 
 
+def _prompt_groups(records: Sequence[dict]) -> list[list[int]]:
+    """Indices of records grouped by identical prompt ids (the sampled answers to one conversation)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(tuple(r["input_ids"][:r["prompt_len"]].tolist()), []).append(i)
+    return list(groups.values())
+
+
+def _group_segment(records: Sequence[dict], group: list[int]):
+    """One tree over a prompt and its answers: the prompt once (causal), each answer a branch that sees the prompt and
+    its own earlier tokens, at the positions it has in its own record. Returns tokens, positions, mask and, per
+    record, the rows of its positions 0..n-1 in the tree."""
+    p = records[group[0]]["prompt_len"]
+    prompt = records[group[0]]["input_ids"][:p].long()
+    answers = [records[i]["input_ids"][p:].long() for i in group]
+    total = p + sum(len(a) for a in answers)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    positions, rows, start = [torch.arange(p)], [], p
+    for a in answers:
+        end = start + len(a)
+        mask[start:end, :p] = True
+        mask[start:end, start:end] = torch.ones(len(a), len(a), dtype=torch.bool).tril()
+        positions.append(torch.arange(p, p + len(a)))
+        rows.append(torch.cat([torch.arange(p), torch.arange(start, end)]))
+        start = end
+    return torch.cat([prompt, *answers]), torch.cat(positions), mask, rows
+
+
 @torch.inference_mode()
 def teacher_force(
     target: Path | object,
@@ -431,71 +460,66 @@ def teacher_force(
     progress: bool = True,
     desc: str = "teacher forcing",
 ) -> tuple[list[dict], dict]:
-    """Records with the target's view of each answer, from one causal forward over prompt + answer per record.
+    """Records with the target's view of each answer, from batched target forwards over prompts and answers.
 
     Adds `top_ids` [A, k] int32 and `top_logp` [A, k] fp16 (the target's top-k log-probs predicting each of the A
     answer tokens) and, with `feature_layers`, `features` [n, 3 * hidden] bf16 (EAGLE-3 target features at every
-    position, `Transformer.forward_features`). Records are processed in a seeded random order, several per forward
-    (about `rows_per_call` rows), and none is started after `deadline`: what is returned is a representative subset.
-    `target` is a checkpoint dir or a loaded `Transformer`. Returns (records, stats).
+    position, `Transformer.forward_features`). The answers to one prompt share it: one tree per prompt (the prompt
+    once, each answer a branch; on the native forward every row is what a causal forward of its own record gives),
+    which saves the prompt's rows for every further answer. Prompts are processed in a seeded random order, several
+    per forward (about `rows_per_call` rows), and none is started after `deadline`: what is returned is a
+    representative subset. `target` is a checkpoint dir or a loaded `Transformer`. Returns (records, stats).
     """
     from spectrt.runtime.model import Transformer
     from tqdm.auto import tqdm
 
     t0 = time.monotonic()
     model = target if isinstance(target, Transformer) else Transformer.load(Path(target), _dtype(dtype))
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(seed)).tolist()
-    longest = max(len(r["input_ids"]) for r in records)
-    if longest > rows_per_call:
-        rows_per_call = longest
-    # calls of ~rows_per_call rows; within groups of 8 calls sorted by length so a call holds similar lengths
-    group = max(1, 8 * rows_per_call // max(1, sum(len(r["input_ids"]) for r in records) // len(records)))
-    order = [i for g in range(0, len(order), group)
-             for i in sorted(order[g:g + group], key=lambda i: len(records[i]["input_ids"]))]
+    groups = _prompt_groups(records)
+    groups = [groups[i] for i in torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
+    segments = [_group_segment(records, g) for g in groups]
+    longest = max(len(s[0]) for s in segments)
     calls, cur, rows = [], [], 0
-    for i in order:
-        n = len(records[i]["input_ids"])
-        if cur and rows + n > rows_per_call:
+    for k, seg in enumerate(segments):
+        if cur and rows + len(seg[0]) > max(rows_per_call, longest):
             calls.append(cur)
             cur, rows = [], 0
-        cur.append(i)
-        rows += n
-    if cur:
-        calls.append(cur)
-    slots = max(len(c) for c in calls)
-    caches = model.new_caches(slots, longest, longest)
-    causal = torch.ones(longest, longest, dtype=torch.bool).tril()
+        cur.append(k)
+        rows += len(seg[0])
+    calls.append(cur)
+    caches = model.new_caches(max(len(c) for c in calls), longest, longest)
     out: list[dict] = []
-    tokens = 0
+    tokens = rows_run = 0
     bar = tqdm(total=len(records), desc=desc, unit="answer", disable=not progress)
     for call in calls:
         if deadline is not None and out and time.monotonic() > deadline:
             break
-        segments = []
-        for i, cache in zip(call, caches, strict=False):
-            ids = records[i]["input_ids"].long()
+        batch = []
+        for k, cache in zip(call, caches, strict=False):
             cache.reset()
-            segments.append((ids, torch.arange(len(ids)), causal[:len(ids), :len(ids)], cache))
+            batch.append((*segments[k][:3], cache))
         if feature_layers:
-            logits, features = model.forward_features(segments, feature_layers)
+            logits, features = model.forward_features(batch, feature_layers)
         else:
-            logits, features = model.forward_many(segments), None
-        for j, i in enumerate(call):
-            rec, p = records[i], records[i]["prompt_len"]
-            values, indices = logits[j][p - 1:-1].float().log_softmax(-1).topk(top_k, dim=-1)
-            new = {"input_ids": rec["input_ids"], "prompt_len": p, "top_ids": indices.to(torch.int32),
-                   "top_logp": values.to(torch.float16)}
-            if features is not None:
-                new["features"] = features[j].to(torch.bfloat16)
-            out.append(new)
-            tokens += len(rec["input_ids"])
-        bar.update(len(call))
+            logits, features = model.forward_many(batch), None
+        for j, k in enumerate(call):
+            rows_run += len(segments[k][0])
+            for i, rec_rows in zip(groups[k], segments[k][3], strict=True):
+                rec, p = records[i], records[i]["prompt_len"]
+                values, indices = logits[j][rec_rows[p - 1:-1]].float().log_softmax(-1).topk(top_k, dim=-1)
+                new = {"input_ids": rec["input_ids"], "prompt_len": p, "top_ids": indices.to(torch.int32),
+                       "top_logp": values.to(torch.float16)}
+                if features is not None:
+                    new["features"] = features[j][rec_rows].to(torch.bfloat16)
+                out.append(new)
+                tokens += len(rec["input_ids"])
+            bar.update(len(groups[k]))
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - t0):.0f}")
     bar.close()
     seconds = time.monotonic() - t0
-    return out, {"records": len(out), "of": len(records), "tokens": tokens, "seconds": round(seconds, 2),
-                 "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "dtype": dtype,
-                 "feature_layers": list(feature_layers)}
+    return out, {"records": len(out), "of": len(records), "tokens": tokens, "forward_rows": rows_run,
+                 "seconds": round(seconds, 2), "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
+                 "dtype": dtype, "feature_layers": list(feature_layers)}
 
 
 # --------------------------------------------------------------------------------------------------

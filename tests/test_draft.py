@@ -166,30 +166,37 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
 
 
 def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tmp_path):
-    """top-k log-probs of every answer token from one batched forward equal a forward of that record alone; greedy
-    answers are the target's argmax; features come with feature layers."""
+    """top-k log-probs and features of every record from batched forwards (sampled answers to one prompt as branches
+    of one tree) equal a causal forward of that record alone; greedy answers are the target's argmax."""
     from spectrt.runtime.model import Transformer
 
     cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)  # answers by the bf16 target (gen_dtype)
-    recs, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
+    greedy, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
+    sampled, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[7:10], tmp_path, T.DistillConfig(
+        max_new_tokens=12, temperature=1.0, samples_per_prompt=3), progress=False)
+    recs = greedy + sampled
     forced, stats = C.teacher_force(tiny, recs, "bfloat16", 5, feature_layers=(1, 3), rows_per_call=64,
                                     progress=False)
-    assert stats["records"] == 7 and stats["tokens"] == sum(len(r["input_ids"]) for r in recs)
+    assert stats["records"] == 16 and stats["tokens"] == sum(len(r["input_ids"]) for r in recs)
+    assert stats["forward_rows"] < stats["tokens"]  # each sampled prompt's rows once for its three answers
     engine = Transformer.load(tiny, torch.bfloat16)
     by_ids = {tuple(r["input_ids"].tolist()): r for r in forced}
-    for rec in recs:
+    for k, rec in enumerate(recs):
         got = by_ids[tuple(rec["input_ids"].tolist())]
         n, p = len(rec["input_ids"]), rec["prompt_len"]
         assert got["top_ids"].shape == (n - p, 5) and got["features"].shape == (n, 2 * 64)
         answer = rec["input_ids"][p:]
-        assert torch.equal(got["top_ids"][:, 0].long(), answer.long())  # greedy: each token is the target's argmax
-        logits = engine.forward(rec["input_ids"].long(), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
-                                engine.new_cache(n, n))
+        if k < len(greedy):  # greedy: each token is the target's argmax
+            assert torch.equal(got["top_ids"][:, 0].long(), answer.long())
+        (logits,), (feats,) = engine.forward_features(
+            [(rec["input_ids"].long(), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+              engine.new_cache(n, n))], (1, 3))
         want = logits[p - 1:-1].log_softmax(-1).topk(5)
-        torch.testing.assert_close(got["top_logp"].float(), want.values, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got["top_logp"].float(), want.values.half().float())
+        torch.testing.assert_close(got["features"].float(), feats.bfloat16().float())
         assert (got["top_logp"].float().exp().sum(-1) <= 1.001).all()
     cut, cut_stats = C.teacher_force(tiny, recs, "float32", 5, deadline=0.0, rows_per_call=16, progress=False)
-    assert 0 < cut_stats["records"] < 7 and "features" not in cut[0]  # a passed deadline: one call, then stop
+    assert 0 < cut_stats["records"] < 16 and "features" not in cut[0]  # a passed deadline: one call, then stop
 
 
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
