@@ -70,6 +70,11 @@ class Eagle3Config:
     target_hidden_size: int
     feature_layers: tuple[int, ...]
 
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary (what the decoder checks a draft against)."""
+        return self.model.vocab_size
+
     @classmethod
     def from_dir(cls, checkpoint: Path, target: ModelConfig) -> Eagle3Config:
         """Read config.json and check it against `target` (the model whose features the head reads)."""

@@ -393,7 +393,7 @@ def eagle_generate(target: Transformer, head: Eagle3Head, prompt: list[int], max
 
 
 def _ar(target: Transformer, prompt: list[int], max_new: int, eos: int = 2) -> list[int]:
-    cache = target.new_cache(256, 32)
+    cache = target.new_cache(256, 64)
     logits = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), _causal(len(prompt)), cache)
     cache.commit(len(prompt))
     out = []
@@ -421,6 +421,45 @@ def test_greedy_tree_decoding_with_the_head_equals_autoregressive(tiny, trained,
             assert spec == ar
             accepted, passes = accepted + acc, passes + n
     assert accepted > 0 and passes < 6 * 40  # the trained head is accepted: the loop is exercised
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_decoder_with_the_head_equals_autoregressive(tiny, trained, native):
+    """The head through THE decode loop (Eagle3Proposer): static trees and dynamic trees, a batch of one and three
+    requests batched, a prompt longer than the draft window (catch-up in chunks): greedy output == AR, and the head's
+    tokens are accepted."""
+    from spectrt.runtime.decoder import AUTO, Decoder, Job
+    from spectrt.runtime.policy import Policy
+
+    target = Transformer.load(tiny, native=native, measure_kernels=False)
+    head = Eagle3Head.load(trained, target)
+    prompts = [[1, 40, 41, 42, 43], [1, 7, 99, 250, 8, 13], [1, 300, 301, 302], [1] + list(range(50, 90))]
+    want = [_ar(target, p, 30) for p in prompts]
+    for tree in (Tree.from_expansion((2, 2, 1)), AUTO):
+        for max_active in (1, 3):
+            decoder = Decoder(target, head, {2}, max_seq_len=128, max_tree_tokens=16, max_active=max_active,
+                              policy=Policy(suffix=False))
+            jobs = [Job(p, 30, tree=tree) for p in prompts]
+            decoder.run(jobs)
+            assert [j.out for j in jobs] == want, (tree, max_active)
+            accepted = sum(sum(j.stats.accepted) for j in jobs)
+            passes = sum(j.stats.target_passes for j in jobs)
+            assert accepted > 0 and all(j.stats.draft_passes > 0 for j in jobs), (tree, max_active)
+            assert passes + accepted >= sum(len(w) for w in want)  # every emitted token came from a pass
+
+
+def test_pipeline_loads_a_head_through_draft(tiny, trained):
+    """`--draft <EAGLE-3 dir>` (Pipeline): the head drafts for its target, greedy text equals the target alone."""
+    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.propose import Eagle3Proposer
+
+    spec = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=128)
+    assert isinstance(spec.decoder.drafter, Eagle3Proposer)
+    alone = Pipeline(tiny, None, dtype="fp32", measure_kernels=False, max_seq_len=128)
+    for prompt in ("the cat sat on", "one two three"):
+        got = spec.generate(prompt, 24, tree="2,2,1")
+        assert got.token_ids == alone.generate(prompt, 24, tree=None).token_ids
+        assert got.stats.draft_passes > 0
 
 
 # ------------------------------------------------------------------------------------------- training
