@@ -124,12 +124,12 @@ def make_draft(
     `out_dir` receives the checkpoint + tokenizer files + draft_report.json. Intermediate files (slice, cached
     target answers, training state) live in `work_dir` (default: `<out_dir>.work`). Budget: held-out answers (fp32,
     shipped or cached) and their teacher forcing, then training answers (shipped, cached, or generated) and their
-    teacher forcing while less than `data_fraction` of the budget has passed, then training until the budget
-    minus the final evaluation. With `resume` a matching training state in `work_dir` is continued (interrupted
-    or finished run), so running again keeps improving the draft. `max_steps` caps training steps (tests);
-    `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for an unknown kind, a layer count
-    outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a target without
-    LM head or without config.json, a negative vocab_subset.
+    teacher forcing while less than `data_fraction` (a head: `head_data_fraction`) of the budget has passed, then
+    training until the budget minus the final evaluation. With `resume` a matching training state in `work_dir` is
+    continued (interrupted or finished run), so running again keeps improving the draft. `max_steps` caps training
+    steps (tests); `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for an unknown kind,
+    a layer count outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a
+    target without LM head or without config.json, a negative vocab_subset.
     """
     t_start = time.monotonic()
     target, out_dir = Path(target), Path(out_dir)
@@ -167,9 +167,10 @@ def make_draft(
                                                      progress=progress)
     eval_records, eval_tf = teacher_force(target, eval_answers, cfg.eval_dtype, cfg.top_k, features,
                                           progress=progress, desc="teacher forcing (held-out)")
-    data_end = t_start + cfg.data_fraction * budget_s
+    fraction = cfg.data_fraction if kind == "slice" else cfg.head_data_fraction
+    data_end = t_start + fraction * budget_s
     answers, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=data_end,
-                                                progress=progress, time_budget_s=cfg.data_fraction * budget_s)
+                                                progress=progress, time_budget_s=fraction * budget_s)
     records, train_tf = teacher_force(target, answers, cfg.gen_dtype, cfg.top_k, features, deadline=data_end,
                                       rows_per_call=cfg.tf_rows_per_call, seed=cfg.seed, progress=progress)
     data_stats["teacher_forcing"] = train_tf
