@@ -438,7 +438,8 @@ def test_decoder_with_the_head_equals_autoregressive(tiny, trained, native):
     for tree in (Tree.from_expansion((2, 2, 1)), AUTO):
         for max_active in (1, 3):
             decoder = Decoder(target, head, {2}, max_seq_len=128, max_tree_tokens=16, max_active=max_active,
-                              policy=Policy(suffix=False))
+                              policy=Policy(suffix=False, verify_ms=((1, 1.0), (64, 1.0)),  # speculation pays
+                                            draft_ms=((1, 1e-3), (64, 2e-3))))
             jobs = [Job(p, 30, tree=tree) for p in prompts]
             decoder.run(jobs)
             assert [j.out for j in jobs] == want, (tree, max_active)
