@@ -141,12 +141,17 @@ def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.runtime.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
-    out = Path(args.out) if args.out else default_draft(target, args.artifacts)
+    default = default_draft(target, args.artifacts)
+    out = Path(args.out) if args.out else (default if args.kind == "slice" else
+                                           default.with_name(default.name.removesuffix("-draft") + "-eagle3"))
     report_path = out / "draft_report.json"
     if (out / "config.json").is_file() and report_path.is_file() and not args.force:
         print(f"reusing the draft in {out} (--force rebuilds it)")
         return 0
-    make_draft(target, out, layers=args.layers, budget_minutes=args.budget_minutes, vocab_subset=args.vocab_subset)
+    make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
+               vocab_subset=args.vocab_subset)
+    if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (runtime/propose.py)
+        return _report_head(target, out, report_path)
     # what the draft buys at run time, measured on held-out prompts with the default tree
     prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1][:8]
     report = json.loads(report_path.read_text())
@@ -156,6 +161,27 @@ def cmd_draft(args: argparse.Namespace) -> int:
     print(f"{out}: held-out top-1 {held['top1']:.1%} / top-3 {held['top3']:.1%}, tau {r['tau']:.2f} with tree "
           f"{r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, draft step {r['draft_to_target_step_cost']:.0%} of a "
           f"target step; budget: {split['training_data']:.0f} s target answers, {split['training']:.0f} s training")
+    return 0
+
+
+def _report_head(target: Path, out: Path, report_path: Path) -> int:
+    """An EAGLE-3 head's draft step against a target step (both at context 128, this machine, as served)."""
+    from spectrt.runtime.bench import step_cost_ms
+    from spectrt.runtime.eagle3 import Eagle3Head, head_step_ms
+    from spectrt.runtime.engine import DTYPES, draft_dtype, load_engine
+
+    engine = load_engine(target)
+    head = Eagle3Head.load(out, engine, DTYPES[draft_dtype("torch", "fp32")])
+    head_ms, target_ms = head_step_ms(head), step_cost_ms(engine)
+    report = json.loads(report_path.read_text())
+    report["runtime"] = {"target_step_ms": target_ms, "draft_step_ms": head_ms["level"],
+                         "catch_up_ms": head_ms["catch_up"], "draft_to_target_step_cost": head_ms["level"] / target_ms}
+    report_path.write_text(json.dumps(report, indent=2))
+    held, split = report["heldout"]["distilled"], report["budget_split_s"]
+    print(f"{out}: held-out top-1 {held['top1']:.1%} / top-3 {held['top3']:.1%} (by draft depth "
+          f"{', '.join(f'{x:.1%}' for x in held['top1_by_step'])}), draft step {head_ms['level']:.2f} ms = "
+          f"{head_ms['level'] / target_ms:.1%} of a target step; budget: {split['teacher_forcing']:.0f} s teacher "
+          f"forcing, {split['training']:.0f} s training")
     return 0
 
 
@@ -245,10 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--width", type=_positive, default=3, help="widest draft expansion considered")
     t.set_defaults(func=cmd_tune)
 
-    d = sub.add_parser("draft", help="slice the target and distill it on the target's own outputs")
+    d = sub.add_parser("draft", help="train a draft on the target's own answers: a slice of the target or an "
+                       "EAGLE-3 feature head")
     d.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
     d.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
-    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--kind", choices=("slice", "eagle3"), default="slice",
+                   help="slice: the target's first --layers layers, distilled; eagle3: a one-layer head fed with the "
+                   "target's low/mid/high features (SpecForge's checkpoint layout), default out <target>-eagle3")
+    d.add_argument("--layers", type=int, default=4, help="slice: layers kept")
     d.add_argument("--budget-minutes", type=float, default=10.0)
     d.add_argument("--vocab-subset", type=int, default=DistillConfig.vocab_subset,
                    help="draft head over the K most frequent ids of the target's answers (0: full vocabulary)")

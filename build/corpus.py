@@ -1,13 +1,22 @@
-"""The distillation corpus: the target's own answers to a prompt corpus, with its top-k log-probs, cached.
+"""The distillation corpus: the target's own answers to a prompt corpus, and the records a draft trains on.
 
 Sequence-level distillation: the target answers every prompt of `build/prompts/distill.txt` (chat template +
-generation prompt, exactly as served), batched with left padding. For every generated token we keep the
-target's top-k log-probabilities (computed on the full vocabulary, so the k probabilities are exact and
-`1 - sum` is the mass of the rest). These come for free during generation; recomputing target logits during
-training would cost a full 30-layer forward plus the 576x49152 head per token, more than the draft's own
-forward+backward. Answers are cached per (target weights checksum, generation settings, conversation): a
-corpus edit only generates the new conversations, another target never reads them, and the generation
-seconds already spent count against a run's data budget, so a second run trains from its first second.
+generation prompt, exactly as served), with sampling several answers per prompt. Answers come, in this order, from
+1. **shipped answers** (`build/answers/`, package data): the embedded target's answers as token ids (uint16, lzma),
+   made once by this module (`python -m spectrt.build.corpus`), with the generator settings and a sha256 of the
+   tokens, keyed by the target's weights checksum: a fresh machine spends its draft budget training, and another
+   target, or other settings, never reads them;
+2. the corpus cache (per target checksum and settings, in the draft's work dir): answers generated earlier;
+3. generation, batched on the native forward (one `forward_many` per step for all live answers), within a budget.
+Every sampled answer draws from its own generator, seeded by (seed, conversation, round): an answer does not depend
+on the batch it was generated in (the native forward is row invariant), so any answer can be regenerated alone, which
+is how the shipped file is tested.
+
+Teacher forcing (`teacher_force`) turns answers into training records: one batched target forward over prompt +
+answer gives, per answer token, the target's top-k log-probabilities (on the full vocabulary, so the k probabilities
+are exact and `1 - sum` is the rest's mass) and, for an EAGLE-3 head, the target's low/mid/high features at every
+position. Rows of many answers share each forward (compute-bound: measured ~1 ms per token on 2 cores), several
+times cheaper per token than generating the answer.
 
 Corpus format (`read_prompts`): one conversation per line; `#` lines and blank lines are ignored;
 a plain line is one user message; a line starting with `[` is a JSON list of
@@ -16,12 +25,15 @@ a plain line is one user message; a line starting with `[` is a JSON list of
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import lzma
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from spectrt.build.distill import DistillConfig, atomic_save
 from spectrt.runtime.resources import package_path
@@ -29,6 +41,8 @@ from spectrt.runtime.resources import package_path
 PROMPTS_DIR = package_path("build/prompts")
 DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
 HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
+ANSWERS_DIR = Path(__file__).resolve().parent / "answers"
+SHIPPED_FORMAT = 1
 
 Conversation = list[dict[str, str]]
 
@@ -76,7 +90,7 @@ def _encode(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Target data
+# Target answers
 
 
 def target_fingerprint(target: Path) -> str:
@@ -105,23 +119,27 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _sample_step(logits: torch.Tensor, temperature: float, top_k: int,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(next tokens, top-k log-probs, their ids) for a batch of fp32 logits: sampled at `temperature`, else argmax."""
-    values, indices = logits.log_softmax(-1).topk(top_k, dim=-1)
-    if temperature > 0:
-        return torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(1), values, indices
-    return indices[:, 0], values, indices
+def answer_generator(seed: int, key: str, sample: int) -> torch.Generator:
+    """The sampling stream of one answer: (seed, conversation key, round) alone decide it."""
+    digest = hashlib.sha256(f"{seed}:{key}:{sample}".encode()).hexdigest()
+    return torch.Generator().manual_seed(int(digest[:15], 16))
+
+
+def _sample(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Next token per row of fp32 `logits`: drawn at `temperature` from the row's own generator, else the argmax."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = (logits / temperature).softmax(-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+
+
+def _record(prompt: Sequence[int], answer: Sequence[int]) -> dict:
+    return {"input_ids": torch.tensor(list(prompt) + list(answer), dtype=torch.int32), "prompt_len": len(prompt)}
 
 
 class _TargetGenerator:
-    """The target in `dtype` (body and LM head); batched left-padded generation.
-
-    Log-probs are computed in fp32 from the head's output. Measured against the fp32 target on
-    held-out answers (teacher-forced): bf16 body + fp32 head agrees on 98.8% of argmaxes, bf16 body
-    + bf16 head on 97.6% (KL between the two heads 3e-4 nats); the bf16 head costs 17 ms instead of
-    46-67 ms per batch-32 step, i.e. ~1.35x more training data per second.
-    """
+    """The target through transformers in `dtype` (body and LM head); batched left-padded generation. Used only where
+    the native forward cannot run (its batched rows are not row invariant: answers may depend on their batch)."""
 
     def __init__(self, target: Path, dtype: str):
         from transformers import AutoModelForCausalLM
@@ -134,16 +152,8 @@ class _TargetGenerator:
         self.config = model.config
 
     @torch.inference_mode()
-    def generate(
-        self,
-        prompts: Sequence[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        eos: Sequence[int],
-        pad_id: int,
-        top_k: int,
-        generator: torch.Generator,
-    ) -> list[dict]:
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int, temperature: float, eos: Sequence[int],
+                 pad_id: int, generators: Sequence[torch.Generator]) -> list[dict]:
         from transformers import DynamicCache
 
         batch = len(prompts)
@@ -158,46 +168,35 @@ class _TargetGenerator:
         hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                            use_cache=True).last_hidden_state[:, -1]
         next_pos = pos[:, -1] + 1
-        rows = torch.arange(batch)  # original index of each live row
+        rows = list(range(batch))  # original index of each live row
         tokens: list[list[int]] = [[] for _ in range(batch)]
-        top_ids: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-        top_logp: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         eos_t = torch.tensor(list(eos), dtype=torch.long)
         for step in range(max_new_tokens):
             # mm(W, h^T)^T: MKL's faster path for skinny products (DESIGN.md), 46 vs 67 ms in fp32 at batch 32
             logits = torch.mm(self.head, hidden.to(self.head.dtype).T).T.float()
-            tok, values, indices = _sample_step(logits, temperature, top_k, generator)
-            for j, r in enumerate(rows.tolist()):
+            tok = _sample(logits, temperature, [generators[r] for r in rows])
+            for j, r in enumerate(rows):
                 tokens[r].append(int(tok[j]))
-                top_ids[r].append(indices[j].to(torch.int32))
-                top_logp[r].append(values[j].to(torch.float16))
             live = ~torch.isin(tok, eos_t)
             if step == max_new_tokens - 1 or not live.any():
                 break
             if not live.all():
                 keep = live.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
-                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
+                rows = [rows[j] for j in keep.tolist()]
+                tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
             hidden = self.body(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                                past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
             next_pos = next_pos + 1
-        return [
-            {
-                "input_ids": torch.tensor(list(prompts[i]) + tokens[i], dtype=torch.int32),
-                "prompt_len": len(prompts[i]),
-                "top_ids": torch.stack(top_ids[i]),
-                "top_logp": torch.stack(top_logp[i]),
-            }
-            for i in range(batch)
-        ]
+        return [_record(p, t) for p, t in zip(prompts, tokens, strict=True)]
 
 
 class _NativeGenerator:
     """The target on the native CPU forward (runtime/kernels.py): every live answer of a batch advances in one
     `forward_many` per step, which streams the weights once for all of them with no per-op dispatch, and in
     `dtype` weights with fp32 activations (bf16: half the memory traffic, closer to the fp32 target than a bf16
-    body). Same records as `_TargetGenerator`; used whenever the native forward runs here."""
+    body). Rows are computed identically whatever the batch, so an answer depends only on its prompt and generator."""
 
     def __init__(self, target: Path, dtype: str):
         from spectrt.runtime.model import Transformer
@@ -206,10 +205,10 @@ class _NativeGenerator:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[list[int]], max_new_tokens: int, temperature: float, eos: Sequence[int],
-                 pad_id: int, top_k: int, generator: torch.Generator) -> list[dict]:
+                 pad_id: int, generators: Sequence[torch.Generator]) -> list[dict]:
         model, window = self.model, 64
         capacity = max(len(p) for p in prompts) + max_new_tokens + window
-        caches = [model.new_cache(capacity, window) for _ in prompts]
+        caches = model.new_caches(len(prompts), capacity, window)
         causal = torch.ones(window, window, dtype=torch.bool).tril()
         last = []
         for prompt, cache in zip(prompts, caches, strict=True):  # prefill: compute-bound chunks, one prompt each
@@ -222,15 +221,11 @@ class _NativeGenerator:
         logits = torch.stack(last)
         live = list(range(len(prompts)))
         tokens: list[list[int]] = [[] for _ in prompts]
-        top_ids: list[list[torch.Tensor]] = [[] for _ in prompts]
-        top_logp: list[list[torch.Tensor]] = [[] for _ in prompts]
         eos_set, one = set(eos), torch.ones(1, 1, dtype=torch.bool)
         for step in range(max_new_tokens):
-            tok, values, indices = _sample_step(logits, temperature, top_k, generator)
+            tok = _sample(logits, temperature, [generators[r] for r in live])
             for j, r in enumerate(live):
                 tokens[r].append(int(tok[j]))
-                top_ids[r].append(indices[j].to(torch.int32))
-                top_logp[r].append(values[j].to(torch.float16))
             keep = [j for j, r in enumerate(live) if tokens[r][-1] not in eos_set]
             if step == max_new_tokens - 1 or not keep:
                 break
@@ -240,15 +235,16 @@ class _NativeGenerator:
             logits = torch.cat(model.forward_many(segments))
             for r in live:
                 caches[r].commit(1)
-        return [
-            {
-                "input_ids": torch.tensor(list(prompts[i]) + tokens[i], dtype=torch.int32),
-                "prompt_len": len(prompts[i]),
-                "top_ids": torch.stack(top_ids[i]),
-                "top_logp": torch.stack(top_logp[i]),
-            }
-            for i in range(len(prompts))
-        ]
+        return [_record(p, t) for p, t in zip(prompts, tokens, strict=True)]
+
+
+def _sample_key(key: str, sample: int) -> str:
+    return key if sample == 0 else f"{key}#{sample}"
+
+
+def _answers_key(target: Path, cfg: DistillConfig, eval_set: bool) -> tuple[str, dict]:
+    """(target weights checksum, generation settings): what decides an answer besides its conversation."""
+    return target_fingerprint(target), cfg.generation_key(eval_set)
 
 
 def generate_distill_data(
@@ -260,16 +256,17 @@ def generate_distill_data(
     deadline: float | None = None,
     progress: bool = True,
     time_budget_s: float | None = None,
+    shipped: bool = True,
 ) -> tuple[list[dict], dict]:
-    """The target's answers (token ids + top-k log-probs) to `conversations`, from cache when possible.
+    """The target's answers (records: `input_ids` = prompt + answer, int32; `prompt_len`) to `conversations`.
 
     Each conversation is answered once (round 0, in a seeded random order so that a deadline leaves a
     representative subset); with sampling (temperature > 0), further rounds draw new answers to the
-    same prompts, up to `samples_per_prompt`, while time remains. Generation stops starting new
-    batches at `deadline` (time.monotonic()) or once this cache's generation seconds, summed over all
-    calls, reach `time_budget_s` (so a rerun whose cache already holds its data budget generates nothing);
-    what is done is cached (per target weights checksum, generation settings and conversation) and reused
-    by later calls. Returns (records, stats).
+    same prompts, up to `samples_per_prompt`. Answers shipped for this target and settings (`shipped`) and
+    cached ones are used first; the rest are generated, starting no new batch after `deadline`
+    (time.monotonic()) or once this cache's generation seconds, summed over all calls, reach `time_budget_s`
+    (so a rerun whose cache already holds its data budget generates nothing). Generated answers are cached (per
+    target weights checksum, generation settings and conversation). Returns (records, stats).
     """
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -278,28 +275,27 @@ def generate_distill_data(
         raise ValueError("no prompts to generate from: the corpus is empty")
     target, cache_dir = Path(target), Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = cfg.generation_key(eval_set)
-    fp = hashlib.sha1(json.dumps({"target": target_fingerprint(target), **key}, sort_keys=True).encode()).hexdigest()
+    fingerprint, key = _answers_key(target, cfg, eval_set)
+    fp = hashlib.sha1(json.dumps({"target": fingerprint, **key}, sort_keys=True).encode()).hexdigest()
     path = cache_dir / f"{'eval' if eval_set else 'distill'}-{fp[:16]}.pt"
     cache: dict[str, dict] = torch.load(path, weights_only=True) if path.is_file() else {}
+    from_ship = load_shipped(fingerprint, key) if shipped else {}
     spent_path = path.with_suffix(".json")  # generation seconds already spent on this cache
     spent_before = json.loads(spent_path.read_text())["generation_s"] if spent_path.is_file() and cache else 0.0
     unique = dict(zip((conv_key(c) for c in conversations), conversations, strict=True))
     rounds = 1 if eval_set or key["temperature"] == 0 else max(1, cfg.samples_per_prompt)
-
-    def sample_key(k: str, r: int) -> str:
-        return k if r == 0 else f"{k}#{r}"
+    known = {**cache, **from_ship}
 
     todo: list[tuple[str, str, int]] = []  # (cache key, conversation key, round)
     for r in range(rounds):
         order = sorted(unique)
         perm = torch.randperm(len(order), generator=torch.Generator().manual_seed(cfg.seed + 7919 * r)).tolist()
-        todo += [(sample_key(order[i], r), order[i], r) for i in perm if sample_key(order[i], r) not in cache]
+        todo += [(_sample_key(order[i], r), order[i], r) for i in perm if _sample_key(order[i], r) not in known]
     t0 = time.monotonic()
     generated_tokens, generation_s = 0, 0.0  # generation_s: up to the last batch saved (what the sidecar records)
 
     def out_of_time() -> bool:  # never before the first answer exists (a run always gets some data)
-        if not any(sample_key(k, 0) in cache for k in unique):
+        if not any(_sample_key(k, 0) in known for k in unique):
             return False
         now = time.monotonic()
         return (deadline is not None and now > deadline) or (
@@ -321,16 +317,15 @@ def generate_distill_data(
                 for t in sorted(part[g:g + group], key=lambda t: len(encoded[t[1]]))]
         bar = tqdm(total=len(todo), desc="target answers" + (" (held-out)" if eval_set else ""),
                    unit="answer", disable=not progress)
-        for b, s in enumerate(range(0, len(todo), bs)):
+        for s in range(0, len(todo), bs):
             if out_of_time():
                 break
             chunk = todo[s:s + bs]
-            torch_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 10_007 * chunk[0][2] + b)
-            recs = gen.generate([encoded[t[1]] for t in chunk], key["max_new_tokens"], key["temperature"], eos,
-                                pad, cfg.top_k, torch_gen)
+            recs = gen.generate([encoded[t[1]] for t in chunk], key["max_new_tokens"], key["temperature"], eos, pad,
+                                [answer_generator(cfg.seed, t[1], t[2]) for t in chunk])
             for (ck, _, _), rec in zip(chunk, recs, strict=True):
-                cache[ck] = rec
-                generated_tokens += len(rec["top_ids"])
+                cache[ck] = known[ck] = rec
+                generated_tokens += len(rec["input_ids"]) - rec["prompt_len"]
             atomic_save(cache, path)
             generation_s = time.monotonic() - t0
             spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
@@ -338,13 +333,15 @@ def generate_distill_data(
             bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
         bar.close()
         del gen
-    records = [cache[sample_key(k, r)] for r in range(rounds) for k in unique if sample_key(k, r) in cache]
+    keys = [_sample_key(k, r) for r in range(rounds) for k in unique if _sample_key(k, r) in known]
+    records = [known[k] for k in keys]
     stats = {
         "cache": str(path),
         "prompts": len(conversations),
-        "prompts_answered": sum(k in cache for k in unique),
+        "prompts_answered": sum(k in known for k in unique),
         "answers": len(records),
-        "tokens": int(sum(len(r["top_ids"]) for r in records)),
+        "shipped_answers": sum(k in from_ship for k in keys),
+        "tokens": int(sum(len(r["input_ids"]) - r["prompt_len"] for r in records)),
         "generated_tokens": generated_tokens,
         "generation_s": round(generation_s, 3),  # ms resolution: the native generator is fast
         "generation_s_total": round(spent_before + generation_s, 3),
@@ -354,3 +351,212 @@ def generate_distill_data(
         raise ValueError("no target answers were generated: raise budget_minutes or data_fraction")
     return records, stats
 
+
+# --------------------------------------------------------------------------------------------------
+# Shipped answers (package data)
+
+
+def _tokens_sha256(table: list, payload: bytes) -> str:
+    return hashlib.sha256(json.dumps(table).encode() + payload).hexdigest()
+
+
+def write_shipped(path: Path, target: Path, sets: dict[str, tuple[dict, dict[str, dict]]]) -> Path:
+    """Write `path`.json + `path`.tokens.xz: per set name, (generation settings, {cache key: record}).
+
+    The tokens (prompt + answer of every record, in the table's order) are stored as uint16 (uint32 for
+    vocabularies above 65536), lzma-compressed; the table holds each record's key, prompt length and length, and
+    a sha256 over table and raw tokens guards the pair."""
+    path = Path(path)
+    vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    meta = {"format": SHIPPED_FORMAT, "target": target_fingerprint(target), "target_name": Path(target).name,
+            "generator": "python -m spectrt.build.corpus (build/corpus.py)", "dtype": np.dtype(dtype).name, "sets": {}}
+    chunks = []
+    for name, (key, records) in sets.items():
+        table = [[k, int(r["prompt_len"]), len(r["input_ids"])] for k, r in sorted(records.items())]
+        payload = np.concatenate([records[k]["input_ids"].numpy() for k, _, _ in table]).astype(dtype).tobytes()
+        chunks.append(payload)
+        meta["sets"][name] = {"key": key, "records": table, "tokens": len(payload) // np.dtype(dtype).itemsize,
+                              "answer_tokens": sum(n - p for _, p, n in table),
+                              "sha256": _tokens_sha256(table, payload)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    packed = lzma.compress(b"".join(chunks), preset=9 | lzma.PRESET_EXTREME)
+    (path.parent / f"{path.name}.tokens.xz").write_bytes(packed)
+    (path.parent / f"{path.name}.json").write_text(json.dumps(meta, separators=(",", ":")) + "\n")
+    return path
+
+
+def load_shipped(fingerprint: str, key: dict, answers_dir: Path = ANSWERS_DIR) -> dict[str, dict]:
+    """{cache key: record} of the shipped answers made by the target with this weights checksum and these
+    generation settings; {} when none were shipped for them. A file whose tokens fail their sha256 is refused."""
+    for meta_path in sorted(Path(answers_dir).glob("*.json")):
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != SHIPPED_FORMAT or meta.get("target") != fingerprint:
+            continue
+        match = [name for name, s in meta["sets"].items() if s["key"] == key]
+        if not match:
+            continue
+        raw = lzma.decompress(meta_path.with_suffix(".tokens.xz").read_bytes())
+        offset, itemsize = 0, np.dtype(meta["dtype"]).itemsize
+        for name, s in meta["sets"].items():
+            size = s["tokens"] * itemsize
+            if name == match[0]:
+                part = raw[offset:offset + size]
+                if _tokens_sha256(s["records"], part) != s["sha256"]:
+                    raise ValueError(f"{meta_path}: the shipped answers fail their sha256 (a corrupted package): "
+                                     "reinstall spectrt or delete the file to regenerate them")
+                ids = np.frombuffer(part, dtype=meta["dtype"]).astype(np.int32)
+                out, pos = {}, 0
+                for k, prompt_len, n in s["records"]:
+                    out[k] = {"input_ids": torch.from_numpy(ids[pos:pos + n].copy()), "prompt_len": prompt_len}
+                    pos += n
+                return out
+            offset += size
+    return {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Teacher forcing
+
+
+def _prompt_groups(records: Sequence[dict]) -> list[list[int]]:
+    """Indices of records grouped by identical prompt ids (the sampled answers to one conversation)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(records):
+        groups.setdefault(tuple(r["input_ids"][:r["prompt_len"]].tolist()), []).append(i)
+    return list(groups.values())
+
+
+def _group_segment(records: Sequence[dict], group: list[int]):
+    """One tree over a prompt and its answers: the prompt once (causal), each answer a branch that sees the prompt and
+    its own earlier tokens, at the positions it has in its own record. Returns tokens, positions, mask and, per
+    record, the rows of its positions 0..n-1 in the tree."""
+    p = records[group[0]]["prompt_len"]
+    prompt = records[group[0]]["input_ids"][:p].long()
+    answers = [records[i]["input_ids"][p:].long() for i in group]
+    total = p + sum(len(a) for a in answers)
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    positions, rows, start = [torch.arange(p)], [], p
+    for a in answers:
+        end = start + len(a)
+        mask[start:end, :p] = True
+        mask[start:end, start:end] = torch.ones(len(a), len(a), dtype=torch.bool).tril()
+        positions.append(torch.arange(p, p + len(a)))
+        rows.append(torch.cat([torch.arange(p), torch.arange(start, end)]))
+        start = end
+    return torch.cat([prompt, *answers]), torch.cat(positions), mask, rows
+
+
+@torch.inference_mode()
+def teacher_force(
+    target: Path | object,
+    records: Sequence[dict],
+    dtype: str,
+    top_k: int,
+    feature_layers: Sequence[int] = (),
+    deadline: float | None = None,
+    rows_per_call: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "teacher forcing",
+) -> tuple[list[dict], dict]:
+    """Records with the target's view of each answer, from batched target forwards over prompts and answers.
+
+    Adds `top_ids` [A, k] int32 and `top_logp` [A, k] fp16 (the target's top-k log-probs predicting each of the A
+    answer tokens) and, with `feature_layers`, `features` [n, 3 * hidden] bf16 (EAGLE-3 target features at every
+    position, `Transformer.forward_features`). The answers to one prompt share it: one tree per prompt (the prompt
+    once, each answer a branch; on the native forward every row is what a causal forward of its own record gives),
+    which saves the prompt's rows for every further answer. Prompts are processed in a seeded random order, several
+    per forward (about `rows_per_call` rows), and none is started after `deadline`: what is returned is a
+    representative subset. `target` is a checkpoint dir or a loaded `Transformer`. Returns (records, stats).
+    """
+    from spectrt.runtime.model import Transformer
+    from tqdm.auto import tqdm
+
+    t0 = time.monotonic()
+    model = target if isinstance(target, Transformer) else Transformer.load(Path(target), _dtype(dtype))
+    groups = _prompt_groups(records)
+    groups = [groups[i] for i in torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
+    segments = [_group_segment(records, g) for g in groups]
+    longest = max(len(s[0]) for s in segments)
+    calls, cur, rows = [], [], 0
+    for k, seg in enumerate(segments):
+        if cur and rows + len(seg[0]) > max(rows_per_call, longest):
+            calls.append(cur)
+            cur, rows = [], 0
+        cur.append(k)
+        rows += len(seg[0])
+    calls.append(cur)
+    caches = model.new_caches(max(len(c) for c in calls), longest, longest)
+    out: list[dict] = []
+    tokens = rows_run = 0
+    bar = tqdm(total=len(records), desc=desc, unit="answer", disable=not progress)
+    for call in calls:
+        if deadline is not None and out and time.monotonic() > deadline:
+            break
+        batch = []
+        for k, cache in zip(call, caches, strict=False):
+            cache.reset()
+            batch.append((*segments[k][:3], cache))
+        if feature_layers:
+            logits, features = model.forward_features(batch, feature_layers)
+        else:
+            logits, features = model.forward_many(batch), None
+        for j, k in enumerate(call):
+            rows_run += len(segments[k][0])
+            for i, rec_rows in zip(groups[k], segments[k][3], strict=True):
+                rec, p = records[i], records[i]["prompt_len"]
+                values, indices = logits[j][rec_rows[p - 1:-1]].float().log_softmax(-1).topk(top_k, dim=-1)
+                new = {"input_ids": rec["input_ids"], "prompt_len": p, "top_ids": indices.to(torch.int32),
+                       "top_logp": values.to(torch.float16)}
+                if features is not None:
+                    new["features"] = features[j][rec_rows].to(torch.bfloat16)
+                out.append(new)
+                tokens += len(rec["input_ids"])
+            bar.update(len(groups[k]))
+        bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - t0):.0f}")
+    bar.close()
+    seconds = time.monotonic() - t0
+    return out, {"records": len(out), "of": len(records), "tokens": tokens, "forward_rows": rows_run,
+                 "seconds": round(seconds, 2), "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
+                 "dtype": dtype, "feature_layers": list(feature_layers)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Making the shipped answers: `python -m spectrt.build.corpus` (resumable: run it again until it says done)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from spectrt.build.checkpoint import resolve_target
+
+    p = argparse.ArgumentParser(description="generate the target's answers to the distillation and held-out prompts "
+                                "(resumable) and, once complete, write them as shipped package data")
+    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
+    p.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
+    p.add_argument("--out", type=Path, help="output stem (default: build/answers/<target name>)")
+    p.add_argument("--minutes", type=float, default=8.0, help="generation time for this call (then run it again)")
+    args = p.parse_args(argv)
+    target = resolve_target(args.target)
+    cfg = DistillConfig()
+    deadline = time.monotonic() + 60 * args.minutes
+    sets = {}
+    for name, prompts, eval_set in (("eval", HELDOUT_PROMPTS, True), ("distill", DISTILL_PROMPTS, False)):
+        convs = read_prompts(prompts)
+        records, stats = generate_distill_data(target, convs, args.work_dir, cfg, eval_set=eval_set,
+                                               deadline=deadline, shipped=False)
+        rounds = 1 if eval_set else cfg.samples_per_prompt
+        print(f"{name}: {stats['answers']} of {len(convs) * rounds} answers, {stats['tokens']} answer tokens")
+        if stats["answers"] < len(convs) * rounds:
+            print("not complete yet: run the same command again")
+            return 1
+        cache = torch.load(stats["cache"], weights_only=True)
+        wanted = {_sample_key(conv_key(c), r) for c in convs for r in range(rounds)}
+        sets[name] = (cfg.generation_key(eval_set), {k: v for k, v in cache.items() if k in wanted})
+    out = write_shipped(args.out or ANSWERS_DIR / Path(target).name, target, sets)
+    print(f"wrote {out}.json and {out}.tokens.xz")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,21 +1,26 @@
-"""Draft maker: slice the target's first layers, distill the slice on the target's own answers, write it.
+"""Draft maker: a draft trained on the target's own answers, of one of two kinds, written next to the target.
 
-A slice shares the target's tokenizer, embeddings, final norm and LM head, so its proposals live
-in exactly the target's vocabulary; the runtime loads the result like any model.
+- `slice`: the target's first K layers (build/slice.py), sharing its tokenizer, embeddings, final norm and LM head,
+  distilled (build/distill.py); a normal HF checkpoint the runtime loads like any model.
+- `eagle3`: a feature-level EAGLE-3 head (build/eagle3.py, runtime/eagle3.py) that drafts from the target's own
+  low/mid/high hidden states, written in SpecForge's checkpoint layout.
 
 Pipeline (`make_draft`), all inside one wall-clock budget, one job per module:
 
-1. **slice** (build/slice.py): embeddings + first K decoder layers + final norm + LM head.
-2. **corpus** (build/corpus.py): the target's answers with top-k log-probs, cached per target checksum.
+1. **answers** (build/corpus.py): the target's answers to the distillation and held-out prompts, shipped with the
+   package for the embedded target (no generation), cached or generated for any other.
+2. **teacher forcing** (build/corpus.py): one batched target forward per group of answers gives their top-k
+   log-probs (and, for a head, the target's features), until the data share of the budget is spent.
 3. **subset** (`frequent_ids`): the K ids most frequent in the target's answers (FR-Spec): the draft's
    head scores only them (a 4-layer draft's full head is 28M of its 42M parameters and half its step).
-4. **train** (build/distill.py): KL + CE to the target over the subset, frozen shared tensors.
-5. **report** (`evaluate`): top-1/top-3 agreement with the target's greedy answers to the held-out
-   prompts (`build/prompts/heldout.txt`), before and after training, in `draft_report.json`.
+4. **train**: KL + CE to the target over the subset (the head with training-time test), frozen shared tensors.
+5. **report**: top-1/top-3 agreement with the target's greedy answers to the held-out prompts
+   (`build/prompts/heldout.txt`, never trained on), before and after training, in `draft_report.json`.
 
-The saved draft is a normal HF checkpoint plus, for a subset head, `draft_head.weight` (the head's K rows,
+A saved slice is a normal HF checkpoint plus, for a subset head, `draft_head.weight` (the head's K rows,
 bit-identical to the target's) and `draft_head.ids` (their target ids) in model.safetensors and
-`spectrt_draft.vocab_subset = K` in config.json; runtime/model.py and build/export.py read them.
+`spectrt_draft.vocab_subset = K` in config.json; runtime/model.py and build/export.py read them. A saved head is
+SpecForge's layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; runtime/eagle3.py).
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from spectrt.build.corpus import (
     generate_distill_data,
     read_prompts,
     target_fingerprint,
+    teacher_force,
 )
 from spectrt.build.distill import DistillConfig, evaluate, frozen_names, load_draft, train_draft, trainable_names
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
-from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS
+from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS, ModelConfig
+
+KINDS = ("slice", "eagle3")
 
 DEFAULT_BUDGET_MINUTES = 10.0
 REPORT_NAME = "draft_report.json"
@@ -56,7 +64,8 @@ def frequent_ids(records: Sequence[dict], k: int, vocab: int) -> torch.Tensor:
         raise ValueError(f"vocab_subset must be between 1 and {vocab - 1} (0 = full head), got {k}")
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in records:
-        counts.index_add_(0, r["input_ids"][r["prompt_len"]:].long(), torch.ones(len(r["top_ids"]), dtype=torch.long))
+        answer = r["input_ids"][r["prompt_len"]:].long()
+        counts.index_add_(0, answer, torch.ones(len(answer), dtype=torch.long))
     return torch.sort(counts, descending=True, stable=True).indices[:k].sort().values
 
 
@@ -98,6 +107,7 @@ def save_draft(model, slice_dir: Path, out_dir: Path, trainable: Sequence[str], 
 def make_draft(
     target: Path,
     out_dir: Path,
+    kind: str = "slice",
     layers: int = 4,
     budget_minutes: float = DEFAULT_BUDGET_MINUTES,
     prompts: Path = DISTILL_PROMPTS,
@@ -109,22 +119,23 @@ def make_draft(
     config: DistillConfig | None = None,
     **overrides,
 ) -> Path:
-    """Slice `target`'s first `layers` layers, distill them within `budget_minutes`, write a HF checkpoint.
+    """Make a `kind` draft (slice: `target`'s first `layers` layers; eagle3: a feature head) within `budget_minutes`.
 
-    `out_dir` receives config.json + model.safetensors + tokenizer files + draft_report.json.
-    Intermediate files (slice, cached target answers, training state) live in `work_dir`
-    (default: `<out_dir>.work`). Budget: held-out answers (fp32, cached), then training data while
-    the cache's generation seconds (all runs together) stay below `data_fraction` of the budget, then
-    training until the budget minus the final evaluation: a rerun with a filled cache trains all the
-    time. With `resume` a matching training state in `work_dir` is continued (interrupted or finished
-    run), so running again keeps improving the draft. `max_steps` caps training steps (tests);
-    `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for a layer count
-    outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a
+    `out_dir` receives the checkpoint + tokenizer files + draft_report.json. Intermediate files (slice, cached
+    target answers, training state) live in `work_dir` (default: `<out_dir>.work`). Budget: held-out answers (fp32,
+    shipped or cached) and their teacher forcing, then training answers (shipped, cached, or generated) and their
+    teacher forcing while less than `data_fraction` (a head: `head_data_fraction`) of the budget has passed, then
+    training until the budget minus the final evaluation. With `resume` a matching training state in `work_dir` is
+    continued (interrupted or finished run), so running again keeps improving the draft. `max_steps` caps training
+    steps (tests); `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for an unknown kind,
+    a layer count outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a
     target without LM head or without config.json, a negative vocab_subset.
     """
     t_start = time.monotonic()
     target, out_dir = Path(target), Path(out_dir)
     cfg = dataclasses.replace(config or DistillConfig(), **overrides)
+    if kind not in KINDS:
+        raise ValueError(f"--kind {kind!r} is not a draft kind: choose one of {', '.join(KINDS)}")
     if budget_minutes <= 0:
         raise ValueError(f"budget_minutes must be positive, got {budget_minutes}")
     if not (target / "config.json").is_file():
@@ -135,29 +146,75 @@ def make_draft(
     if overlap:
         raise ValueError(f"{len(overlap)} held-out conversations also appear in {prompts}: remove them from one file")
     work_dir = Path(work_dir) if work_dir else out_dir.with_name(out_dir.name + ".work")
-    slice_dir = slice_target(target, layers, work_dir / f"slice-{layers}")
-    vocab = json.loads((slice_dir / "config.json").read_text())["vocab_size"]
+    slice_dir = slice_target(target, layers, work_dir / f"slice-{layers}") if kind == "slice" else None
+    target_config = ModelConfig.from_dir(target)
+    vocab = target_config.vocab_size
     if cfg.vocab_subset < 0:
         raise ValueError(f"vocab_subset must be 0 (full head) or a positive number of ids, got {cfg.vocab_subset}")
     subset = cfg.vocab_subset if cfg.vocab_subset < vocab else 0  # a subset as large as the vocabulary is the head
     fingerprint = target_fingerprint(target)
     budget_s = budget_minutes * 60
     deadline = t_start + budget_s
+    if kind == "eagle3":
+        from spectrt.runtime.eagle3 import default_feature_layers
 
-    # held-out answers first (small, needed for the report), then as much training data as allowed
-    eval_records, eval_stats = generate_distill_data(target, eval_convs, work_dir, cfg, eval_set=True,
+        features = default_feature_layers(target_config.num_layers)
+    else:
+        features = ()
+
+    # held-out answers first (small, needed for the report), then as much training data as the data share allows
+    eval_answers, eval_stats = generate_distill_data(target, eval_convs, work_dir, cfg, eval_set=True,
                                                      progress=progress)
-    data_s = cfg.data_fraction * budget_s
-    records, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=t_start + data_s,
-                                                progress=progress, time_budget_s=data_s)
+    eval_records, eval_tf = teacher_force(target, eval_answers, cfg.eval_dtype, cfg.top_k, features,
+                                          progress=progress, desc="teacher forcing (held-out)")
+    fraction = cfg.data_fraction if kind == "slice" else cfg.head_data_fraction
+    data_end = t_start + fraction * budget_s
+    answers, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=data_end,
+                                                progress=progress, time_budget_s=fraction * budget_s)
+    records, train_tf = teacher_force(target, answers, cfg.gen_dtype, cfg.top_k, features, deadline=data_end,
+                                      rows_per_call=cfg.tf_rows_per_call, seed=cfg.seed, progress=progress)
+    data_stats["teacher_forcing"] = train_tf
     vocab_ids = frequent_ids(records, subset, vocab) if subset else None
+    if kind == "slice":
+        train = _train_slice(target, slice_dir, out_dir, layers, records, eval_records, vocab_ids, cfg, deadline,
+                             work_dir, resume, max_steps, progress, fingerprint)
+    else:
+        train = _train_eagle3(target, target_config, out_dir, features, records, eval_records, vocab_ids, cfg,
+                              deadline, work_dir, resume, max_steps, progress, fingerprint)
+    untrained, distilled, train_stats, extra_report = train
+    report = {
+        "target": str(target),
+        "kind": kind,
+        **extra_report,
+        "budget_minutes": budget_minutes,
+        "vocab_subset": subset,
+        "heldout": {"prompts": len(eval_convs), "tokens": untrained["tokens"], "untrained": untrained,
+                    "distilled": distilled},
+        "budget_split_s": {"heldout_answers": eval_stats["generation_s"],
+                           "heldout_teacher_forcing": eval_tf["seconds"],
+                           "training_data": data_stats["generation_s"], "teacher_forcing": train_tf["seconds"],
+                           "training": train_stats["train_s"]},
+        "data": data_stats,
+        "heldout_data": {**eval_stats, "teacher_forcing": eval_tf},
+        "train": train_stats,
+        "config": dataclasses.asdict(cfg),
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
+    return out_dir
 
+
+def _train_budget(deadline: float, eval_tokens: int) -> float:
+    eval_reserve = 5 + 2 * eval_tokens / 1000  # measured ~1.5 s per 1000 eval tokens, plus save
+    return max(1.0, deadline - time.monotonic() - eval_reserve)
+
+
+def _train_slice(target, slice_dir, out_dir, layers, records, eval_records, vocab_ids, cfg, deadline, work_dir,
+                 resume, max_steps, progress, fingerprint):
     untrained = evaluate(load_draft(slice_dir), eval_records, vocab_ids)
-    eval_reserve = 5 + 2 * untrained["tokens"] / 1000  # measured ~1.5 s per 1000 eval tokens, plus save
-    train_budget = max(1.0, deadline - time.monotonic() - eval_reserve)
     model, train_stats = train_draft(
         slice_dir, records, work_dir / f"{STATE_NAME[:-3]}-{out_dir.name}-{layers}.pt", cfg,
-        budget_s=train_budget, max_steps=max_steps, resume=resume,
+        budget_s=_train_budget(deadline, untrained["tokens"]), max_steps=max_steps, resume=resume,
         progress=progress, tag=fingerprint, vocab_ids=vocab_ids,
     )
     distilled = evaluate(model, eval_records, vocab_ids)
@@ -165,21 +222,30 @@ def make_draft(
     extra = {"distilled": True, "trainable": "layers+norm" if cfg.train_norm else "layers",
              "heldout_top1": distilled["top1"], "heldout_top3": distilled["top3"]}
     save_draft(model, slice_dir, out_dir, names, extra, vocab_ids)
-    report = {
-        "target": str(target),
-        "layers": layers,
-        "budget_minutes": budget_minutes,
-        "vocab_subset": subset,
-        "heldout": {"prompts": len(eval_convs), "tokens": untrained["tokens"], "untrained": untrained,
-                    "distilled": distilled},
-        "budget_split_s": {"heldout_answers": eval_stats["generation_s"], "training_data": data_stats["generation_s"],
-                           "training": train_stats["train_s"]},
-        "data": data_stats,
-        "heldout_data": eval_stats,
-        "train": train_stats,
-        "frozen": frozen_names(model, cfg.train_norm),
-        "config": dataclasses.asdict(cfg),
-        "wall_s": round(time.monotonic() - t_start, 1),
-    }
-    (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
-    return out_dir
+    return untrained, distilled, train_stats, {"layers": layers, "frozen": frozen_names(model, cfg.train_norm)}
+
+
+def _train_eagle3(target, target_config, out_dir, features, records, eval_records, vocab_ids, cfg, deadline,
+                  work_dir, resume, max_steps, progress, fingerprint):
+    from spectrt.build.eagle3 import Eagle3Module, evaluate_head, save_head, train_head
+    from spectrt.runtime.model import Transformer
+
+    ref = Transformer.load(target, measure_kernels=False)  # fp32 embedding, head rows and final norm
+    if ref.head_ids is not None:
+        raise ValueError(f"{target} has a vocabulary-subset head: a feature head needs the target's full LM head")
+    ids = vocab_ids if vocab_ids is not None else torch.arange(target_config.vocab_size)
+    pad = json.loads((Path(target) / "config.json").read_text()).get("pad_token_id") or 0
+    untrained_model = Eagle3Module(target_config, ids, cfg.head_init_std)
+    untrained_model.init_from_target(ref.head, ref.norm)
+    untrained = evaluate_head(untrained_model, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad)
+    model, train_stats = train_head(
+        records, target_config, ref.embed, ref.head, ref.norm, ids,
+        work_dir / f"{STATE_NAME[:-3]}-{out_dir.name}-eagle3.pt", cfg,
+        budget_s=_train_budget(deadline, untrained["tokens"]), max_steps=max_steps, resume=resume,
+        progress=progress, tag=fingerprint, pad_id=pad,
+    )
+    distilled = evaluate_head(model, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad)
+    extra = {"distilled": True, "sliced_from": None, "target": str(target), "heldout_top1": distilled["top1"],
+             "heldout_top3": distilled["top3"]}
+    save_head(model, target, out_dir, features, extra)
+    return untrained, distilled, train_stats, {"feature_layers": list(features)}

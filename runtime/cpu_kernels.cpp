@@ -311,7 +311,8 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
                   const std::vector<std::vector<torch::Tensor>>& projs, const std::vector<torch::Tensor>& bqkv,
                   const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& bo,
                   const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
-                  const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits) {
+                  const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
+                  const std::vector<int64_t>& feature_layers, float* features) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
   const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
   float* x = scratch[0].data_ptr<float>();       // residual stream [R, hidden]
@@ -329,8 +330,18 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
   const float* sn = rope_sin.data_ptr<float>();
   const float* emb = embed.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) std::memcpy(x + r * Hd, emb + tok[r] * Hd, Hd * sizeof(float));
+  // EAGLE-3 features: the residual stream entering layer j (j = layers: after the last layer, before the final norm)
+  // for each requested j, copied into features[r, k * hidden : (k + 1) * hidden]; a copy, so rows stay invariant.
+  const int64_t n_feat = static_cast<int64_t>(feature_layers.size());
+  auto capture = [&](int64_t layer) {
+    for (int64_t k = 0; k < n_feat; ++k)
+      if (feature_layers[k] == layer)
+        for (int64_t r = 0; r < R; ++r)
+          std::memcpy(features + (r * n_feat + k) * Hd, x + r * Hd, Hd * sizeof(float));
+  };
 
   for (int64_t l = 0; l < c.layers; ++l) {
+    capture(l);
     const float* attn_norm = norms[2 * l].data_ptr<float>();
     const float* mlp_norm = norms[2 * l + 1].data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, attn_norm, Hd, c.eps, h + r * Hd);
@@ -376,20 +387,91 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
     }
     project<W>(act, R, c.inter, projs[4 * l + 3], Hd, h, nullptr, x, xq);
   }
+  capture(c.layers);
   const float* fn = final_norm.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, fn, Hd, c.eps, h + r * Hd);
+  gemm<W>(h, R, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr);
+}
+
+
+// EAGLE-3 head (runtime/eagle3.py): one LLaMA layer whose attention input is [input_layernorm(embed(token)),
+// hidden_norm(g)] (2H wide), g the row's hidden input (fc(target features) or the parent row's output), residual g;
+// returns the draft-vocabulary logits and the layer's output (the hidden the row's children read). Same kernels and
+// row invariance as forward_impl; the one-layer KV cache is the head's own.
+template <typename W>
+void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tensor& positions,
+                 std::vector<Segment>& segs, const torch::Tensor& embed, const torch::Tensor& hidden_in,
+                 const std::vector<torch::Tensor>& norms, const std::vector<std::vector<torch::Tensor>>& projs,
+                 const torch::Tensor& head, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
+                 std::vector<torch::Tensor>& scratch, torch::Tensor& logits, torch::Tensor& hidden_out) {
+  const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
+  const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
+  float* a = scratch[0].data_ptr<float>();       // attention input [R, 2 * hidden]
+  float* h = scratch[1].data_ptr<float>();       // normed [R, hidden]
+  float* qkv = scratch[2].data_ptr<float>();     // [R, qkv_dim]
+  float* att = scratch[3].data_ptr<float>();     // [R, q_dim]
+  float* g13 = scratch[4].data_ptr<float>();     // [R, 2 * inter]
+  float* act = scratch[5].data_ptr<float>();     // [R, inter]
+  float* scores = scratch[6].data_ptr<float>();  // [R * heads, capacity]
+  uint8_t* xq = scratch[7].data_ptr<uint8_t>();  // unused by fp weights
+  float* x = hidden_out.data_ptr<float>();       // residual stream [R, hidden], the rows' output hidden
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* emb = embed.data_ptr<float>();
+  const float* g = hidden_in.data_ptr<float>();
+  const float *in_norm = norms[0].data_ptr<float>(), *hid_norm = norms[1].data_ptr<float>();
+  const float *post_norm = norms[2].data_ptr<float>(), *final_norm = norms[3].data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    rms_norm_row(emb + tok[r] * Hd, in_norm, Hd, c.eps, a + r * 2 * Hd);
+    rms_norm_row(g + r * Hd, hid_norm, Hd, c.eps, a + r * 2 * Hd + Hd);
+  }
+  project<W>(a, R, 2 * Hd, projs[0], qkv_dim, qkv, nullptr, nullptr, xq);
+  const float* cs = rope_cos.data_ptr<float>();
+  const float* sn = rope_sin.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t hh = 0; hh < c.heads + c.kv_heads; ++hh)
+      rope_head(qkv + r * qkv_dim + hh * D, cs + pos[r] * half, sn + pos[r] * half, half);
+  for (const Segment& s : segs)
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const int64_t slot = s.length + s.window - s.rows + r;
+      const float* row = qkv + (s.row0 + r) * qkv_dim;
+      for (int64_t hh = 0; hh < c.kv_heads; ++hh) {
+        std::memcpy(s.k + (hh * s.capacity + slot) * D, row + q_dim + hh * D, D * sizeof(float));
+        std::memcpy(s.v + (hh * s.capacity + slot) * D, row + q_dim + kv_dim + hh * D, D * sizeof(float));
+      }
+    }
+  attention(c, 0, segs, qkv, qkv_dim, att, scores, scratch[6].size(1));
+  std::memcpy(x, g, R * Hd * sizeof(float));
+  project<W>(att, R, q_dim, projs[1], Hd, h, nullptr, x, xq);
+  for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, post_norm, Hd, c.eps, h + r * Hd);
+  project<W>(h, R, Hd, projs[2], 2 * c.inter, g13, nullptr, nullptr, xq);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* gr = g13 + r * 2 * c.inter;
+    float* ar = act + r * c.inter;
+    for (int64_t i = 0; i < c.inter; i += 16) {  // silu(gate) * up, as in forward_impl
+      __mmask16 m = tail_mask(c.inter - i);
+      __m512 gv = _mm512_maskz_loadu_ps(m, gr + i), uv = _mm512_maskz_loadu_ps(m, gr + c.inter + i);
+      __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                      exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
+    }
+  }
+  project<W>(act, R, c.inter, projs[3], Hd, h, nullptr, x, xq);
+  for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, final_norm, Hd, c.eps, h + r * Hd);
   gemm<W>(h, R, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr);
 }
 
 }  // namespace
 
 // segments: per request (row count, committed length, window, tree mask [rows, window] bool, k cache, v cache).
+// feature_layers (may be empty): residual-stream points copied into `features` [rows, len * hidden] (EAGLE-3).
 void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
              std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
              std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
              std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> projs,
              std::vector<torch::Tensor> bqkv, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> bo, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
-             torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits) {
+             torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits,
+             std::vector<int64_t> feature_layers, torch::Tensor features) {
   Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
   std::vector<Segment> segs;
   int64_t row0 = 0;
@@ -399,12 +481,42 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
     row0 += seg_rows[s];
   }
   TORCH_CHECK(row0 == tokens.size(0), "segment rows do not add up to the tokens");
+  TORCH_CHECK(feature_layers.empty() || features.numel() == row0 * dims[0] * (int64_t)feature_layers.size(),
+              "features must be [rows, len(feature_layers) * hidden]");
+  float* feat = feature_layers.empty() ? nullptr : features.data_ptr<float>();
   if (head.scalar_type() == at::kBFloat16)
     forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo,
-                               final_norm, head, rope_cos, rope_sin, scratch, logits);
+                               final_norm, head, rope_cos, rope_sin, scratch, logits, feature_layers, feat);
   else
     forward_impl<float>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
-                        head, rope_cos, rope_sin, scratch, logits);
+                        head, rope_cos, rope_sin, scratch, logits, feature_layers, feat);
+}
+
+// EAGLE-3 head forward: dims = (hidden, inter, heads, kv_heads, head_dim); norms = (input, hidden, post-attention,
+// final); projs = (q/k/v [K = 2 * hidden], o, gate/up, down); caches [1, kv_heads, capacity, head_dim] per segment.
+void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
+                    std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
+                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
+                    torch::Tensor hidden_in, std::vector<torch::Tensor> norms,
+                    std::vector<std::vector<torch::Tensor>> projs, torch::Tensor head, torch::Tensor rope_cos,
+                    torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits,
+                    torch::Tensor hidden_out) {
+  Config c{dims[0], dims[1], 1, dims[2], dims[3], dims[4], logits.size(1), static_cast<float>(eps)};
+  std::vector<Segment> segs;
+  int64_t row0 = 0;
+  for (size_t s = 0; s < seg_rows.size(); ++s) {
+    segs.push_back({row0, seg_rows[s], seg_lengths[s], masks[s].size(1), masks[s].data_ptr<bool>(),
+                    k_caches[s].data_ptr<float>(), v_caches[s].data_ptr<float>(), k_caches[s].size(2)});
+    row0 += seg_rows[s];
+  }
+  TORCH_CHECK(row0 == tokens.size(0) && hidden_in.size(0) == row0 && hidden_out.size(0) == row0,
+              "segment rows, hidden inputs and outputs must agree");
+  if (head.scalar_type() == at::kBFloat16)
+    eagle3_impl<at::BFloat16>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, rope_cos, rope_sin,
+                              scratch, logits, hidden_out);
+  else
+    eagle3_impl<float>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, rope_cos, rope_sin, scratch,
+                       logits, hidden_out);
 }
 
 // One projection, exposed for tests and the profiler: out[rows, n_out] = x @ W^T (fp or W8A8 packed).
@@ -423,4 +535,5 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)");
   m.def("linear", &linear, "packed row-invariant GEMM");
+  m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)");
 }

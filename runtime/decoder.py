@@ -31,7 +31,7 @@ from functools import lru_cache
 import torch
 from spectrt.runtime.engine import Engine, Segment
 from spectrt.runtime.policy import Policy, allocate
-from spectrt.runtime.propose import Candidates, DraftProposer, SuffixProposer
+from spectrt.runtime.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
 
@@ -197,7 +197,11 @@ class Decoder:
         self.prefill_budget = prefill_budget or max_tree_tokens
         capacity = max_seq_len + max_tree_tokens
         self.target_caches = target.new_caches(max_active, capacity, max_tree_tokens)
-        self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens) if draft is not None else None
+        self.drafter = None
+        if getattr(draft, "feature_layers", None) is not None:  # an EAGLE-3 head reads the target's features
+            self.drafter = Eagle3Proposer(draft, max_active, capacity, max_tree_tokens, target)
+        elif draft is not None:
+            self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens)
         self.suffix = SuffixProposer(max_active)
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.policy = policy or Policy()
@@ -408,11 +412,19 @@ class Decoder:
             segments.append((tokens, tree.positions(cand.position), tree.mask, cache))
             plans.append((cand, tree, order, tokens))
             info.tree_tokens += len(tree)
-        logits = self.target.forward_many(segments) if segments else []
-        for job, t in chunks:
-            self.target_caches[job.slot].commit(t)
-        return [(cand, tree, order, tokens, lg) for (cand, tree, order, tokens), lg
-                in zip(plans, logits[len(chunks):], strict=True)]
+        layers = self.drafter.feature_layers if self.drafter is not None else None
+        features = [None] * len(segments)
+        if layers and segments:  # the head's inputs come out of the same target forward
+            logits, features = self.target.forward_features(segments, layers)
+        else:
+            logits = self.target.forward_many(segments) if segments else []
+        for (job, t), feats in zip(chunks, features[:len(chunks)], strict=True):
+            cache = self.target_caches[job.slot]
+            if feats is not None and self._drafts(job):
+                self.drafter.take(job.slot, cache.length, feats)
+            cache.commit(t)
+        return [(cand, tree, order, tokens, lg, feats) for (cand, tree, order, tokens), lg, feats
+                in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
 
     def _drafts(self, job: Job) -> bool:
         """Whether the job's trees come from the draft (a static tree, or AUTO with the policy's draft on)."""
@@ -490,10 +502,10 @@ class Decoder:
 
     # ------------------------------------------------------------------------------------- acceptance
     def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:
-        for cand, tree, order, tokens, logits in planned:
+        for cand, tree, order, tokens, logits, features in planned:
             job = cand.job
             try:
-                self._accept(cand, tree, order, tokens, logits, info)
+                self._accept(cand, tree, order, tokens, logits, info, features)
             except Exception as exc:  # this request's verification failed: it ends, the batch goes on
                 self._release(job, "error", exc)
                 if job not in info.finished:
@@ -533,7 +545,7 @@ class Decoder:
         return logits
 
     def _accept(self, cand: Candidates, tree: Tree, order: list[int], tokens: torch.Tensor, logits: torch.Tensor,
-                info: StepInfo) -> None:
+                info: StepInfo, features: torch.Tensor | None = None) -> None:
         job, trie, stats = cand.job, cand.trie, cand.job.stats
         token_list = tokens.tolist()
         logits = self._constrain(job, tree, token_list, logits)
@@ -560,6 +572,8 @@ class Decoder:
         self.target_caches[job.slot].compact(path)
         if self.drafter is not None and self._drafts(job):
             self.drafter.accept(job.slot, trie, order, path)
+            if features is not None:  # the accepted rows' target features: the head's next inputs
+                self.drafter.take(job.slot, cand.position, features[path])
         limit = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids))
         new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]
         eos = job.eos_ids if job.eos_ids is not None else self.eos_ids

@@ -167,6 +167,12 @@ class NativeModel:
         The logits are the one tensor a forward allocates (it is its result, and callers keep it across forwards);
         every intermediate lives in the static scratch.
         """
+        return self.forward_features(segments, ())[0]
+
+    def forward_features(self, segments, feature_layers) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(logits per segment, features per segment or None): with `feature_layers`, also the residual stream
+        entering each of those layers (EAGLE-3's target features), [rows, len(feature_layers) * hidden] fp32.
+        Copying them costs one memcpy per row and layer; rows stay invariant."""
         rows = [s[0].shape[0] for s in segments]
         total = sum(rows)
         tokens = torch.cat([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
@@ -179,12 +185,15 @@ class NativeModel:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}): got {tokens.tolist()}")
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
         logits = torch.empty(total, self.config.vocab_size if self.head_ids is None else len(self.head_ids))
+        feature_layers = [int(j) for j in feature_layers]
+        features = torch.empty(total, len(feature_layers) * self.config.hidden_size) if feature_layers else None
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, logits,
+            feature_layers, features if features is not None else torch.empty(0),
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
             logits = torch.full((total, self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-        return list(logits.split(rows))
+        return list(logits.split(rows)), None if features is None else list(features.split(rows))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,6 +288,20 @@ class Transformer:
             return self.native.forward_many(segments)
         return [self.forward(*segment) for segment in segments]
 
+    @torch.inference_mode()
+    def forward_features(self, segments: list[tuple],
+                         feature_layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(logits, features) per segment: features [T, len(feature_layers) * hidden] fp32 are the residual stream
+        entering each listed layer (the output of the layer before; `num_layers` = the last layer's output, before
+        the final norm), concatenated in the listed order: EAGLE-3's low/mid/high target features."""
+        layers = [int(j) for j in feature_layers]
+        if not layers or any(not 0 <= j <= self.config.num_layers for j in layers):
+            raise ValueError(f"feature layers must lie in [0, {self.config.num_layers}], got {layers}")
+        if self.native is not None:
+            return self.native.forward_features(segments, layers)
+        out = [self._forward(*segment, feature_layers=layers) for segment in segments]
+        return [o[0] for o in out], [o[1] for o in out]
+
     def weight_bytes(self) -> int:
         """Bytes of all weights held (a tied head counted once)."""
         tensors = [self.embed, self.norm] + ([self.head] if self.head is not self.embed else [])
@@ -368,6 +383,11 @@ class Transformer:
         """
         if self.native is not None:
             return self.native.forward_many([(tokens, positions, tree_mask, cache)])[0]
+        return self._forward(tokens, positions, tree_mask, cache)[0]
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache: KVCache,
+                 feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reference forward: logits and, for `feature_layers`, the residual stream entering those layers."""
         c = self.config
         t = tree_mask.shape[0]
         n = cache.length
@@ -379,7 +399,10 @@ class Transformer:
         x = self.embed[tokens]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         visible = self._visible_rows(mask) if self.row_invariant else None
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in feature_layers:
+                captured[i] = x.float()
             h = self._rms_norm(x, layer["attn_norm"])
             qkv = self._project(h, layer["wqkv"])
             if c.attention_bias:
@@ -403,7 +426,9 @@ class Transformer:
             h = self._rms_norm(x, layer["mlp_norm"])
             gate, up = self._project(h, layer["w13"]).chunk(2, dim=-1)
             x = x + self._project(F.silu(gate) * up, layer["w2"])
-        return self._logits(self._rms_norm(x, self.norm))
+        captured[c.num_layers] = x.float()
+        features = torch.cat([captured[j] for j in feature_layers], dim=-1) if feature_layers else None
+        return self._logits(self._rms_norm(x, self.norm)), features
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, V], a fresh tensor (callers keep rows of several forwards at once). A subset

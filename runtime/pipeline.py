@@ -13,7 +13,8 @@ from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.decoder import GREEDY, Decoder, DecodeStats
-from spectrt.runtime.engine import check_draft_matches, draft_dtype, load_engine, resolve_dtype
+from spectrt.runtime.eagle3 import Eagle3Head, is_eagle3
+from spectrt.runtime.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from spectrt.runtime.policy import Policy, load_policy, policy_path
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.text import TextStream
@@ -55,7 +56,8 @@ class Pipeline:
         target = Path(target)
         self.dtype = dtype = resolve_dtype(dtype, backend, target)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
-        if draft is not None:
+        head = draft is not None and is_eagle3(Path(draft))  # an EAGLE-3 feature head (SpecForge's layout)
+        if draft is not None and not head:
             check_draft_matches(target, Path(draft))
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         eos = {self.tokenizer.eos_token_id}
@@ -63,10 +65,17 @@ class Pipeline:
         if gen_config.is_file():
             configured = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
             eos |= set(configured) if isinstance(configured, list) else {configured}
-        draft_engine = None if draft is None else load_engine(Path(draft), backend, draft_dtype(backend, dtype),
-                                                              measure_kernels)
+        target_engine = load_engine(target, backend, dtype, measure_kernels)
+        if head:  # it reads the target's features and embedding: loaded for (and checked against) this target
+            if backend != "torch":
+                raise ValueError(f"{draft} is an EAGLE-3 head: it runs with --backend torch (the exported graphs do "
+                                 "not return target features yet)")
+            draft_engine = Eagle3Head.load(Path(draft), target_engine, DTYPES[draft_dtype(backend, dtype)])
+        else:
+            draft_engine = None if draft is None else load_engine(Path(draft), backend, draft_dtype(backend, dtype),
+                                                                  measure_kernels)
         self.decoder = Decoder(
-            load_engine(target, backend, dtype, measure_kernels),
+            target_engine,
             draft_engine,
             eos_ids={e for e in eos if e is not None},
             max_seq_len=max_seq_len,

@@ -11,6 +11,9 @@ score per node (the estimated probability that the target accepts the path to it
   request's level runs in ONE draft `forward_many`, and the expansion decisions weigh the whole batch's expected
   tokens against the batched verify (`runtime/policy.allocate`).
 
+- `Eagle3Proposer`: an EAGLE-3 feature head (runtime/eagle3.py), the same trees and expansion; it reads the target's
+  features of every committed token, which the decoder hands it from the verify forward (`feature_layers`, `take`).
+
 A proposer keeps its own per-slot state (`start` when a request takes a slot, `accept` after verification). The
 decode loop (runtime/decoder.py) owns the order: suffix first (free), then the draft, then the budget.
 """
@@ -103,6 +106,8 @@ class DraftProposer:
     accepted fed nodes (`compact`). A node's draft slot is `trie.draft_slot[node]`.
     """
 
+    feature_layers: tuple[int, ...] | None = None  # target features this proposer reads (Eagle3Proposer)
+
     def __init__(self, engine: Engine, slots: int, capacity: int, window: int):
         self.engine, self.window = engine, window
         self.caches = engine.new_caches(slots, capacity, window)
@@ -157,7 +162,7 @@ class DraftProposer:
             return 0.0
         rows, prefill_rows = sum(len(s[0]) for s in segments), sum(len(s[0]) for s in prefill)
         sunk = self.cost(rows) - (self.cost(prefill_rows) if prefill_rows else 0.0)  # prompt chunks are paid anyway
-        logits = self.engine.forward_many(segments)
+        logits = self._run(segments)
         for seg in segments:
             seg[3].commit(len(seg[0]))
         by_cache = {id(seg[3]): lg for seg, lg in zip(segments, logits, strict=True)}
@@ -178,12 +183,16 @@ class DraftProposer:
             segments = [self._feed(d, nxt[id(d)]) for d in level]
             rows = sum(len(s[0]) for s in segments)
             sunk += self.cost(rows)
-            for d, lg in zip(level, self.engine.forward_many(segments), strict=True):
+            for d, lg in zip(level, self._run(segments), strict=True):
                 d.logits = lg
                 d.frontier = nxt[id(d)]
                 d.cand.job.stats.draft_passes += 1
             drafting, depth = level, depth + 1
         return sunk
+
+    def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """One draft forward over the segments: logits per segment."""
+        return self.engine.forward_many(segments)
 
     def _children(self, drafting: list[_Drafting], depth: int) -> None:
         """Add this level's children under each request's frontier (one softmax/top-k for the batch where possible)."""
@@ -280,3 +289,78 @@ class DraftProposer:
         depth = trie.depths[nodes[0]]
         tokens = torch.tensor([trie.tokens[i] for i in nodes])
         return tokens, torch.full((len(nodes),), d.cand.position + depth), mask, cache
+
+
+class Eagle3Proposer(DraftProposer):
+    """An EAGLE-3 head as the draft: a head row at position p reads token p and the target's features of p - 1
+    (`project`ed), a drafted node reads its parent row's output hidden instead (what the head was trained on).
+
+    So the head's committed rows lag the target by one position: slot j of its cache is the row at position j + 1,
+    and after each verify the decoder hands over the accepted rows' target features (`take`). Drafted rows are
+    dropped at `accept` (they read the head's own hidden, not the target's); the next step's first pass re-reads the
+    accepted tokens and the bonus token with their true features (the catch-up) and drafts from the last row.
+    """
+
+    def __init__(self, head, slots: int, capacity: int, window: int, target: Engine):
+        if not hasattr(target, "forward_features"):
+            raise ValueError(f"an EAGLE-3 head needs the target's features: {type(target).__name__} does not return "
+                             "them (use the torch or native target engine)")
+        super().__init__(head, slots, capacity, window)
+        self.feature_layers = tuple(head.feature_layers)
+        self.base = [0] * slots  # position of the first pending feature row
+        self.pending = [torch.empty(0, head.fc.shape[1]) for _ in range(slots)]
+        self.node_hidden: dict[int, dict[int, torch.Tensor]] = {}  # id(cache) -> trie node -> its row's output
+        self.fed_nodes: dict[int, list[int]] = {}  # id(cache) -> the nodes of the segment fed now
+
+    def start(self, slot: int) -> None:
+        super().start(slot)
+        self.base[slot], self.pending[slot] = 0, self.pending[slot][:0]
+
+    def take(self, slot: int, position: int, features: torch.Tensor) -> None:
+        """Target features of committed tokens at `position`, `position + 1`, ... (a re-fed position replaces the
+        old rows: a step retried after a failure feeds its rows again)."""
+        keep = position - self.base[slot]
+        if not 0 <= keep <= len(self.pending[slot]):
+            raise RuntimeError(f"target features at position {position} do not follow the pending ones "
+                               f"({self.base[slot]}..{self.base[slot] + len(self.pending[slot])})")
+        self.pending[slot] = torch.cat([self.pending[slot][:keep], features.float()])
+
+    def lag(self, slot: int, ids: list[int]) -> int:
+        return len(ids) - 1 - self.caches[slot].length
+
+    def chunk(self, slot: int, ids: list[int], end: int) -> Segment | None:
+        """The causal head segment of rows at positions cache.length + 1 .. end - 1 whose features are known."""
+        cache = self.caches[slot]
+        n = cache.length
+        if n > self.base[slot]:  # rows before the committed length are read: drop them
+            self.pending[slot] = self.pending[slot][n - self.base[slot]:]
+            self.base[slot] = n
+        t = min(end - 1, self.base[slot] + len(self.pending[slot])) - n
+        t = min(t, self.window)
+        if t <= 0:
+            return None
+        self.fed_nodes.pop(id(cache), None)
+        hidden = self.engine.project(self.pending[slot][n - self.base[slot]:n - self.base[slot] + t])
+        return torch.tensor(ids[n + 1:n + 1 + t]), torch.arange(n + 1, n + 1 + t), self.causal[:t, :t], cache, hidden
+
+    def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
+        self.caches[slot].compact([])
+
+    def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
+        logits = []
+        for seg, (lg, hidden) in zip(segments, self.engine.forward_many(segments), strict=True):
+            nodes = self.fed_nodes.pop(id(seg[3]), None)
+            if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
+                self.node_hidden[id(seg[3])] = {0: hidden[-1]}
+            else:
+                rows = self.node_hidden[id(seg[3])]
+                for j, node in enumerate(nodes):
+                    rows[node] = hidden[j]
+            logits.append(lg)
+        return logits
+
+    def _feed(self, d: _Drafting, nodes: list[int]) -> Segment:
+        tokens, positions, mask, cache = super()._feed(d, nodes)
+        rows = self.node_hidden[id(cache)]
+        self.fed_nodes[id(cache)] = nodes
+        return tokens, positions, mask, cache, torch.stack([rows[d.cand.trie.parents[i]] for i in nodes])

@@ -154,12 +154,7 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
     convs = C.read_prompts(train)[:5]
     recs, stats = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
     assert stats["generated_tokens"] == stats["tokens"] > 0 and stats["answers"] == 5  # greedy: one answer each
-    for r in recs:
-        n = len(r["top_ids"])
-        assert len(r["input_ids"]) == r["prompt_len"] + n and r["top_logp"].shape == (n, cfg.top_k)
-        gen = r["input_ids"][r["prompt_len"]:]
-        assert torch.equal(gen.long(), r["top_ids"][:, 0].long())  # greedy: the token is the target's argmax
-        assert (r["top_logp"].float().exp().sum(-1) <= 1.001).all()
+    assert stats["shipped_answers"] == 0  # nothing is shipped for this target
     again, stats2 = C.generate_distill_data(tiny, convs, tmp_path, cfg, progress=False)
     assert stats2["generated_tokens"] == 0
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(recs, again, strict=True))
@@ -168,6 +163,40 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
     _, stats4 = C.generate_distill_data(tiny, convs, tmp_path, T.DistillConfig(max_new_tokens=9, temperature=0.0),
                                         progress=False)
     assert stats4["generated_tokens"] > 0  # other generation settings: other cache
+
+
+def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tmp_path):
+    """top-k log-probs and features of every record from batched forwards (sampled answers to one prompt as branches
+    of one tree) equal a causal forward of that record alone; greedy answers are the target's argmax."""
+    from spectrt.runtime.model import Transformer
+
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)  # answers by the bf16 target (gen_dtype)
+    greedy, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
+    sampled, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[7:10], tmp_path, T.DistillConfig(
+        max_new_tokens=12, temperature=1.0, samples_per_prompt=3), progress=False)
+    recs = greedy + sampled
+    forced, stats = C.teacher_force(tiny, recs, "bfloat16", 5, feature_layers=(1, 3), rows_per_call=64,
+                                    progress=False)
+    assert stats["records"] == 16 and stats["tokens"] == sum(len(r["input_ids"]) for r in recs)
+    assert stats["forward_rows"] < stats["tokens"]  # each sampled prompt's rows once for its three answers
+    engine = Transformer.load(tiny, torch.bfloat16)
+    by_ids = {tuple(r["input_ids"].tolist()): r for r in forced}
+    for k, rec in enumerate(recs):
+        got = by_ids[tuple(rec["input_ids"].tolist())]
+        n, p = len(rec["input_ids"]), rec["prompt_len"]
+        assert got["top_ids"].shape == (n - p, 5) and got["features"].shape == (n, 2 * 64)
+        answer = rec["input_ids"][p:]
+        if k < len(greedy):  # greedy: each token is the target's argmax
+            assert torch.equal(got["top_ids"][:, 0].long(), answer.long())
+        (logits,), (feats,) = engine.forward_features(
+            [(rec["input_ids"].long(), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(),
+              engine.new_cache(n, n))], (1, 3))
+        want = logits[p - 1:-1].log_softmax(-1).topk(5)
+        torch.testing.assert_close(got["top_logp"].float(), want.values.half().float())
+        torch.testing.assert_close(got["features"].float(), feats.bfloat16().float())
+        assert (got["top_logp"].float().exp().sum(-1) <= 1.001).all()
+    cut, cut_stats = C.teacher_force(tiny, recs, "float32", 5, deadline=0.0, rows_per_call=16, progress=False)
+    assert 0 < cut_stats["records"] < 16 and "features" not in cut[0]  # a passed deadline: one call, then stop
 
 
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
@@ -203,15 +232,20 @@ def test_sampled_answers_and_deadline(tiny, corpora, tmp_path):
     for r in recs:
         by_prompt.setdefault(tuple(r["input_ids"][: r["prompt_len"]].tolist()), []).append(r)
     assert len(by_prompt) == 12 and all(len(v) == 3 for v in by_prompt.values())
-    gen = torch.cat([r["input_ids"][r["prompt_len"]:] for r in recs]).long()
-    argmax = torch.cat([r["top_ids"][:, 0] for r in recs]).long()
+    forced, _ = C.teacher_force(tiny, recs, "float32", 4, progress=False)
+    gen = torch.cat([r["input_ids"][r["prompt_len"]:] for r in forced]).long()
+    argmax = torch.cat([r["top_ids"][:, 0] for r in forced]).long()
     assert (gen != argmax).any()  # sampled, not greedy
     assert len({tuple(r["input_ids"].tolist()) for r in recs}) > 12  # new answers, not copies
+    # each answer has its own sampling stream: generated alone (another batch), it is the same answer
+    alone, _ = C.generate_distill_data(tiny, convs[3:4], tmp_path / "alone", T.DistillConfig(
+        max_new_tokens=16, temperature=1.0, samples_per_prompt=3, gen_batch_size=1), progress=False)
+    prompt = tuple(alone[0]["input_ids"][:alone[0]["prompt_len"]].tolist())
+    assert [a["input_ids"].tolist() for a in alone] == [r["input_ids"].tolist() for r in by_prompt[prompt]]
 
 
 def _records(answers: list[list[int]], prompt: list[int]) -> list[dict]:
-    return [{"input_ids": torch.tensor(prompt + a, dtype=torch.int32), "prompt_len": len(prompt),
-             "top_ids": torch.zeros(len(a), 1, dtype=torch.int32), "top_logp": torch.zeros(len(a), 1)} for a in answers]
+    return [{"input_ids": torch.tensor(prompt + a, dtype=torch.int32), "prompt_len": len(prompt)} for a in answers]
 
 
 def test_subset_is_top_k_by_answer_frequency():
@@ -345,7 +379,8 @@ def test_vocab_subset_as_large_as_the_vocabulary_is_the_full_head(tiny, corpora,
 def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
     train, _ = corpora
     cfg = T.DistillConfig(**{**TINY, "max_new_tokens": 16, "checkpoint_every_s": 1e9})
-    records, _ = C.generate_distill_data(tiny, C.read_prompts(train)[:30], tmp_path / "data", cfg, progress=False)
+    answers, _ = C.generate_distill_data(tiny, C.read_prompts(train)[:30], tmp_path / "data", cfg, progress=False)
+    records, _ = C.teacher_force(tiny, answers, "float32", cfg.top_k, progress=False)
     slice_dir = S.slice_target(tiny, 1, tmp_path / "slice")
 
     straight, s_stats = T.train_draft(slice_dir, records, tmp_path / "a.pt", cfg, max_steps=8, progress=False)
@@ -462,9 +497,9 @@ def test_native_generator_greedy_answers_equal_the_decoder(target_dir):
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:8 + 3 * i]
                for i in range(3)]
     gen = _NativeGenerator(target_dir, "float32")
-    records = gen.generate(prompts, 24, 0.0, [2], 0, 8, torch.Generator().manual_seed(0))
+    records = gen.generate(prompts, 24, 0.0, [2], 0, [torch.Generator().manual_seed(0)] * len(prompts))
     decoder = Decoder(gen.model, None, {2}, max_seq_len=128)
     for prompt, rec in zip(prompts, records, strict=True):
         answer = rec["input_ids"][rec["prompt_len"]:].tolist()
         assert answer[:len(answer) - (answer[-1] == 2)] == decoder.generate(prompt, 24).token_ids
-        assert rec["top_ids"].shape == (len(answer), 8) and int(rec["top_ids"][0, 0]) == answer[0]
+        assert rec["prompt_len"] == len(prompt)

@@ -1,0 +1,437 @@
+"""Training an EAGLE-3 feature head (runtime/eagle3.py runs it) on teacher-forced target features.
+
+The module's parameters carry SpecForge's names (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`, `t2d`), so
+its state dict is the checkpoint (`save_head`). Training (`train_head`) is EAGLE-3's training-time test: step 0 runs
+the head on the target's features of every position; step i > 0 feeds each row its own output hidden from step
+i - 1 and the next true token, as drafting a chain i levels deep does, attending to the target-feature rows up to
+its root (step 0, causal) and to its own earlier steps (the chain's ancestors), at position + i. Each step's logits
+over the draft vocabulary are trained by KL to the target's top-k plus CE on the target's argmax (build/distill.py
+`distill_loss`, closed-form gradient), step i weighted `ttt_decay ** i`.
+
+Measured choices are in `DistillConfig` (build/distill.py), shared with the slice: one budget, one progress bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from spectrt.build.distill import (
+    DistillConfig,
+    _batches,
+    _lr_factor,
+    _save_state,
+    distill_loss,
+    subset_remap,
+)
+from spectrt.build.slice import TOKENIZER_FILES
+from spectrt.runtime.eagle3 import ARCHITECTURE, default_feature_layers
+from spectrt.runtime.families import rope_frequencies
+from spectrt.runtime.model import ModelConfig
+from torch import nn
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, q_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(c), _MLP(c)
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's one LLaMA layer: the target's shape (hidden, heads, MLP, RoPE), plain LLaMA (no biases/q-k norms)."""
+    return ModelConfig(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                       intermediate_size=target.intermediate_size, num_layers=1, num_heads=target.num_heads,
+                       num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps,
+                       rope_theta=target.rope_theta, tie_word_embeddings=False, rope_scaling=target.rope_scaling)
+
+
+class Eagle3Module(nn.Module):
+    """The trainable head; `state_dict()` is SpecForge's EAGLE-3 checkpoint layout."""
+
+    def __init__(self, target: ModelConfig, draft_ids: torch.Tensor, init_std: float = 0.02):
+        super().__init__()
+        c = self.config = head_config(target)
+        self.fc = nn.Linear(3 * target.hidden_size, c.hidden_size, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, len(draft_ids), bias=False)
+        ids = draft_ids.long()
+        self.register_buffer("d2t", ids - torch.arange(len(ids)))
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        self.register_buffer("t2d", t2d)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=init_std)
+        inv_freq, self.rope_scale = rope_frequencies(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(len(self.d2t)) + self.d2t
+
+    def init_from_target(self, head: torch.Tensor, norm: torch.Tensor) -> None:
+        """lm_head = the target's rows of the draft vocabulary, norm = the target's final norm (SpecForge initialises
+        lm_head from the target too): the head starts out speaking the target's output space."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[self.draft_ids].float())
+            self.norm.weight.copy_(norm.float())
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def unroll(self, features: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor,
+               steps: int) -> list[torch.Tensor]:
+        """Training-time test over a batch: output hidden [B, N, H] of each step 0..steps-1.
+
+        `features` [B, N, 3 * Ht]: the target's features at positions 0..N-1; `next_tokens` [B, N + steps - 1]: the
+        token each row consumes at step i is next_tokens[:, t + i] (the true token at position t + 1 + i); `embed`
+        the target's (frozen) input embedding. Row t of step i sits at position t + 1 + i and attends to the step-0
+        rows 0..t (target features) and to its own rows of steps 1..i (its chain), as in tree drafting.
+        """
+        c, mid = self.config, self.midlayer
+        b, n, _ = features.shape
+        hq, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        group, scale = hq // hk, 1.0 / math.sqrt(d)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        keys, values, outs = [], [], []
+        g = self.fc(features)
+        for i in range(steps):
+            x = embed[next_tokens[:, i:i + n]]
+            a = torch.cat([mid.input_layernorm(x), mid.hidden_norm(g)], dim=-1)
+            q = mid.self_attn.q_proj(a).view(b, n, hk, group, d).permute(0, 2, 3, 1, 4)  # [B, Hk, G, N, D]
+            k = mid.self_attn.k_proj(a).view(b, n, hk, d).transpose(1, 2)  # [B, Hk, N, D]
+            v = mid.self_attn.v_proj(a).view(b, n, hk, d).transpose(1, 2)
+            cos, sin = self._rope(torch.arange(n) + 1 + i, q.dtype)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            keys.append(k)
+            values.append(v)
+            scores = torch.einsum("bkgnd,bkmd->bkgnm", q, keys[0]) * scale
+            scores = scores.masked_fill(~causal, float("-inf"))
+            chain = [(q * kj[:, :, None]).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # [B, Hk, G, N, 1]
+            probs = torch.cat([scores, *chain], dim=-1).float().softmax(-1).to(q.dtype)
+            o = torch.einsum("bkgnm,bkmd->bkgnd", probs[..., :n], values[0])
+            for j, vj in enumerate(values[1:]):
+                o = o + probs[..., n + j:n + j + 1] * vj[:, :, None]
+            o = o.permute(0, 3, 1, 2, 4).reshape(b, n, hq * d)
+            h = g + mid.self_attn.o_proj(o)
+            hn = mid.post_attention_layernorm(h)
+            h = h + mid.mlp.down_proj(F.silu(mid.mlp.gate_proj(hn)) * mid.mlp.up_proj(hn))
+            outs.append(h)
+            g = h
+        return outs
+
+
+class _SubsetHeadLoss(torch.autograd.Function):
+    """sum over rows of distill_loss(normed hidden @ W^T): forward computes loss and gradients in chunks (the
+    closed form of build/distill.py), backward scales them; W's gradient only when it is trainable."""
+
+    @staticmethod
+    def forward(ctx, hn, weight, top_ids, top_logp, cfg, need_weight_grad, chunk=1024):
+        # bf16 GEMMs with autocast (the slice's head measured 17 vs 46-67 ms per batch in fp32), fp32 softmax/loss
+        dtype = torch.bfloat16 if cfg.amp else torch.float32
+        sums = torch.zeros(4)
+        grad_h = torch.empty(hn.shape, dtype=dtype)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if need_weight_grad else None
+        w = weight.detach().to(dtype)
+        for s in range(0, len(hn), chunk):
+            h = hn[s:s + chunk].detach().to(dtype)
+            part, g = distill_loss(h @ w.T, top_ids[s:s + chunk], top_logp[s:s + chunk], cfg, need_grad=True)
+            g = g.to(dtype)
+            grad_h[s:s + chunk] = g @ w
+            if grad_w is not None:
+                grad_w += (g.T @ h).float()
+            sums += part
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.need_weight_grad = need_weight_grad
+        ctx.mark_non_differentiable(sums)
+        return sums[0].clone(), sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_sums):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h.float() * grad_loss, grad_w * grad_loss if ctx.need_weight_grad else None,
+                None, None, None, None, None)
+
+
+def _collate(records: Sequence[dict], idx: Sequence[int], pad_id: int, steps: int, remap: torch.Tensor):
+    """Features [B, N, 3Ht], next tokens [B, N + steps - 1], and per step position p = t + 1 + i the target's top-k
+    ([B, N + steps, k], ids remapped to draft rows, -1 outside) with the mask of positions that have one."""
+    seqs = [records[i] for i in idx]
+    n = max(len(r["input_ids"]) - 1 for r in seqs)
+    k = seqs[0]["top_ids"].shape[1]
+    feats = torch.zeros(len(seqs), n, seqs[0]["features"].shape[1], dtype=seqs[0]["features"].dtype)
+    nxt = torch.full((len(seqs), n + steps), pad_id, dtype=torch.long)
+    top_ids = torch.full((len(seqs), n + steps, k), -1, dtype=torch.long)
+    top_logp = torch.zeros(len(seqs), n + steps, k)
+    valid = torch.zeros(len(seqs), n + steps, dtype=torch.bool)
+    for b, r in enumerate(seqs):
+        ids, p = r["input_ids"].long(), r["prompt_len"]
+        feats[b, :len(ids) - 1] = r["features"][:-1]
+        nxt[b, :len(ids) - 1] = ids[1:]
+        a = len(r["top_ids"])  # prediction positions p - 1 .. p - 2 + a predict the answer tokens
+        top_ids[b, p - 1:p - 1 + a] = remap[r["top_ids"].long()]
+        top_logp[b, p - 1:p - 1 + a] = r["top_logp"].float()
+        valid[b, p - 1:p - 1 + a] = True
+    return feats, nxt, top_ids, top_logp, valid
+
+
+def train_head(
+    records: Sequence[dict],
+    target_config: ModelConfig,
+    embed: torch.Tensor,
+    target_head: torch.Tensor,
+    target_norm: torch.Tensor,
+    draft_ids: torch.Tensor,
+    state_path: Path,
+    cfg: DistillConfig,
+    budget_s: float | None = None,
+    max_steps: int | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    on_step: Callable[[int, dict], None] | None = None,
+    tag: str = "",
+    pad_id: int = 0,
+) -> tuple[Eagle3Module, dict]:
+    """Train a head on teacher-forced `records` (with `features`, `top_ids`, `top_logp`); returns (module, stats).
+
+    Budget, checkpoint/resume, schedule and progress bar as `train_draft` (build/distill.py) for the slice.
+    """
+    from tqdm.auto import tqdm
+
+    if budget_s is None and max_steps is None:
+        raise ValueError("train_head needs budget_s or max_steps")
+    if not records or "features" not in records[0]:
+        raise ValueError("no training data with target features: teacher-force the answers with feature layers")
+    torch.manual_seed(cfg.seed)
+    model = Eagle3Module(target_config, draft_ids, cfg.head_init_std)
+    model.init_from_target(target_head, target_norm)
+    frozen = () if cfg.head_train_lm_head else ("lm_head.weight",)
+    names = [n for n, _ in model.named_parameters() if n not in frozen]
+    params = dict(model.named_parameters())
+    for n, p in params.items():
+        p.requires_grad_(n in names)
+    opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.head_lr, betas=cfg.betas,
+                            weight_decay=cfg.weight_decay)
+    meta = {"kind": "eagle3", "trainable": names, "records": len(records), "tag": tag, "vocab": len(draft_ids),
+            "ttt_steps": cfg.ttt_steps}
+    step = epoch = pos = 0
+    if resume and Path(state_path).is_file():
+        state = torch.load(state_path, weights_only=True)
+        same = all(state["meta"].get(k) == meta[k] for k in ("kind", "trainable", "tag", "vocab"))
+        if not same and progress:
+            print(f"{state_path}: made for another head or target, starting fresh", flush=True)
+        if same:
+            with torch.no_grad():
+                for n in names:
+                    params[n].copy_(state["params"][n])
+            opt.load_state_dict(state["optimizer"])
+            step, epoch, pos = state["step"], state["epoch"], state["pos"]
+    start_step = step
+    remap = subset_remap(draft_ids.long(), target_config.vocab_size)
+    embed_c = embed.detach().to(torch.bfloat16 if cfg.amp else torch.float32)
+    batches = _batches(records, cfg.head_batch_tokens)
+    if pos >= len(batches):
+        epoch, pos = epoch + 1, 0
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.amp else contextlib.nullcontext()
+    weights = [cfg.ttt_decay ** i for i in range(cfg.ttt_steps)]
+    t0 = last_ckpt = time.monotonic()
+    run = {"loss": 0.0, "kl": 0.0, "top1": 0.0, "top1_deep": 0.0}
+    seen = 0
+    bar = tqdm(total=round(budget_s) if budget_s else max_steps - start_step, disable=not progress,
+               desc=f"train EAGLE-3 head (ttt {cfg.ttt_steps})", unit="s" if budget_s else "step",
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
+    stopped_by = "budget"
+    model.train()
+    try:
+        while True:
+            elapsed = time.monotonic() - t0
+            if max_steps is not None and step >= max_steps:
+                stopped_by = "max_steps"
+                break
+            if budget_s is not None and elapsed >= budget_s:
+                break
+            prog = step / max_steps if max_steps is not None else elapsed / budget_s
+            for grp in opt.param_groups:
+                grp["lr"] = cfg.head_lr * _lr_factor(cfg, step, prog)
+            order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(cfg.seed + epoch))
+            feats, nxt, top_ids, top_logp, valid = _collate(records, batches[int(order[pos])], pad_id,
+                                                            cfg.ttt_steps, remap)
+            n = feats.shape[1]
+            with amp:
+                outs = model.unroll(feats, nxt, embed_c, cfg.ttt_steps)
+            loss = torch.zeros(())
+            totals = torch.zeros(4)
+            hits, rows = [], []
+            for i, h in enumerate(outs):
+                sel = valid[:, 1 + i:1 + i + n]
+                if not sel.any():
+                    continue
+                with amp:
+                    hn = model.norm(h[sel])
+                m = int(sel.sum())
+                part_loss, sums = _SubsetHeadLoss.apply(hn, model.lm_head.weight, top_ids[:, 1 + i:1 + i + n][sel],
+                                                        top_logp[:, 1 + i:1 + i + n][sel], cfg,
+                                                        cfg.head_train_lm_head)
+                loss = loss + weights[i] * part_loss / m
+                if i == 0:
+                    totals = sums / m
+                hits.append(float(sums[3]))
+                rows.append(m)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_([params[n_] for n_ in names], cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            pos += 1
+            seen += int(valid.sum())
+            if pos >= len(batches):
+                epoch, pos = epoch + 1, 0
+            m = {"loss": float(loss.detach()), "kl": float(totals[1]), "top1": float(totals[3]),
+                 "top1_deep": sum(hits[1:]) / max(sum(rows[1:]), 1)}
+            for k_, v in m.items():
+                run[k_] = v if step == start_step + 1 else 0.9 * run[k_] + 0.1 * v
+            if on_step is not None:
+                on_step(step, dict(run))
+            now = time.monotonic()
+            if budget_s:
+                bar.n = min(round(now - t0), bar.total)
+            else:
+                bar.update(1)
+            bar.set_postfix_str(f"step {step} loss {run['loss']:.3f} top1 {run['top1']:.2f} "
+                                f"deeper {run['top1_deep']:.2f}")
+            if now - last_ckpt > cfg.checkpoint_every_s:
+                _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=False)
+                last_ckpt = now
+    except KeyboardInterrupt:
+        _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=False)
+        bar.close()
+        raise
+    bar.close()
+    _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=True)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    stats = {"steps": step, "steps_this_run": step - start_step, "resumed_from_step": start_step,
+             "train_s": round(time.monotonic() - t0, 1), "answer_tokens_this_run": seen,
+             "epochs": round(epoch + pos / len(batches), 2), "batches_per_epoch": len(batches),
+             "stopped_by": stopped_by, "final_running": {k_: round(v, 4) for k_, v in run.items()}}
+    return model, stats
+
+
+@torch.inference_mode()
+def evaluate_head(model: Eagle3Module, records: Sequence[dict], embed: torch.Tensor, steps: int = 3,
+                  batch_tokens: int = 4096, pad_id: int = 0) -> dict:
+    """Agreement with the target at every answer position: `top1`/`top3` at step 0 (the first draft level: the
+    target's argmax is the head's top-1 / in its top 3, as `evaluate` measures the slice), `top1_by_step` for
+    steps 0..steps-1 (a chain of i true tokens drafted from the head's own outputs), `kl`, `coverage`."""
+    model.eval()
+    cfg = DistillConfig()
+    remap = subset_remap(model.draft_ids, model.config.vocab_size)
+    hit1 = [0] * steps
+    rows = [0] * steps
+    hit3 = inside = 0
+    kl_sum = 0.0
+    for idx in _batches(records, batch_tokens):
+        feats, nxt, top_ids, top_logp, valid = _collate(records, idx, pad_id, steps, remap)
+        n = feats.shape[1]
+        outs = model.unroll(feats.float(), nxt, embed.float(), steps)
+        for i, h in enumerate(outs):
+            sel = valid[:, 1 + i:1 + i + n]
+            logits = model.lm_head(model.norm(h[sel])).float()
+            want = top_ids[:, 1 + i:1 + i + n][sel]
+            top3 = logits.topk(3, dim=-1).indices
+            hit1[i] += int((top3[:, 0] == want[:, 0]).sum())
+            rows[i] += len(want)
+            if i == 0:
+                hit3 += int((top3 == want[:, :1]).any(-1).sum())
+                inside += int((want[:, 0] >= 0).sum())
+                kl_sum += float(distill_loss(logits, want, top_logp[:, 1:1 + n][sel], cfg)[0][1])
+    n0 = max(rows[0], 1)
+    return {"tokens": rows[0], "top1": round(hit1[0] / n0, 4), "top3": round(hit3 / n0, 4),
+            "kl": round(kl_sum / n0, 4), "coverage": round(inside / n0, 4),
+            "top1_by_step": [round(h / max(r, 1), 4) for h, r in zip(hit1, rows, strict=True)]}
+
+
+def save_head(model: Eagle3Module, target: Path, out_dir: Path, feature_layers: Sequence[int],
+              extra: dict | None = None) -> Path:
+    """Write the head in SpecForge's EAGLE-3 layout (config.json + model.safetensors, no embed_tokens: the target's
+    is used) plus the target's tokenizer files, so it is a draft for that target like any other."""
+    target, out_dir = Path(target), Path(out_dir)
+    raw = json.loads((target / "config.json").read_text())
+    c = model.config
+    config = {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": raw.get("rope_scaling"),
+        "max_position_embeddings": raw.get("max_position_embeddings", 2048), "vocab_size": c.vocab_size,
+        "draft_vocab_size": len(model.d2t), "target_hidden_size": model.fc.weight.shape[1] // 3,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": raw.get("bos_token_id"), "eos_token_id": raw.get("eos_token_id"),
+        "pad_token_id": raw.get("pad_token_id"),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [int(j) for j in feature_layers]},
+        "spectrt_draft": {"kind": "eagle3", **(extra or {})},
+    }
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "model.safetensors.tmp"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        if (target / name).is_file():
+            shutil.copy(target / name, out_dir / name)
+    return out_dir
+
+
+__all__ = ["Eagle3Module", "default_feature_layers", "evaluate_head", "head_config", "save_head", "train_head"]

@@ -1,0 +1,556 @@
+"""EAGLE-3 feature head: target features from every engine, SpecForge's checkpoint layout, greedy tree decoding with
+the head == AR, training, shipped answers.
+
+A tiny random LLaMA (tests/test_draft.py `make_tiny_target`) carries the head and decoding tests; the feature tests
+and the shipped answers use the real embedded target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from spectrt.build import corpus as C
+from spectrt.build import draft as D
+from spectrt.build import eagle3 as B
+from spectrt.build.distill import DistillConfig
+from spectrt.runtime.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
+from spectrt.runtime.model import Transformer
+from spectrt.runtime.tree import Tree, greedy_accept
+from test_draft import TINY, _corpus_lines, make_tiny_target
+
+SPECFORGE_WEIGHTS = {
+    "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight", "lm_head.weight",
+    "d2t", "t2d",
+}
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target", layers=4)
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[Path, Path]:
+    lines = _corpus_lines()
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "train.txt").write_text("\n".join(lines[:150]) + "\n")
+    (d / "heldout.txt").write_text("\n".join(lines[-12:]) + "\n")
+    return d / "train.txt", d / "heldout.txt"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, corpora, tmp_path_factory) -> Path:
+    """One short real EAGLE-3 run on the tiny target (shared by the decoding and report tests)."""
+    out = tmp_path_factory.mktemp("run") / "head"
+    return D.make_draft(tiny, out, kind="eagle3", budget_minutes=3, prompts=corpora[0], heldout=corpora[1],
+                        max_steps=60, progress=False, **{**TINY, "head_batch_tokens": 1024})
+
+
+# ------------------------------------------------------------------------------------------- features
+
+
+def _assert_close_rows(got: torch.Tensor, want: torch.Tensor, blocks: int) -> None:
+    """Each row's feature block within 1e-4 of its largest value (the logit tolerance of tests/test_kernels.py)."""
+    g, w = got.view(len(got), blocks, -1), want.view(len(want), blocks, -1)
+    scale = w.abs().amax(-1, keepdim=True)
+    assert ((g - w).abs() <= 1e-4 * scale + 1e-5).all(), float(((g - w).abs() / scale).max())
+
+
+def test_features_equal_the_reference_hidden_states(target_dir):
+    """torch engine == transformers' hidden_states exactly; native forward within tolerance, for a chunk and a tree
+    over a prefix, through forward_many with two segments."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    engines = {"torch": Transformer.load(target_dir, native=False, measure_kernels=False),
+               "native": Transformer.load(target_dir, native=True)}
+    layers = default_feature_layers(engines["torch"].config.num_layers)
+    assert layers == (2, 15, 27)
+    prompt = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28])
+    tree = Tree.from_expansion((2, 2))  # 7 nodes after the prompt: siblings share positions
+    tree_tokens = torch.tensor([28, 411, 253, 3365, 198, 11173, 359])
+    n = len(prompt)
+    want_prompt = torch.cat([h[0] for h in
+                             (hf(prompt[None], output_hidden_states=True).hidden_states[j] for j in layers)], -1)
+    want_tree = []
+    for i in range(len(tree)):  # each node's features = those of its own path decoded causally
+        path = [i]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        seq = torch.cat([prompt, tree_tokens[path[::-1]]])
+        out = hf(seq[None], output_hidden_states=True).hidden_states
+        want_tree.append(torch.cat([out[j][0, -1] for j in layers]))
+    want_tree = torch.stack(want_tree)
+    for name, engine in engines.items():
+        caches = engine.new_caches(2, 64, 16)
+        logits, feats = engine.forward_features([(prompt, torch.arange(n), _causal(n), caches[0]),
+                                                 (prompt[:5], torch.arange(5), _causal(5), caches[1])], layers)
+        assert feats[0].shape == (n, 3 * 576) and feats[0].dtype == torch.float32
+        if name == "torch":
+            assert torch.equal(feats[0], want_prompt)
+        _assert_close_rows(feats[0], want_prompt, 3)
+        _assert_close_rows(feats[1], want_prompt[:5], 3)
+        caches[0].commit(n)
+        _, (tree_feats,) = engine.forward_features([(tree_tokens, tree.positions(n), tree.mask, caches[0])], layers)
+        _assert_close_rows(tree_feats, want_tree, 3)
+        plain = engine.forward_many([(tree_tokens, tree.positions(n), tree.mask, caches[0])])[0]
+        assert torch.equal(plain, engine.forward_features([(tree_tokens, tree.positions(n), tree.mask, caches[0])],
+                                                          layers)[0][0])  # logits unchanged by asking for features
+    with pytest.raises(ValueError, match=r"feature layers must lie in \[0, 30\]"):
+        engines["native"].forward_features([(prompt, torch.arange(n), _causal(n), caches[0])], [2, 31, 4])
+
+
+def test_native_features_are_row_invariant(target_dir):
+    """A tree row's features are bitwise those of its node decoded alone (the verify forward's features are what the
+    head reads after acceptance, so they must not depend on the tree's shape)."""
+    engine = Transformer.load(target_dir, native=True)
+    layers = default_feature_layers(engine.config.num_layers)
+    prompt = torch.tensor([1, 9690, 198, 2683, 359, 253, 5356])
+    tree = Tree.from_expansion((3, 2))
+    tokens = torch.tensor([28, 411, 253, 3365, 198, 11173, 359, 2683, 5646, 28])[:len(tree)]
+    cache = engine.new_cache(64, 16)
+    engine.forward(prompt, torch.arange(len(prompt)), _causal(len(prompt)), cache)
+    cache.commit(len(prompt))
+    _, (tree_feats,) = engine.forward_features([(tokens, tree.positions(len(prompt)), tree.mask, cache)], layers)
+    for i in range(len(tree)):
+        path = [i]
+        while tree.parents[path[-1]] >= 0:
+            path.append(tree.parents[path[-1]])
+        path = path[::-1]
+        chain = engine.new_cache(64, 16)
+        engine.forward(prompt, torch.arange(len(prompt)), _causal(len(prompt)), chain)
+        chain.commit(len(prompt))
+        sub = torch.tensor(path)
+        _, (alone,) = engine.forward_features(
+            [(tokens[sub], tree.positions(len(prompt))[sub], _causal(len(path)), chain)], layers)
+        assert torch.equal(alone[-1], tree_feats[i]), i
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+
+def _random_module(target: Transformer, k: int = 100, seed: int = 0) -> B.Eagle3Module:
+    torch.manual_seed(seed)
+    ids = torch.randperm(target.config.vocab_size)[:k].sort().values
+    module = B.Eagle3Module(target.config, ids, init_std=0.2)
+    with torch.no_grad():
+        for p in module.parameters():  # norms away from 1 so the test sees them
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return module.eval()
+
+
+def _chain_logits(head: Eagle3Head, target: Transformer, layers, ids: torch.Tensor, root: int, depth: int):
+    """Runtime logits of drafting a chain of true tokens `ids[root + 1 : root + 1 + depth]` after catching the head up
+    on the target's features of positions 0..root - 1 (rows for tokens 1..root)."""
+    cache_t = target.new_cache(128, 32)
+    _, (feats,) = target.forward_features([(ids[:root], torch.arange(root), _causal(root), cache_t)], layers)
+    cache = head.new_cache(128, 32)
+    logits, hidden = head.forward(ids[1:root + 1], torch.arange(1, root + 1), _causal(root), cache,
+                                  head.project(feats))
+    cache.commit(root)
+    out, g = [logits[-1]], hidden[-1:]
+    for d in range(1, depth):
+        tok = ids[root + d:root + d + 1]
+        mask = torch.ones(1, d, dtype=torch.bool)
+        logits, g = head.forward(tok, torch.tensor([root + d]), mask, cache, g)
+        out.append(logits[-1])
+    return torch.stack(out)
+
+
+def test_specforge_layout_round_trip(tiny, tmp_path):
+    """save_head writes SpecForge's names and config; the runtime head loads it and computes the training module's
+    logits, for target-feature rows (step 0) and for chain rows drafted from its own outputs (steps 1, 2)."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    layers = default_feature_layers(target.config.num_layers)
+    module = _random_module(target)
+    out = B.save_head(module, tiny, tmp_path / "head", layers, {"note": "test"})
+    state = load_file(out / "model.safetensors")
+    assert set(state) == SPECFORGE_WEIGHTS
+    assert state["lm_head.weight"].shape == (100, 64) and state["fc.weight"].shape == (64, 3 * 64)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # attention input: embedding + hidden (2H)
+    assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 100
+    assert torch.equal(torch.arange(100) + state["d2t"], module.draft_ids)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 100 and config["target_hidden_size"] == 64
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(layers) and is_eagle3(out)
+    assert (out / "tokenizer.json").is_file()
+
+    head = Eagle3Head.load(out, target)
+    ids = torch.tensor([1, 40, 41, 42, 43, 7, 99, 250, 8, 13, 300, 301])
+    root, depth = 8, 3
+    runtime = _chain_logits(head, target, layers, ids, root, depth)
+    _, (feats,) = target.forward_features([(ids, torch.arange(len(ids)), _causal(len(ids)),
+                                            target.new_cache(64, 16))], layers)
+    with torch.no_grad():
+        hs = module.unroll(feats[None, :root], ids[None, 1:root + depth], target.embed, depth)
+        trained = torch.stack([module.lm_head(module.norm(h[0, root - 1])) for h in hs])
+    assert torch.isinf(runtime).sum(-1).tolist() == [384 - 100] * depth  # -inf outside the draft vocabulary
+    torch.testing.assert_close(runtime[:, module.draft_ids], trained, rtol=1e-4, atol=1e-4)
+
+
+def _reference_row(w: dict, embed: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, k_all, v_all, q_pos: int,
+                   eps: float, heads: int, kv_heads: int, theta: float):
+    """EAGLE-3's layer for one query row written out from the paper's equations, independent of runtime/eagle3.py."""
+    def rms(x, weight):
+        return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):
+        d = x.shape[-1]
+        inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+        ang = pos.float()[:, None] * inv
+        c, s = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        return x * c + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * s
+
+    a = torch.cat([rms(embed[tok], w["midlayer.input_layernorm.weight"]), rms(g, w["midlayer.hidden_norm.weight"])])
+    d = w["midlayer.self_attn.o_proj.weight"].shape[1] // heads
+    q = (w["midlayer.self_attn.q_proj.weight"] @ a).view(heads, d)
+    k = (w["midlayer.self_attn.k_proj.weight"] @ a).view(kv_heads, d)
+    v = (w["midlayer.self_attn.v_proj.weight"] @ a).view(kv_heads, d)
+    q = rope(q, torch.tensor([q_pos]).expand(heads))
+    k = rope(k, torch.tensor([q_pos]).expand(kv_heads))
+    keys = torch.cat([k_all, k[:, None]], 1)  # [kv_heads, L + 1, d]
+    vals = torch.cat([v_all, v[:, None]], 1)
+    rep = heads // kv_heads
+    att = torch.stack([torch.softmax(keys[h // rep] @ q[h] / math.sqrt(d), -1) @ vals[h // rep] for h in range(heads)])
+    h = g + w["midlayer.self_attn.o_proj.weight"] @ att.reshape(-1)
+    x = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    h = h + w["midlayer.mlp.down_proj.weight"] @ (F.silu(w["midlayer.mlp.gate_proj.weight"] @ x)
+                                                  * (w["midlayer.mlp.up_proj.weight"] @ x))
+    return w["lm_head.weight"] @ rms(h, w["norm.weight"]), h, keys, vals
+
+
+def test_handmade_specforge_checkpoint_loads(tiny, tmp_path):
+    """A head written by hand in SpecForge's layout (no embed_tokens, no layer ids: the defaults, pytorch_model.bin
+    as older releases ship it) loads through Eagle3Head and computes the EAGLE-3 equations."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    hsz, heads, kv, d, inter, kd = 64, 4, 2, 16, 128, 50
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    draft = torch.randperm(384, generator=g)[:kd].sort().values
+    t2d = torch.zeros(384, dtype=torch.bool)
+    t2d[draft] = True
+    w = {"fc.weight": rnd(hsz, 3 * hsz), "midlayer.self_attn.q_proj.weight": rnd(heads * d, 2 * hsz),
+         "midlayer.self_attn.k_proj.weight": rnd(kv * d, 2 * hsz),
+         "midlayer.self_attn.v_proj.weight": rnd(kv * d, 2 * hsz),
+         "midlayer.self_attn.o_proj.weight": rnd(hsz, heads * d), "midlayer.mlp.gate_proj.weight": rnd(inter, hsz),
+         "midlayer.mlp.up_proj.weight": rnd(inter, hsz), "midlayer.mlp.down_proj.weight": rnd(hsz, inter),
+         "midlayer.input_layernorm.weight": 1 + rnd(hsz), "midlayer.hidden_norm.weight": 1 + rnd(hsz),
+         "midlayer.post_attention_layernorm.weight": 1 + rnd(hsz), "norm.weight": 1 + rnd(hsz),
+         "lm_head.weight": rnd(kd, hsz), "d2t": draft - torch.arange(kd), "t2d": t2d}
+    out = tmp_path / "specforge-head"
+    out.mkdir()
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hsz,
+              "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "vocab_size": 384,
+              "draft_vocab_size": kd, "hidden_act": "silu", "max_position_embeddings": 2048, "torch_dtype": "float16",
+              "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    (out / "config.json").write_text(json.dumps(config))
+    torch.save({k: (v.half() if v.is_floating_point() else v) for k, v in w.items()}, out / "pytorch_model.bin")
+    w = {k: (v.half().float() if v.is_floating_point() else v) for k, v in w.items()}
+
+    head = Eagle3Head.load(out, target)
+    assert head.feature_layers == (2, 2, 1)  # default_feature_layers(4): (2, L // 2, L - 3)
+    torch.testing.assert_close(head.head_ids, draft)
+    feats = rnd(3, 3 * hsz)
+    tokens = torch.tensor([5, 77, 300])
+    cache = head.new_cache(32, 8)
+    logits, hidden = head.forward(tokens, torch.tensor([4, 5, 6]), _causal(3), cache, head.project(feats))
+    keys = torch.zeros(kv, 0, d)
+    vals = torch.zeros(kv, 0, d)
+    for r in range(3):
+        want, h, keys, vals = _reference_row(w, target.embed, tokens[r], w["fc.weight"] @ feats[r], keys, vals, 4 + r,
+                                             1e-5, heads, kv, 10000.0)
+        torch.testing.assert_close(logits[r, draft], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(hidden[r], h, rtol=1e-4, atol=1e-4)
+    assert (logits[:, ~t2d] == -torch.inf).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_head_matches_the_reference(tiny, tmp_path, dtype):
+    """The native head forward (one C++ call per level; bf16 weights with fp32 arithmetic) = the fp32 torch path on
+    the same (bf16-representable) weights, for catch-up rows and a tree level; batched segments = separate forwards,
+    bitwise (row invariance)."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    module = _random_module(target)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.bfloat16().float())
+    out = B.save_head(module, tiny, tmp_path / "head", (2, 2, 1))
+    heads = {False: Eagle3Head.load(out, target, torch.float32, native=False),
+             True: Eagle3Head.load(out, target, dtype, native=True)}
+    feats = torch.randn(6, 3 * 64, generator=torch.Generator().manual_seed(3))
+    tokens, tree = torch.tensor([5, 77, 300, 12, 9, 41]), Tree.from_expansion((2, 1))
+    results = {}
+    for native, head in heads.items():
+        caches = head.new_caches(2, 64, 8)
+        logits, hidden = head.forward(tokens, torch.arange(1, 7), _causal(6), caches[0], head.project(feats))
+        caches[0].commit(6)
+        level = head.forward_many([(torch.tensor([8, 9, 10, 11]), torch.tensor([7, 7, 8, 8]), tree.mask[1:, 1:],
+                                    caches[0], hidden[[5, 5, 0, 1]]),
+                                   (tokens[:3], torch.arange(1, 4), _causal(3), caches[1], head.project(feats[:3]))])
+        results[native] = (logits, hidden, level)
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    (ref_logits, ref_hidden, ref_level), (nat_logits, nat_hidden, nat_level) = results[False], results[True]
+    ids = heads[True].head_ids
+    torch.testing.assert_close(nat_logits[:, ids], ref_logits[:, ids], **tol)
+    torch.testing.assert_close(nat_hidden, ref_hidden, **tol)
+    for (a, b), (c, d) in zip(nat_level, ref_level, strict=True):
+        torch.testing.assert_close(a[:, ids], c[:, ids], **tol)
+        torch.testing.assert_close(b, d, **tol)
+    assert torch.equal(nat_level[1][0], nat_logits[:3]) and torch.equal(nat_level[1][1], nat_hidden[:3])
+
+
+def test_mismatched_heads_are_refused(tiny, tmp_path):
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    out = B.save_head(_random_module(target), tiny, tmp_path / "head", (2, 2, 1))
+    config = json.loads((out / "config.json").read_text())
+    for change, message in (({"target_hidden_size": 128}, "128-wide target features"),
+                            ({"vocab_size": 500}, "differs from the target's"),
+                            ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 9, 1]}}, "must be 3 ids"),
+                            ({"num_hidden_layers": 2}, "num_hidden_layers 1"),
+                            ({"architectures": ["LlamaForCausalLM"]}, "not an EAGLE-3 head")):
+        (out / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            Eagle3Head.load(out, target)
+    (out / "config.json").write_text(json.dumps(config))
+    state = load_file(out / "model.safetensors")
+    state["d2t"][3] += 1000
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t must map"):
+        Eagle3Head.load(out, target)
+
+
+# ------------------------------------------------------------------------------------------- decoding
+
+
+def eagle_generate(target: Transformer, head: Eagle3Head, prompt: list[int], max_new: int, tree: Tree,
+                   eos: int = 2) -> tuple[list[int], int, int]:
+    """A minimal greedy tree-speculative loop with the head (the lead wires the head into runtime/decoder.py):
+    verify with the target's features, catch the head up on the accepted tokens' true features, draft the static
+    `tree` level by level from the head's own outputs. Returns (tokens, accepted draft tokens, target passes)."""
+    layers, window = head.feature_layers, 32
+    tcache, hcache = target.new_cache(256, window), head.new_cache(256, window)
+    ids = list(prompt)
+    p = len(ids)
+    _, (pending,) = target.forward_features([(torch.tensor(ids[:-1]), torch.arange(p - 1), _causal(p - 1), tcache)],
+                                            layers)
+    tcache.commit(p - 1)
+    out, accepted, passes = [], 0, 0
+    while len(out) < max_new:
+        n = tcache.length  # the root ids[-1] sits at position n; the head has rows for positions 1..hcache.length
+        rows = torch.tensor(ids[hcache.length + 1:n + 1])
+        logits, hidden = head.forward(rows, torch.arange(hcache.length + 1, n + 1), _causal(len(rows)), hcache,
+                                      head.project(pending))
+        hcache.commit(len(rows))
+        node_tokens, node_hidden = [ids[-1]], {0: hidden[-1]}
+        node_logits = {0: logits[-1]}
+        for depth in range(1, tree.max_depth + 1):
+            level = tree.levels[depth]
+            for i in level:
+                parent = tree.parents[i]
+                rank = tree.children[parent].index(i)
+                node_tokens.append(int(node_logits[parent].topk(rank + 1).indices[rank]))
+            if depth < tree.max_depth:
+                first, last = level[0], level[-1]
+                lg, hd = head.forward(torch.tensor(node_tokens[first:last + 1]), torch.full((len(level),), n + depth),
+                                      tree.mask[first:last + 1, 1:last + 1], hcache,
+                                      torch.stack([node_hidden[tree.parents[i]] for i in level]))
+                for j, i in enumerate(level):
+                    node_logits[i], node_hidden[i] = lg[j], hd[j]
+        tokens = torch.tensor(node_tokens)
+        (tl,), (tf,) = target.forward_features([(tokens, tree.positions(n), tree.mask, tcache)], layers)
+        passes += 1
+        path, bonus = greedy_accept(tree, tokens.tolist(), tl.argmax(-1).tolist())
+        tcache.compact(path)
+        pending = tf[path]
+        new = [node_tokens[i] for i in path[1:]] + [bonus]
+        accepted += len(path) - 1
+        if eos in new:
+            new = new[:new.index(eos)]
+            out.extend(new)
+            break
+        out.extend(new)
+        ids.extend(new)
+    return out[:max_new], accepted, passes
+
+
+def _ar(target: Transformer, prompt: list[int], max_new: int, eos: int = 2) -> list[int]:
+    cache = target.new_cache(256, 64)
+    logits = target.forward(torch.tensor(prompt), torch.arange(len(prompt)), _causal(len(prompt)), cache)
+    cache.commit(len(prompt))
+    out = []
+    while len(out) < max_new:
+        tok = int(logits[-1].argmax())
+        if tok == eos:
+            break
+        out.append(tok)
+        logits = target.forward(torch.tensor([tok]), torch.tensor([cache.length]), torch.ones(1, 1, dtype=torch.bool),
+                                cache)
+        cache.commit(1)
+    return out
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_greedy_tree_decoding_with_the_head_equals_autoregressive(tiny, trained, native):
+    """The target verifies every drafted token: the head changes how many tokens a pass yields, never which."""
+    target = Transformer.load(tiny, native=native, measure_kernels=False)
+    head = Eagle3Head.load(trained, target)
+    accepted = passes = 0
+    for tree in (Tree.from_expansion((2, 2, 1)), Tree.from_expansion((1, 1, 1))):
+        for prompt in ([1, 40, 41, 42, 43], [1, 7, 99, 250, 8, 13], [1, 300, 301, 302]):
+            ar = _ar(target, prompt, 40)
+            spec, acc, n = eagle_generate(target, head, prompt, 40, tree)
+            assert spec == ar
+            accepted, passes = accepted + acc, passes + n
+    assert accepted > 0 and passes < 6 * 40  # the trained head is accepted: the loop is exercised
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_decoder_with_the_head_equals_autoregressive(tiny, trained, native):
+    """The head through THE decode loop (Eagle3Proposer): static trees and dynamic trees, a batch of one and three
+    requests batched, a prompt longer than the draft window (catch-up in chunks): greedy output == AR, and the head's
+    tokens are accepted."""
+    from spectrt.runtime.decoder import AUTO, Decoder, Job
+    from spectrt.runtime.policy import Policy
+
+    target = Transformer.load(tiny, native=native, measure_kernels=False)
+    head = Eagle3Head.load(trained, target)
+    prompts = [[1, 40, 41, 42, 43], [1, 7, 99, 250, 8, 13], [1, 300, 301, 302], [1] + list(range(50, 90))]
+    want = [_ar(target, p, 30) for p in prompts]
+    for tree in (Tree.from_expansion((2, 2, 1)), AUTO):
+        for max_active in (1, 3):
+            decoder = Decoder(target, head, {2}, max_seq_len=128, max_tree_tokens=16, max_active=max_active,
+                              policy=Policy(suffix=False, verify_ms=((1, 1.0), (64, 1.0)),  # speculation pays
+                                            draft_ms=((1, 1e-3), (64, 2e-3))))
+            jobs = [Job(p, 30, tree=tree) for p in prompts]
+            decoder.run(jobs)
+            assert [j.out for j in jobs] == want, (tree, max_active)
+            accepted = sum(sum(j.stats.accepted) for j in jobs)
+            passes = sum(j.stats.target_passes for j in jobs)
+            assert accepted > 0 and all(j.stats.draft_passes > 0 for j in jobs), (tree, max_active)
+            assert passes + accepted >= sum(len(w) for w in want)  # every emitted token came from a pass
+
+
+def test_pipeline_loads_a_head_through_draft(tiny, trained):
+    """`--draft <EAGLE-3 dir>` (Pipeline): the head drafts for its target, greedy text equals the target alone."""
+    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.propose import Eagle3Proposer
+
+    spec = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=128)
+    assert isinstance(spec.decoder.drafter, Eagle3Proposer)
+    alone = Pipeline(tiny, None, dtype="fp32", measure_kernels=False, max_seq_len=128)
+    for prompt in ("the cat sat on", "one two three"):
+        got = spec.generate(prompt, 24, tree="2,2,1")
+        assert got.token_ids == alone.generate(prompt, 24, tree=None).token_ids
+        assert got.stats.draft_passes > 0
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def test_eagle3_training_improves_heldout_agreement(trained):
+    report = json.loads((trained / D.REPORT_NAME).read_text())
+    assert report["kind"] == "eagle3"
+    before, after = report["heldout"]["untrained"], report["heldout"]["distilled"]
+    # the tiny random target is hard to predict (a sharp 4-layer net): 60 steps halve the KL
+    assert after["top1"] > before["top1"] + 0.015 and after["kl"] < 0.7 * before["kl"], (before, after)
+    assert len(after["top1_by_step"]) == 3 and after["top1_by_step"][0] == after["top1"]
+    assert report["train"]["steps"] == 60 and report["train"]["stopped_by"] == "max_steps"
+    assert report["data"]["teacher_forcing"]["feature_layers"] == [2, 2, 1]
+    assert is_eagle3(trained) and set(load_file(trained / "model.safetensors")) == SPECFORGE_WEIGHTS
+
+
+def test_eagle3_resume_continues(tiny, corpora, tmp_path):
+    cfg = DistillConfig(**{**TINY, "max_new_tokens": 16, "checkpoint_every_s": 1e9, "head_batch_tokens": 512})
+    answers, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:20], tmp_path / "data", cfg,
+                                         progress=False)
+    records, _ = C.teacher_force(tiny, answers, "float32", cfg.top_k, (2, 2, 1), progress=False)
+    target = Transformer.load(tiny)
+    ids = D.frequent_ids(records, 192, 384)
+    args = (records, target.config, target.embed, target.head, target.norm, ids)
+    straight, _ = B.train_head(*args, tmp_path / "a.pt", cfg, max_steps=6, progress=False)
+
+    def interrupt(step, _metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        B.train_head(*args, tmp_path / "b.pt", cfg, max_steps=6, progress=False, on_step=interrupt)
+    resumed, stats = B.train_head(*args, tmp_path / "b.pt", cfg, max_steps=6, progress=False)
+    assert stats["resumed_from_step"] == 2 and stats["steps"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------- shipped answers
+
+
+def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path):
+    """The shipped answers are this generator's output for the embedded target: a few regenerated alone match token
+    for token (sampled training answers and greedy held-out answers), and their checksum holds."""
+    cfg = DistillConfig()
+    fingerprint = C.target_fingerprint(target_dir)
+    cases = ((False, C.DISTILL_PROMPTS, [(0, 0), (17, 3)]), (True, C.HELDOUT_PROMPTS, [(5, 0)]))
+    for eval_set, prompts, picks in cases:
+        shipped = C.load_shipped(fingerprint, cfg.generation_key(eval_set))
+        convs = C.read_prompts(prompts)
+        rounds = 1 if eval_set else cfg.samples_per_prompt
+        assert len(shipped) == len(convs) * rounds  # every conversation, every round
+        for conv_index, sample in picks:
+            conv = convs[conv_index]
+            key = C.conv_key(conv) + (f"#{sample}" if sample else "")
+            one = DistillConfig(samples_per_prompt=sample + 1)
+            fresh, _ = C.generate_distill_data(target_dir, [conv], tmp_path / f"regen-{eval_set}-{conv_index}",
+                                               one, eval_set=eval_set, progress=False, shipped=False)
+            assert torch.equal(fresh[sample]["input_ids"], shipped[key]["input_ids"]), key
+            assert fresh[sample]["prompt_len"] == shipped[key]["prompt_len"]
+    records, stats = C.generate_distill_data(target_dir, C.read_prompts(C.HELDOUT_PROMPTS), tmp_path / "w", cfg,
+                                             eval_set=True, progress=False)
+    assert stats["generated_tokens"] == 0 and stats["shipped_answers"] == len(records)
+
+
+def test_shipped_answers_are_never_used_by_another_target(tiny, corpora, tmp_path):
+    cfg = DistillConfig(max_new_tokens=6, samples_per_prompt=1)
+    convs = C.read_prompts(corpora[0])[:4]
+    answers, _ = C.generate_distill_data(tiny, convs, tmp_path / "gen", cfg, progress=False)
+    answers_dir = tmp_path / "answers"
+    C.write_shipped(answers_dir / "tiny", tiny, {"distill": (cfg.generation_key(False),
+                                                             dict(zip([C.conv_key(c) for c in convs], answers,
+                                                                      strict=True)))})
+    fp = C.target_fingerprint(tiny)
+    assert len(C.load_shipped(fp, cfg.generation_key(False), answers_dir)) == 4
+    assert C.load_shipped(fp, DistillConfig(max_new_tokens=7).generation_key(False), answers_dir) == {}  # settings
+    other = make_tiny_target(tmp_path / "other", layers=4)  # same shape and tokenizer, other weights
+    state = load_file(other / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"] * 1.01
+    save_file(state, other / "model.safetensors", metadata={"format": "pt"})
+    assert C.load_shipped(C.target_fingerprint(other), cfg.generation_key(False), answers_dir) == {}
+    # the real shipped file belongs to the embedded target only
+    _, stats = C.generate_distill_data(tiny, convs, tmp_path / "gen2", cfg, progress=False)
+    assert stats["shipped_answers"] == 0 and stats["generated_tokens"] > 0
+    raw = (answers_dir / "tiny.tokens.xz").read_bytes()
+    import lzma
+
+    data = bytearray(lzma.decompress(raw))
+    data[10] ^= 1
+    (answers_dir / "tiny.tokens.xz").write_bytes(lzma.compress(bytes(data)))
+    with pytest.raises(ValueError, match="fail their sha256"):
+        C.load_shipped(fp, cfg.generation_key(False), answers_dir)
