@@ -41,7 +41,7 @@ from spectrt.runtime.resources import package_path
 PROMPTS_DIR = package_path("build/prompts")
 DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
 HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
-ANSWERS_DIR = Path(__file__).resolve().parent / "answers"
+ANSWERS_DIR = package_path("build/answers")
 SHIPPED_FORMAT = 1
 
 Conversation = list[dict[str, str]]

@@ -2,8 +2,8 @@
 
 They ship as package data (pyproject.toml `[tool.setuptools.package-data]`): the Triton model repository
 (`triton_repo/`), the native kernel source (`runtime/cpu_kernels.cpp`), the prompt sets (`bench/*.txt`,
-`build/prompts/*.txt`) and whatever lies under `build/data/`. In an editable install of a checkout the package
-is the checkout itself, so the same paths point into it.
+`build/prompts/*.txt`) and the embedded target's shipped answers (`build/answers/`). In an editable install of
+a checkout the package is the checkout itself, so the same paths point into it.
 """
 
 from __future__ import annotations

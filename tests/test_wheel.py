@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent  # the checkout under test: what g
 def _runtime_files() -> set[str]:
     """Paths (relative to the package) of the checkout's files that the code reads at run time."""
     found = [*(REPO / "triton_repo").rglob("*"), *REPO.glob("bench/*.txt"), *REPO.glob("build/prompts/*.txt"),
-             *(REPO / "build" / "data").rglob("*"), REPO / "runtime" / "cpu_kernels.cpp"]
+             *(REPO / "build" / "answers").rglob("*"), REPO / "runtime" / "cpu_kernels.cpp"]
     return {p.relative_to(REPO).as_posix() for p in found if p.is_file() and "__pycache__" not in p.parts}
 
 
@@ -95,7 +95,8 @@ def test_wheel_ships_every_runtime_file(wheel):
             assert z.read(f"spectrt/{name}") == (REPO / name).read_bytes(), name
     assert {"triton_repo/spectrt/config.pbtxt", "triton_repo/spectrt/1/model.py", "runtime/cpu_kernels.cpp",
             "bench/prompts.txt", "bench/prompts_repetitive.txt", "build/prompts/distill.txt",
-            "build/prompts/heldout.txt"} <= shipped
+            "build/prompts/heldout.txt", "build/answers/smollm2-135m-instruct.json",
+            "build/answers/smollm2-135m-instruct.tokens.xz"} <= shipped
     assert not any(n.startswith(("spectrt/tests/", "spectrt/artifacts/", "spectrt/scripts/")) or "__pycache__" in n
                    for n in names)
 
@@ -113,7 +114,7 @@ print(json.dumps({
     "deployed": sorted(str(p.relative_to(models)) for p in models.rglob("*") if p.is_file()),
     "kernel_source": str(kernels.SOURCE), "native": kernels.native_unavailable(),
     "prompts": [str(p) for p in [*bench.PROMPT_SETS.values(), client.DEFAULT_PROMPTS, corpus.DISTILL_PROMPTS,
-                                 corpus.HELDOUT_PROMPTS]],
+                                 corpus.HELDOUT_PROMPTS, *corpus.ANSWERS_DIR.glob("*")]],
 }))
 """
 
