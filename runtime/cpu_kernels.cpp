@@ -33,15 +33,24 @@ inline __m512 load_w(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bit
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Software prefetch distance into the weight stream. Why: without it the hardware prefetchers left the FMA loop
+// waiting on memory. Measured (whole forward, SmolLM2-135M, 2 threads under the team lock, with and without it
+// interleaved in one process, median of 10 best of 2): bf16 T=1 20.7 -> 14.9 ms at context 128 (21.3 -> 17.4 at
+// 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
 // acc[m][0:NR] = sum_k x[m][k] * panel[k][0:NR], k ascending, one FMA chain per output.
 template <typename W, int M>
 inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
                         int64_t cols) {
+  constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes;
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const W* w = panel + k * NR;
+    for (int64_t b = 0; b < row_bytes; b += 64)  // prefetches never fault: past the last panel is harmless
+      _mm_prefetch(reinterpret_cast<const char*>(w + ahead * NR) + b, _MM_HINT_T0);
     __m512 w0 = load_w(w), w1 = load_w(w + 16), w2 = load_w(w + 32), w3 = load_w(w + 48);
     for (int m = 0; m < M; ++m) {
       __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
