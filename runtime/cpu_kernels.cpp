@@ -429,7 +429,10 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n
   return out;
 }
 
+// Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
+// and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)");
-  m.def("linear", &linear, "packed row-invariant GEMM");
+  m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "packed row-invariant GEMM", py::call_guard<py::gil_scoped_release>());
 }

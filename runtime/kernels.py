@@ -108,6 +108,8 @@ class NativeModel:
     Weights keep the engine's dtype (fp32, or bf16 for half the memory traffic); activations, accumulation and the
     KV cache are fp32. Scratch buffers grow only when a call needs more rows or positions than any before it
     (`reserve`, done by `new_cache`), so decoding allocates nothing but each forward's logits.
+    The native calls release the GIL, so nothing serializes Python callers any more: run one forward at a time
+    per engine (the scratch is shared), as the decoder's one loop thread does.
     """
 
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],

@@ -9,6 +9,7 @@ import torch
 from spectrt.runtime import kernels
 from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
+from spectrt.runtime.profile import prefilled_cache
 from spectrt.runtime.tree import Tree
 from test_decoder import EOS, PROMPTS  # the decoder tests' prompts
 
@@ -157,3 +158,44 @@ def test_native_refuses_bad_token_ids(target):
     cache = target.new_cache(64, 8)
     with pytest.raises(ValueError, match="token ids must lie in"):
         target.forward(torch.tensor([49152]), torch.arange(1), torch.ones(1, 1, dtype=torch.bool), cache)
+
+
+def test_native_forward_releases_the_gil(target):
+    """A server's other threads (a Triton stub sending responses) run while a forward computes: a counting thread
+    advances inside every native call. Held GIL: it could only run at the interpreter's switch points, never inside
+    the call (the window between reading the counter and entering the call is pure Python)."""
+    import sys
+    import threading
+
+    counter, stop, inside = [0], threading.Event(), []
+
+    def count():
+        while not stop.is_set():
+            counter[0] += 1
+
+    class Probe:  # wraps the extension module: counts what the other thread did during the native call only
+        def __init__(self, real):
+            self.real = real
+
+        def forward(self, *args):
+            before = counter[0]
+            self.real.forward(*args)
+            inside.append(counter[0] - before)
+
+    native, real = target.native, target.native.kernels
+    cache = prefilled_cache(target, 300)  # 300 committed tokens: each 16-row forward takes a while
+    tree = _heap_tree(16)
+    thread = threading.Thread(target=count, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # preemption is rare: the counting thread gets the GIL when a call releases it
+    native.kernels = Probe(real)
+    thread.start()
+    try:
+        for _ in range(5):
+            target.forward(torch.arange(16), tree.positions(300), tree.mask, cache)
+    finally:
+        native.kernels = real
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert len(inside) == 5 and all(n > 0 for n in inside), inside
