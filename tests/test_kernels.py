@@ -29,6 +29,18 @@ def bf16(target_dir) -> Transformer:
     return Transformer.load(target_dir, torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def bf16_amx(target_dir) -> Transformer:
+    """The bf16 engine on the AMX GEMM (opt-in: SPECTRT_AMX=1), where the CPU has it."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECTRT_AMX", "1")
+        engine = Transformer.load(target_dir, torch.bfloat16)
+    assert all(p[0].dim() == 6 for p in engine.native.projections)  # really the AMX path
+    return engine
+
+
 def _prefilled(engine: Transformer, prefix: list[int], capacity: int = 512):
     cache = engine.new_cache(capacity, 64)
     causal = torch.ones(len(prefix), len(prefix), dtype=torch.bool).tril()
@@ -42,18 +54,42 @@ def _heap_tree(n: int) -> Tree:
     return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype):
+def test_amx_is_opt_in_and_detected(bf16):
+    # an AMX machine must run (and so test) the AMX bf16 GEMM, not silently skip it; the default stays FMA
+    assert kernels.amx_supported() == ({"amx_bf16", "amx_tile"} <= kernels._cpu_flags())
+    assert all(p[0].dim() == 3 for p in bf16.native.projections)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 64])
+@pytest.mark.parametrize(("dtype", "amx"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype, amx):
+    if amx and not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=gen)  # 200 outputs: a partial last panel
-    x = torch.randn(rows, 96, generator=gen)
-    packed = kernels.pack(w, dtype)
+    w = torch.randn(200, 70, generator=gen)  # 200 outputs: a partial last panel; K=70: padded k (AMX)
+    x = torch.randn(rows, 70, generator=gen)
+    packed = kernels.pack(w, dtype, amx=amx)
     y = kernels.linear(x, packed, 200)
     torch.testing.assert_close(y, x @ w.to(dtype).float().T, rtol=1e-5, atol=1e-4)
     for i in range(rows):  # each row alone, and inside a block of other rows at another position
         assert torch.equal(kernels.linear(x[i:i + 1], packed, 200)[0], y[i])
         assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
+
+
+def test_amx_bf16_sums_exact_products_of_fp32_activations():
+    """The AMX path splits fp32 activations into three bf16: as exact as the FMA path (bf16 weights times fp32
+    activations, fp32 sums), not bf16-rounded activations."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 1536, generator=gen).bfloat16()
+    x = torch.randn(4, 1536, generator=gen)
+    exact = (x.double() @ w.double().T).float()
+    amx = kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=True), 64)
+    fma = kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=False), 64)
+    rounded = x.bfloat16().float() @ w.float().T  # what bf16-rounded activations would give
+    err = lambda y: (y - exact).abs().max().item()  # noqa: E731
+    assert err(amx) <= 2 * err(fma) + 1e-6 and err(amx) * 20 < err(rounded)
 
 
 @pytest.mark.parametrize("smooth", [False, True])
@@ -89,7 +125,7 @@ def test_native_matches_reference_forward(reference, target):
         assert (ref - nat).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("engine_name", ["target", "bf16"])
+@pytest.mark.parametrize("engine_name", ["target", "bf16", "bf16_amx"])
 @pytest.mark.parametrize("nodes", [8, 64])
 def test_tree_rows_are_bitwise_single_token_steps(request, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
