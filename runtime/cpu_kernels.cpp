@@ -22,10 +22,17 @@
 #include <cstring>
 #include <vector>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace {
 
 constexpr int64_t NR = 64;  // output columns per weight panel: 4 zmm accumulators per row
 constexpr int64_t MR = 6;   // rows per register block: 6 x 4 accumulators + 4 weight vectors fit in 32 zmm
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 
 inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_w(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up by 16
@@ -33,15 +40,24 @@ inline __m512 load_w(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bit
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Software prefetch distance into the weight stream. Why: without it the hardware prefetchers left the FMA loop
+// waiting on memory. Measured (whole forward, SmolLM2-135M, 2 threads under the team lock, with and without it
+// interleaved in one process, median of 10 best of 2): bf16 T=1 20.7 -> 14.9 ms at context 128 (21.3 -> 17.4 at
+// 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
 // acc[m][0:NR] = sum_k x[m][k] * panel[k][0:NR], k ascending, one FMA chain per output.
 template <typename W, int M>
 inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
                         int64_t cols) {
+  constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes;
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const W* w = panel + k * NR;
+    for (int64_t b = 0; b < row_bytes; b += 64)  // prefetches never fault: past the last panel is harmless
+      _mm_prefetch(reinterpret_cast<const char*>(w + ahead * NR) + b, _MM_HINT_T0);
     __m512 w0 = load_w(w), w1 = load_w(w + 16), w2 = load_w(w + 32), w3 = load_w(w + 48);
     for (int m = 0; m < M; ++m) {
       __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -77,12 +93,157 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
   }
 }
 
-// out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR]. With `residual`, then residual += out (out is
-// scratch): the sum is x + f(x) in that order, as in the reference forward.
+// AMX bf16 GEMM (CPUs with AMX: Sapphire Rapids and later). Why: past one register block of rows the FMA path is
+// bound by the FMA ports (bf16 T=16 cost ~2x T=1 here); one TDPBF16PS does 16 rows x 16 columns x 32 k
+// multiply-adds, so up to 16 rows cost about what one row costs.
+// Exactness: each fp32 activation is split x = hi + mid + lo into three bf16 (hi = bf16(x), mid = bf16(x - hi),
+// lo = bf16(x - hi - mid): each residual is exact in fp32 and the last has at most 8 significant bits), and a bf16
+// weight times a bf16 is exact in fp32, so every product w*x enters the sums exactly: the same bf16-weight,
+// fp32-activation arithmetic as the FMA path, summed in another fixed order (each part's products over k in
+// 32-k blocks, then (hi + mid) + lo). A tile row is one output row and every row goes through the same tile ops
+// whatever the other rows, so rows stay bitwise invariant of T.
+// Layouts: weights [P, 4, Kp/32, 16, 16, 2] (Kp = K rounded up to 32, zero-padded): per panel, each group of 16
+// columns is one contiguous stream of 1 KB tiles (16 k-pairs x 16 columns x 2 consecutive k); activations
+// [row blocks of 16][Kp/32][3][16][32], so each activation tile is 1 KB contiguous too.
+// Measured (standalone copies of these loops, 2 threads, every layer's weights): tiles whose rows lay 256 bytes
+// apart, and one accumulator taking the three parts in turn, left T=1 ~40% slower than the FMA path; three
+// accumulators per output tile (three independent TDPBF16PS chains) and streamed tiles put it near par at T=1.
+// Whole forward (bf16, interleaved with the FMA path, best of 4 rounds): context 128 T=16 34.3 -> 26.9 ms, T=32
+// 63.3 -> 46.2, but T=1 16.2 -> 17.0 (1-2 rows pay the three-way split and 15/16 idle tile rows): so it is opt-in
+// (kernels.py `amx_enabled`, SPECTRT_AMX=1).
+constexpr int64_t KB = 32;       // k per tile step: 32 bf16, one 64-byte tile row
+constexpr int64_t TILE = 512;    // bf16 per 1 KB tile
+constexpr int64_t AMX_AHEAD = 4; // weight tiles prefetched ahead in a column group's stream
+
+bool amx_init() {  // Linux grants AMX's tile data state to a process on request; false if not compiled in or refused
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
+}
+
+inline __m512 bf16_to_fp32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m256i fp32_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
+
+// x [rows, K] -> xs: the hi, mid and lo bf16 parts of each activation in the tile layout above (padded k: 0; the
+// last row block's rows past `rows` are never loaded: its tiles are configured with fewer rows).
+void split_bf16x3(const float* x, int64_t rows, int64_t K, int64_t Kp, uint16_t* xs) {
+  const int64_t blocks = Kp / KB;
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* row = xs + (m / 16) * blocks * 3 * TILE + (m % 16) * KB;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __mmask16 mask = tail_mask(K - k);
+      const __m512 v = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      const __m256i hi = fp32_to_bf16(v);
+      const __m512 r = _mm512_sub_ps(v, bf16_to_fp32(hi));
+      const __m256i mid = fp32_to_bf16(r);
+      const __m256i lo = fp32_to_bf16(_mm512_sub_ps(r, bf16_to_fp32(mid)));
+      uint16_t* t = row + (k / KB) * 3 * TILE + k % KB;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + TILE), mid);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 2 * TILE), lo);
+    }
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-2: the hi, mid, lo sums of rows x 16 fp32 outputs; 3-5: the activations' parts (rows x 32 bf16);
+// 6-7: weight tiles (16 k-pairs x 16 columns x 2), alternating so a load need not wait for the last product.
+void configure_tiles(int rows) {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = t < 6 ? rows : 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// sums[rows][48] = the hi, mid and lo partial sums of one 16-column group (`w`: its stream of Kp/32 tiles).
+void amx_group(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* wt = w + b * TILE;
+    for (int64_t line = 0; line < 16; ++line)  // prefetches never fault: past the last tile is harmless
+      _mm_prefetch(reinterpret_cast<const char*>(wt + AMX_AHEAD * TILE) + 64 * line, _MM_HINT_T0);
+    const uint16_t* a = xs + b * 3 * TILE;
+    _tile_loadd(3, a, 64);
+    _tile_loadd(4, a + TILE, 64);
+    _tile_loadd(5, a + 2 * TILE, 64);
+    if (b & 1) {
+      _tile_loadd(7, wt, 64);
+      _tile_dpbf16ps(0, 3, 7);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 7);
+    } else {
+      _tile_loadd(6, wt, 64);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+  }
+  _tile_stored(0, sums, 48 * 4);
+  _tile_stored(1, sums + 16, 48 * 4);
+  _tile_stored(2, sums + 32, 48 * 4);
+}
+#endif
+
+void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
+              const float* bias, float* residual, uint16_t* xs) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int64_t panels = packed.size(0), blocks = packed.size(2), Kp = blocks * KB;
+  split_bf16x3(x, rows, K, Kp, xs);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  // work items: (panel, 16-column group), so 2 threads split even a 9-panel projection evenly
+  at::parallel_for(0, panels * 4, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float sums[16 * 48];
+    int configured = 0;  // tile shapes are per thread: set for this call's row blocks, released at the end
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t c0 = g * 16, cols = std::min<int64_t>(16, n_out - c0);
+      if (cols <= 0) continue;  // a padded group of the last panel
+      for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int mr = static_cast<int>(std::min<int64_t>(16, rows - m0));
+        if (mr != configured) configure_tiles(configured = mr);
+        amx_group(xs + (m0 / 16) * blocks * 3 * TILE, blocks, wp + g * blocks * TILE, sums);
+        const __mmask16 mask = tail_mask(cols);
+        for (int64_t m = 0; m < mr; ++m) {  // (hi + mid) + lo (+ bias) -> out, then residual += out: as the FMA path
+          const float* s = sums + m * 48;
+          __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(s), _mm512_load_ps(s + 16)), _mm512_load_ps(s + 32));
+          if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c0));
+          const int64_t o = (m0 + m) * n_out + c0;
+          _mm512_mask_storeu_ps(out + o, mask, v);
+          if (residual)
+            _mm512_mask_storeu_ps(residual + o, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual + o), v));
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "AMX-packed weights but the native kernels were built without AMX: repack without AMX");
+#endif
+}
+
+// out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR] (or for AMX, 6-D bf16, above). With
+// `residual`, then residual += out (out is scratch): the sum is x + f(x) in that order, as in the reference forward.
 template <typename W>
-void gemm(const float* x, int64_t rows, const torch::Tensor& packed, int64_t n_out, float* out,
-          const float* bias, float* residual) {
-  const int64_t panels = packed.size(0), K = packed.size(1);
+void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
+          const float* bias, float* residual, uint16_t* xs) {
+  if (packed.dim() == 6) {
+    gemm_amx(x, rows, K, packed, n_out, out, bias, residual, xs);
+    return;
+  }
+  const int64_t panels = packed.size(0);
   const W* wp = packed.data_ptr<W>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -197,8 +358,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
-
 // out = x * rsqrt(mean(x^2) + eps) * weight, one row; the sum runs in 16 lanes over the row, then a fixed tree.
 void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out) {
   __m512 acc = _mm512_setzero_ps();
@@ -219,15 +378,6 @@ inline void rope_head(float* v, const float* cs, const float* sn, int64_t half) 
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    __mmask16 m = tail_mask(d - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 struct Segment {
   int64_t row0, rows, length, window;  // rows of this request, its committed length, its window size
   const bool* mask;                    // [rows, window]
@@ -241,51 +391,104 @@ struct Config {
   float eps;
 };
 
-// Attention of every (row, head) of every segment over exactly its visible slots, in slot order.
-void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const float* qkv, int64_t ld_qkv,
-               float* out, float* scores, int64_t scores_ld) {
-  std::vector<std::pair<int64_t, int64_t>> tasks;  // (segment, row within it) x head, flattened below
+// The slots each row attends to: its segment's committed prefix [0, length) (implicit), then the window slots its
+// tree-mask row allows, in slot order. Built once per forward (the masks are the same in every layer).
+struct RowSlots {
+  std::vector<int64_t> seg, start;  // per row: its segment; its window slots' offset in `window`
+  std::vector<int64_t> window;      // all rows' visible window slots, concatenated (start[R] = end)
+};
+
+RowSlots visible_slots(const std::vector<Segment>& segs) {
+  RowSlots v;
   for (int64_t s = 0; s < (int64_t)segs.size(); ++s)
-    for (int64_t r = 0; r < segs[s].rows; ++r) tasks.emplace_back(s, r);
-  const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads;
+    for (int64_t r = 0; r < segs[s].rows; ++r) {
+      v.seg.push_back(s);
+      v.start.push_back(v.window.size());
+      for (int64_t j = 0; j < segs[s].window; ++j)
+        if (segs[s].mask[r * segs[s].window + j]) v.window.push_back(segs[s].length + j);
+    }
+  v.start.push_back(v.window.size());
+  return v;
+}
+
+// Attention of every (row, head) over exactly its visible slots, in slot order. Per (row, head) the operations are
+// fixed: score = one FMA chain over d then a lane reduction, the softmax over the slot list, each output element one
+// FMA chain over the slots in order. A task is one row and the heads of a GQA group (up to 4; one head per task
+// when there are too few rows to keep every thread busy): the group's heads share each K and V row load, and the
+// loop runs over slots with every (head, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why:
+// the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
+// Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
+// fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
+void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
+               const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
+  constexpr int64_t MAXG = 4, MAXC = 4;  // heads per task, 16-lane chunks of d per PV pass (64 dims)
+  const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
+  const int64_t chunks_d = (D + 15) / 16;
+  const int64_t per_task = R * c.kv_heads >= 4 * at::get_num_threads() ? std::min(group, MAXG) : 1;
+  const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row, kv head)
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::parallel_for(0, (int64_t)tasks.size() * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> slots;
+  at::parallel_for(0, R * c.kv_heads * task_groups, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const auto [s, r] = tasks[t / H];
-      const int64_t h = t % H, kvh = h / group;
-      const Segment& g = segs[s];
-      const int64_t row = g.row0 + r;
-      const float* q = qkv + row * ld_qkv + h * D;
+      const int64_t row = t / (c.kv_heads * task_groups), kvh = t / task_groups % c.kv_heads;
+      const int64_t h0 = kvh * group + t % task_groups * per_task, nh = std::min(per_task, (kvh + 1) * group - h0);
+      const Segment& g = segs[vis.seg[row]];
+      const int64_t* win = vis.window.data() + vis.start[row];
+      const int64_t n_win = vis.start[row + 1] - vis.start[row], L = g.length + n_win;
       const float* kc = g.k + ((layer * c.kv_heads + kvh) * g.capacity) * D;
       const float* vc = g.v + ((layer * c.kv_heads + kvh) * g.capacity) * D;
-      slots.clear();
-      for (int64_t j = 0; j < g.length; ++j) slots.push_back(j);
-      for (int64_t j = 0; j < g.window; ++j)
-        if (g.mask[r * g.window + j]) slots.push_back(g.length + j);
-      const int64_t L = slots.size();
-      float* sc = scores + (row * H + h) * scores_ld;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
-        sc[j] = dot(q, kc + slots[j] * D, D) * scale;
-        mx = std::max(mx, sc[j]);
+      const float* q[MAXG];
+      float* sc[MAXG];
+      float mx[MAXG];
+      for (int64_t i = 0; i < nh; ++i) {
+        q[i] = qkv + row * ld_qkv + (h0 + i) * D;
+        sc[i] = scores + (row * H + h0 + i) * scores_ld;
+        mx[i] = -INFINITY;
       }
-      __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx);
-      for (int64_t j = 0; j < L; j += 16) {
-        __mmask16 m = tail_mask(L - j);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx));
-        e = _mm512_maskz_mov_ps(m, e);
-        _mm512_mask_storeu_ps(sc + j, m, e);
-        sum = _mm512_add_ps(sum, e);
+      for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
+        const float* kr = kc + (j < g.length ? j : win[j - g.length]) * D;
+        __m512 acc[MAXG];
+        for (int64_t i = 0; i < nh; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 m = tail_mask(D - d);
+          const __m512 kv = _mm512_maskz_loadu_ps(m, kr + d);
+          for (int64_t i = 0; i < nh; ++i) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[i] + d), kv, acc[i]);
+        }
+        for (int64_t i = 0; i < nh; ++i) {
+          sc[i][j] = _mm512_reduce_add_ps(acc[i]) * scale;
+          mx[i] = std::max(mx[i], sc[i][j]);
+        }
       }
-      const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-      float* o = out + row * (H * D) + h * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        __mmask16 m = tail_mask(D - d);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; ++j)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, vc + slots[j] * D + d), acc);
-        _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+      float inv[MAXG];
+      for (int64_t i = 0; i < nh; ++i) {  // softmax numerators in place, and 1 / their sum
+        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx[i]);
+        for (int64_t j = 0; j < L; j += 16) {
+          const __mmask16 m = tail_mask(L - j);
+          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc[i] + j), vmx));
+          e = _mm512_maskz_mov_ps(m, e);
+          _mm512_mask_storeu_ps(sc[i] + j, m, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+      }
+      for (int64_t d0 = 0; d0 < chunks_d; d0 += MAXC) {  // out = sum_j p_j v_j, slots in order
+        const int64_t nc = std::min(MAXC, chunks_d - d0);
+        __m512 acc[MAXG][MAXC];
+        for (int64_t i = 0; i < nh; ++i)
+          for (int64_t cc = 0; cc < nc; ++cc) acc[i][cc] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; ++j) {
+          const float* vr = vc + (j < g.length ? j : win[j - g.length]) * D;
+          for (int64_t cc = 0; cc < nc; ++cc) {
+            const int64_t d = (d0 + cc) * 16;
+            const __m512 vv = _mm512_maskz_loadu_ps(tail_mask(D - d), vr + d);
+            for (int64_t i = 0; i < nh; ++i) acc[i][cc] = _mm512_fmadd_ps(_mm512_set1_ps(sc[i][j]), vv, acc[i][cc]);
+          }
+        }
+        for (int64_t i = 0; i < nh; ++i)
+          for (int64_t cc = 0; cc < nc; ++cc) {
+            const int64_t d = (d0 + cc) * 16;
+            _mm512_mask_storeu_ps(out + row * (H * D) + (h0 + i) * D + d, tail_mask(D - d),
+                                  _mm512_mul_ps(acc[i][cc], _mm512_set1_ps(inv[i])));
+          }
       }
     }
   });
@@ -295,9 +498,9 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
 // out_scale [N], colsum [N]]).
 template <typename W>
 void project(const float* x, int64_t rows, int64_t K, const std::vector<torch::Tensor>& p, int64_t n_out, float* out,
-             const float* bias, float* residual, uint8_t* xq) {
+             const float* bias, float* residual, uint8_t* xq, uint16_t* xs) {
   if (p.size() == 1) {
-    gemm<W>(x, rows, p[0], n_out, out, bias, residual);
+    gemm<W>(x, rows, K, p[0], n_out, out, bias, residual, xs);
     return;
   }
   QuantProj q{p[0].data_ptr<int8_t>(), p[1].numel() ? p[1].data_ptr<float>() : nullptr, p[2].data_ptr<float>()[0],
@@ -323,6 +526,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
   float* act = scratch[5].data_ptr<float>();     // [R, inter]
   float* scores = scratch[6].data_ptr<float>();  // [R * heads, capacity]
   uint8_t* xq = scratch[7].data_ptr<uint8_t>();  // [R, max K] quantized activations (W8A8 projections)
+  uint16_t* xs = reinterpret_cast<uint16_t*>(scratch[8].data_ptr<at::BFloat16>());  // [R, 3 Kp] (AMX)
   const int64_t scores_ld = scratch[6].size(1);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -339,6 +543,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
         for (int64_t r = 0; r < R; ++r)
           std::memcpy(features + (r * n_feat + k) * Hd, x + r * Hd, Hd * sizeof(float));
   };
+  const RowSlots vis = visible_slots(segs);
 
   for (int64_t l = 0; l < c.layers; ++l) {
     capture(l);
@@ -346,7 +551,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
     const float* mlp_norm = norms[2 * l + 1].data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, attn_norm, Hd, c.eps, h + r * Hd);
     const float* bias = bqkv.empty() ? nullptr : bqkv[l].data_ptr<float>();
-    project<W>(h, R, Hd, projs[4 * l], qkv_dim, qkv, bias, nullptr, xq);
+    project<W>(h, R, Hd, projs[4 * l], qkv_dim, qkv, bias, nullptr, xq, xs);
     for (int64_t r = 0; r < R; ++r) {
       float* row = qkv + r * qkv_dim;
       if (!qk_norms.empty()) {  // Qwen3: RMSNorm over each q and k head before RoPE
@@ -370,10 +575,10 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
           std::memcpy(g.v + off, row + q_dim + kv_dim + hh * D, D * sizeof(float));
         }
       }
-    attention(c, l, segs, qkv, qkv_dim, att, scores, scores_ld);
-    project<W>(att, R, q_dim, projs[4 * l + 1], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x, xq);
+    attention(c, l, segs, vis, qkv, qkv_dim, att, scores, scores_ld);
+    project<W>(att, R, q_dim, projs[4 * l + 1], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x, xq, xs);
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
-    project<W>(h, R, Hd, projs[4 * l + 2], 2 * c.inter, g13, nullptr, nullptr, xq);
+    project<W>(h, R, Hd, projs[4 * l + 2], 2 * c.inter, g13, nullptr, nullptr, xq, xs);
     for (int64_t r = 0; r < R; ++r) {
       const float* gr = g13 + r * 2 * c.inter;
       float* ar = act + r * c.inter;
@@ -385,12 +590,12 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
         _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
       }
     }
-    project<W>(act, R, c.inter, projs[4 * l + 3], Hd, h, nullptr, x, xq);
+    project<W>(act, R, c.inter, projs[4 * l + 3], Hd, h, nullptr, x, xq, xs);
   }
   capture(c.layers);
   const float* fn = final_norm.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, fn, Hd, c.eps, h + r * Hd);
-  gemm<W>(h, R, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr);
+  gemm<W>(h, R, Hd, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr, xs);
 }
 
 
@@ -425,7 +630,7 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
     rms_norm_row(emb + tok[r] * Hd, in_norm, Hd, c.eps, a + r * 2 * Hd);
     rms_norm_row(g + r * Hd, hid_norm, Hd, c.eps, a + r * 2 * Hd + Hd);
   }
-  project<W>(a, R, 2 * Hd, projs[0], qkv_dim, qkv, nullptr, nullptr, xq);
+  project<W>(a, R, 2 * Hd, projs[0], qkv_dim, qkv, nullptr, nullptr, xq, nullptr);
   const float* cs = rope_cos.data_ptr<float>();
   const float* sn = rope_sin.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r)
@@ -440,11 +645,11 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
         std::memcpy(s.v + (hh * s.capacity + slot) * D, row + q_dim + kv_dim + hh * D, D * sizeof(float));
       }
     }
-  attention(c, 0, segs, qkv, qkv_dim, att, scores, scratch[6].size(1));
+  attention(c, 0, segs, visible_slots(segs), qkv, qkv_dim, att, scores, scratch[6].size(1));
   std::memcpy(x, g, R * Hd * sizeof(float));
-  project<W>(att, R, q_dim, projs[1], Hd, h, nullptr, x, xq);
+  project<W>(att, R, q_dim, projs[1], Hd, h, nullptr, x, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, post_norm, Hd, c.eps, h + r * Hd);
-  project<W>(h, R, Hd, projs[2], 2 * c.inter, g13, nullptr, nullptr, xq);
+  project<W>(h, R, Hd, projs[2], 2 * c.inter, g13, nullptr, nullptr, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) {
     const float* gr = g13 + r * 2 * c.inter;
     float* ar = act + r * c.inter;
@@ -456,9 +661,9 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
       _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
     }
   }
-  project<W>(act, R, c.inter, projs[3], Hd, h, nullptr, x, xq);
+  project<W>(act, R, c.inter, projs[3], Hd, h, nullptr, x, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, final_norm, Hd, c.eps, h + r * Hd);
-  gemm<W>(h, R, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr);
+  gemm<W>(h, R, Hd, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr, nullptr);
 }
 
 }  // namespace
@@ -521,19 +726,27 @@ void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens,
 
 // One projection, exposed for tests and the profiler: out[rows, n_out] = x @ W^T (fp or W8A8 packed).
 torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n_out) {
-  auto out = torch::empty({x.size(0), n_out}, x.options());
-  auto xq = torch::empty({x.size(0), x.size(1) + 4}, x.options().dtype(torch::kUInt8));
+  const int64_t rows = x.size(0), K = x.size(1);
+  auto out = torch::empty({rows, n_out}, x.options());
+  auto xq = torch::empty({rows, K + 4}, x.options().dtype(torch::kUInt8));
+  auto xs = torch::empty({(rows + 15) / 16 * 16, 3 * ((K + KB - 1) / KB * KB)}, x.options().dtype(torch::kBFloat16));
+  uint16_t* xsp = reinterpret_cast<uint16_t*>(xs.data_ptr<at::BFloat16>());
   if (proj[0].scalar_type() == at::kBFloat16)
-    project<at::BFloat16>(x.data_ptr<float>(), x.size(0), x.size(1), proj, n_out, out.data_ptr<float>(), nullptr,
-                          nullptr, xq.data_ptr<uint8_t>());
+    project<at::BFloat16>(x.data_ptr<float>(), rows, K, proj, n_out, out.data_ptr<float>(), nullptr, nullptr,
+                          xq.data_ptr<uint8_t>(), xsp);
   else
-    project<float>(x.data_ptr<float>(), x.size(0), x.size(1), proj, n_out, out.data_ptr<float>(), nullptr, nullptr,
-                   xq.data_ptr<uint8_t>());
+    project<float>(x.data_ptr<float>(), rows, K, proj, n_out, out.data_ptr<float>(), nullptr, nullptr,
+                   xq.data_ptr<uint8_t>(), xsp);
   return out;
 }
 
+// Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
+// and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)");
-  m.def("linear", &linear, "packed row-invariant GEMM");
-  m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)");
+  m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, "packed row-invariant GEMM", py::call_guard<py::gil_scoped_release>());
+  m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
 }

@@ -149,8 +149,8 @@ class _NativeHead:
         self.kernels, self.config = load_kernels(), c
         self.embed = head.embed
         self.norms = [n.float().contiguous() for n in (head.input_norm, head.hidden_norm, head.post_norm, head.norm)]
-        self.projections = [[pack(w, dtype)] for w in (head.wqkv, head.wo, head.w13, head.w2)]
-        self.head, self.fc = pack(head.head, dtype), pack(head.fc, dtype)
+        self.projections = [[pack(w, dtype, amx=False)] for w in (head.wqkv, head.wo, head.w13, head.w2)]
+        self.head, self.fc = pack(head.head, dtype, amx=False), pack(head.fc, dtype, amx=False)
         self.draft_vocab = head.head.shape[0]
         self.inv_freq, self.rope_scale = head.inv_freq, head.rope_scale
         self.dims = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim]

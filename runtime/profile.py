@@ -4,15 +4,20 @@ Every speedup divides by this curve: a tree of T nodes pays only if verifying it
 step. The curve is measured with tree masks (a binary tree of T nodes after `context` committed tokens), saved as
 the machine's cost profile (artifacts/cost_profile-<target>-<dtype>.json) for the tree tuner, and written with a
 per-component breakdown as JSON + markdown + PNG under bench/results/profile/.
+
+The batched profile (`<role>_batched`: {context: {segments: {total rows: ms}}}) is the cost of one `forward_many`
+over several requests' segments, for the batch-wide speculation budget; `batched_cost` interpolates it.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ from tqdm import tqdm
 
 T_VALUES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 1024)
+SEGMENTS = (1, 2, 4, 8)  # requests per batched forward
 
 
 def binary_tree(nodes: int) -> Tree:
@@ -29,17 +35,28 @@ def binary_tree(nodes: int) -> Tree:
     return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, nodes)]))
 
 
-def prefilled_cache(engine: Transformer, context: int, window: int = 64):
-    """A cache holding `context` committed random tokens, fed in `window`-token causal chunks."""
-    cache = engine.new_cache(context + window, window)
+def prefilled_caches(engine: Transformer, context: int, slots: int, window: int = 64) -> list:
+    """`slots` caches of one pool, each holding the same `context` committed random tokens (the first is fed in
+    `window`-token causal chunks, the others copy its K/V: the cost of a forward does not depend on the values)."""
+    caches = engine.new_caches(slots, context + window, window)
+    first = caches[0]
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, engine.config.vocab_size, (context,), generator=gen)
     causal = torch.ones(window, window, dtype=torch.bool).tril()
     for start in range(0, context, window):
         chunk = ids[start:start + window]
-        engine.forward(chunk, torch.arange(start, start + len(chunk)), causal[:len(chunk), :len(chunk)], cache)
-        cache.commit(len(chunk))
-    return cache
+        engine.forward(chunk, torch.arange(start, start + len(chunk)), causal[:len(chunk), :len(chunk)], first)
+        first.commit(len(chunk))
+    for cache in caches[1:]:
+        cache.k.copy_(first.k)
+        cache.v.copy_(first.v)
+        cache.commit(context)
+    return caches
+
+
+def prefilled_cache(engine: Transformer, context: int, window: int = 64):
+    """A cache holding `context` committed random tokens, fed in `window`-token causal chunks."""
+    return prefilled_caches(engine, context, 1, window)[0]
 
 
 def forward_ms(engine: Transformer, nodes: int, cache, repeats: int) -> float:
@@ -68,6 +85,79 @@ def cost_curve(engine: Transformer, contexts=CONTEXTS, t_values=T_VALUES, repeat
                 curve[str(context)][str(t)] = round(forward_ms(engine, t, cache, repeats), 3)
                 bar.update()
     return curve
+
+
+def batch_rows(segments: int, max_rows: int = max(T_VALUES)) -> list[int]:
+    """Total rows measured for a segment count: 1, 2, 4 and 8 rows per segment, and 16, 32, 64 in all."""
+    wanted = (segments, 2 * segments, 4 * segments, 8 * segments, 16, 32, 64)
+    return sorted({r for r in wanted if segments <= r <= max_rows})
+
+
+def batched_forward_ms(engine: Transformer, caches: list, rows: int, repeats: int) -> float:
+    """Median wall time of one `forward_many` over len(caches) segments sharing `rows` rows (as evenly as possible,
+    the first segments one more), each a binary tree after its cache's committed tokens."""
+    n = len(caches)
+    segments = []
+    for i, cache in enumerate(caches):
+        tree = binary_tree(rows // n + (i < rows % n))
+        tokens = torch.randint(0, engine.config.vocab_size, (len(tree),), generator=torch.Generator().manual_seed(i))
+        segments.append((tokens, tree.positions(cache.length), tree.mask, cache))
+    engine.forward_many(segments)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.forward_many(segments)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def batched_curve(engine: Transformer, contexts=CONTEXTS, segments=SEGMENTS, repeats: int = 5,
+                  label: str = "") -> dict[str, dict[str, dict[str, float]]]:
+    """{context: {segments: {total rows: median ms}}} for `forward_many` over `segments` requests at `context`."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    shapes = [(context, s, rows) for context in contexts for s in segments for rows in batch_rows(s)]
+    with tqdm(total=len(shapes), desc=f"batched {label}".strip(), unit="shape") as bar:
+        for context in contexts:
+            caches = prefilled_caches(engine, context, max(segments), max(T_VALUES))
+            table[str(context)] = {}
+            for s in segments:
+                table[str(context)][str(s)] = {}
+                for rows in batch_rows(s):
+                    ms = batched_forward_ms(engine, caches[:s], rows, repeats)
+                    table[str(context)][str(s)][str(rows)] = round(ms, 3)
+                    bar.update()
+    return table
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise linear through the points; flat below the first, the last slope above the last."""
+    xs = sorted(points)
+    if x <= xs[0] or len(xs) == 1:
+        return points[xs[0]]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    a, b = xs[i - 1], xs[i]
+    return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+
+
+def batched_cost(table: dict[str, dict[str, dict[str, float]]], context: int) -> Callable[[int, int], float]:
+    """cost(rows, segments) -> ms of one `forward_many` with `rows` rows over `segments` requests at `context`
+    committed tokens each, from a `<role>_batched` table: linear in rows, then in segments, then in context between
+    measured points (a grid point returns its measurement), flat below the smallest measured value of each, extended
+    with the last slope above the largest. A segment count whose smallest measured row count exceeds `rows` (e.g.
+    3 rows, measured 4 segments from 4 rows) reads that smallest one: a slight overestimate."""
+    grid = {int(c): {int(s): {int(r): float(ms) for r, ms in rows.items()} for s, rows in by_s.items()}
+            for c, by_s in table.items()}
+    if not grid or any(not by_s or any(not rows for rows in by_s.values()) for by_s in grid.values()):
+        raise ValueError("a batched cost table needs measured rows for every context and segment count")
+
+    def cost(rows: int, segments: int) -> float:
+        if rows < segments or segments < 1:
+            raise ValueError(f"a forward over {segments} segments needs at least one row each, got {rows} rows")
+        at_context = {c: _interpolate({s: _interpolate(by_rows, rows) for s, by_rows in by_s.items()}, segments)
+                      for c, by_s in grid.items()}
+        return _interpolate(at_context, context)
+
+    return cost
 
 
 def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int = 15) -> dict[str, float]:
@@ -151,6 +241,7 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
     report["breakdown"] = {}
     for role, engine in engines.items():
         report[role] = cost_curve(engine, repeats=repeats, label=role)
+        report[f"{role}_batched"] = batched_curve(engine, repeats=max(3, repeats // 3), label=role)
         report["breakdown"][role] = {str(t): breakdown(engine, t, repeats=repeats) for t in (1, 8)}
     path = cost_profile_path(target, dtype, artifacts)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +271,16 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {context} | " + " | ".join(f"{row[str(t)]:.1f} ({row[str(t)] / one:.2f}×)"
                                                        for t in T_VALUES) + " |")
         lines.append("")
+        batched = report.get(f"{role}_batched", {})
+        for context, by_segments in batched.items():
+            all_rows = sorted({int(r) for rows in by_segments.values() for r in rows})
+            lines += [f"**{role}, batched** (`forward_many`, context {context}) — ms by requests (segments) and "
+                      "total rows", "", "| segments | " + " | ".join(f"{r} rows" for r in all_rows) + " |",
+                      "|---|" + "---|" * len(all_rows)]
+            for segments, rows in by_segments.items():
+                lines.append(f"| {segments} | " + " | ".join(f"{rows[str(r)]:.1f}" if str(r) in rows else "–"
+                                                           for r in all_rows) + " |")
+            lines.append("")
         for t, parts in report["breakdown"][role].items():
             lines.append(f"breakdown at T={t}, context 128: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
         lines.append("")

@@ -10,6 +10,7 @@ from conftest import EOS, PROMPTS, chat_ids
 from spectrt.runtime import kernels
 from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
+from spectrt.runtime.profile import prefilled_cache
 from spectrt.runtime.tree import Tree
 
 
@@ -28,6 +29,18 @@ def bf16(target_dir) -> Transformer:
     return Transformer.load(target_dir, torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def bf16_amx(target_dir) -> Transformer:
+    """The bf16 engine on the AMX GEMM (opt-in: SPECTRT_AMX=1), where the CPU has it."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECTRT_AMX", "1")
+        engine = Transformer.load(target_dir, torch.bfloat16)
+    assert all(p[0].dim() == 6 for p in engine.native.projections)  # really the AMX path
+    return engine
+
+
 def _prefilled(engine: Transformer, prefix: list[int], capacity: int = 512):
     cache = engine.new_cache(capacity, 64)
     causal = torch.ones(len(prefix), len(prefix), dtype=torch.bool).tril()
@@ -41,18 +54,42 @@ def _heap_tree(n: int) -> Tree:
     return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype):
+def test_amx_is_opt_in_and_detected(bf16):
+    # an AMX machine must run (and so test) the AMX bf16 GEMM, not silently skip it; the default stays FMA
+    assert kernels.amx_supported() == ({"amx_bf16", "amx_tile"} <= kernels._cpu_flags())
+    assert all(p[0].dim() == 3 for p in bf16.native.projections)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 64])
+@pytest.mark.parametrize(("dtype", "amx"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype, amx):
+    if amx and not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
     gen = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=gen)  # 200 outputs: a partial last panel
-    x = torch.randn(rows, 96, generator=gen)
-    packed = kernels.pack(w, dtype)
+    w = torch.randn(200, 70, generator=gen)  # 200 outputs: a partial last panel; K=70: padded k (AMX)
+    x = torch.randn(rows, 70, generator=gen)
+    packed = kernels.pack(w, dtype, amx=amx)
     y = kernels.linear(x, packed, 200)
     torch.testing.assert_close(y, x @ w.to(dtype).float().T, rtol=1e-5, atol=1e-4)
     for i in range(rows):  # each row alone, and inside a block of other rows at another position
         assert torch.equal(kernels.linear(x[i:i + 1], packed, 200)[0], y[i])
         assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
+
+
+def test_amx_bf16_sums_exact_products_of_fp32_activations():
+    """The AMX path splits fp32 activations into three bf16: as exact as the FMA path (bf16 weights times fp32
+    activations, fp32 sums), not bf16-rounded activations."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 1536, generator=gen).bfloat16()
+    x = torch.randn(4, 1536, generator=gen)
+    exact = (x.double() @ w.double().T).float()
+    amx = kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=True), 64)
+    fma = kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=False), 64)
+    rounded = x.bfloat16().float() @ w.float().T  # what bf16-rounded activations would give
+    err = lambda y: (y - exact).abs().max().item()  # noqa: E731
+    assert err(amx) <= 2 * err(fma) + 1e-6 and err(amx) * 20 < err(rounded)
 
 
 @pytest.mark.parametrize("smooth", [False, True])
@@ -88,7 +125,7 @@ def test_native_matches_reference_forward(reference, target):
         assert (ref - nat).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("engine_name", ["target", "bf16"])
+@pytest.mark.parametrize("engine_name", ["target", "bf16", "bf16_amx"])
 @pytest.mark.parametrize("nodes", [8, 64])
 def test_tree_rows_are_bitwise_single_token_steps(request, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
@@ -153,3 +190,65 @@ def test_native_refuses_bad_token_ids(target):
     cache = target.new_cache(64, 8)
     with pytest.raises(ValueError, match="token ids must lie in"):
         target.forward(torch.tensor([49152]), torch.arange(1), torch.ones(1, 1, dtype=torch.bool), cache)
+
+
+def test_native_forward_releases_the_gil(target):
+    """A server's other threads (a Triton stub sending responses) run while a forward computes: a counting thread
+    advances inside every native call. Held GIL: it could only run at the interpreter's switch points, never inside
+    the call (the window between reading the counter and entering the call is pure Python)."""
+    import sys
+    import threading
+
+    counter, stop, inside = [0], threading.Event(), []
+
+    def count():
+        while not stop.is_set():
+            counter[0] += 1
+
+    class Probe:  # wraps the extension module: counts what the other thread did during the native call only
+        def __init__(self, real):
+            self.real = real
+
+        def forward(self, *args):
+            before = counter[0]
+            self.real.forward(*args)
+            inside.append(counter[0] - before)
+
+    native, real = target.native, target.native.kernels
+    cache = prefilled_cache(target, 300)  # 300 committed tokens: each 16-row forward takes a while
+    tree = _heap_tree(16)
+    thread = threading.Thread(target=count, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # preemption is rare: the counting thread gets the GIL when a call releases it
+    native.kernels = Probe(real)
+    thread.start()
+    try:
+        for _ in range(5):
+            target.forward(torch.arange(16), tree.positions(300), tree.mask, cache)
+    finally:
+        native.kernels = real
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert len(inside) == 5 and all(n > 0 for n in inside), inside
+
+
+def test_batched_cost_interpolates_rows_segments_and_context():
+    from spectrt.runtime.profile import batch_rows, batched_cost
+
+    assert batch_rows(1) == [1, 2, 4, 8, 16, 32, 64] and batch_rows(8) == [8, 16, 32, 64]
+    # synthetic: ms = 10 + rows + 2 * segments at context 128; twice the row term at context 1024
+    table = {str(c): {str(s): {str(r): 10 + (1 if c == 128 else 2) * r + 2 * s for r in batch_rows(s)}
+                      for s in (1, 2, 4, 8)} for c in (128, 1024)}
+    cost = batched_cost(table, 128)
+    assert cost(8, 4) == table["128"]["4"]["8"]  # a grid point is its measurement
+    assert cost(12, 4) == pytest.approx(10 + 12 + 8)  # between measured rows
+    assert cost(16, 3) == pytest.approx(10 + 16 + 6)  # between measured segment counts
+    assert cost(96, 1) == pytest.approx(10 + 96 + 2)  # above the largest rows: the last slope
+    assert cost(3, 3) == pytest.approx((cost(3, 2) + (10 + 4 + 8)) / 2)  # 4 segments start at 4 rows: reads 4
+    assert batched_cost(table, 576)(8, 1) == pytest.approx(10 + 1.5 * 8 + 2)  # between contexts
+    assert batched_cost(table, 64)(8, 1) == cost(8, 1)  # below the smallest context: flat
+    with pytest.raises(ValueError, match="at least one row each"):
+        cost(2, 4)
+    with pytest.raises(ValueError, match="needs measured rows"):
+        batched_cost({"128": {}}, 128)
