@@ -17,7 +17,7 @@ QFORMAT   ?= int8_sq
 INSTANCES   ?= 1
 CONCURRENCY ?=
 
-.PHONY: setup demo test bench profile tune draft quantize compare engines gpu-check serve client perf lint clean
+.PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -73,11 +73,19 @@ profile: draft  ## this machine's cost curve (ms per forward vs tree size, targe
 	$(BIN)/spectrt profile --dtype fp32
 	$(BIN)/spectrt profile --dtype bf16
 
-quantize: setup  ## INT8 target with ModelOpt (QFORMAT=int8_sq|int8_wo) + accuracy gates -> artifacts/<target>-$(QFORMAT)
+quantize: setup  ## INT8 target with ModelOpt (QFORMAT: a recipe of quant/recipes.py) + accuracy gates -> artifacts/<target>-$(QFORMAT)
 	$(BIN)/spectrt quantize --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET))
 
-compare: draft quantize  ## FP32 vs INT8 target, AR and tree, one run -> bench/results/compare/ (md, json, png)
-	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT))
+recipes: setup  ## every INT8 recipe on the same held-out positions + verify cost -> bench/results/compare/recipes.md
+	$(BIN)/spectrt quantize --search $(if $(TARGET),--target $(TARGET))
+
+# fp32, bf16, INT8 W8A8 ($(QFORMAT)) and INT8 weight-only targets, each AR and with the default speculation (the
+# precision's tuned policy, else the untuned default), single stream and batched, in one interleaved run
+COMPARE_LIMIT ?=
+compare: draft quantize  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/ (md, json, png)
+	$(BIN)/spectrt quantize --qformat int8_wo $(if $(TARGET),--target $(TARGET))
+	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
+		$(if $(COMPARE_LIMIT),--limit $(COMPARE_LIMIT))
 
 engines: draft $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (PRECISION=int8: INT8 target)
 	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
