@@ -79,10 +79,22 @@ quantize: setup  ## INT8 target with ModelOpt (QFORMAT: a recipe of quant/recipe
 recipes: setup  ## every INT8 recipe on the same held-out positions + verify cost -> bench/results/compare/recipes.md
 	$(BIN)/spectrt quantize --search $(if $(TARGET),--target $(TARGET))
 
-# fp32, bf16, INT8 W8A8 ($(QFORMAT)) and INT8 weight-only targets, each AR and with the default speculation (the
-# precision's tuned policy, else the untuned default), single stream and batched, in one interleaved run
+# fp32, bf16, INT8 W8A8 ($(QFORMAT)) and INT8 weight-only targets, each AR and with the default speculation (each
+# precision's policy tuned on this machine, as generate runs it), single stream and batched, in one interleaved run
 COMPARE_LIMIT ?=
-compare: draft quantize  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/ (md, json, png)
+TUNED_BF16 := artifacts/policy-smollm2-135m-instruct-smollm2-135m-instruct-draft-bf16.json
+TUNED_INT8 := $(foreach q,$(QFORMAT) int8_wo,artifacts/policy-smollm2-135m-instruct-$(q)-smollm2-135m-instruct-draft-fp32.json)
+
+$(TUNED_BF16): | draft
+	$(BIN)/spectrt profile --dtype bf16 --repeats 5
+	$(BIN)/spectrt tune --dtype bf16
+
+artifacts/policy-smollm2-135m-instruct-%-smollm2-135m-instruct-draft-fp32.json: | draft  # an INT8 target's policy
+	$(BIN)/spectrt quantize --qformat $*
+	$(BIN)/spectrt profile --target artifacts/smollm2-135m-instruct-$* --repeats 5
+	$(BIN)/spectrt tune --target artifacts/smollm2-135m-instruct-$*
+
+compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/
 	$(BIN)/spectrt quantize --qformat int8_wo $(if $(TARGET),--target $(TARGET))
 	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
 		$(if $(COMPARE_LIMIT),--limit $(COMPARE_LIMIT))

@@ -187,7 +187,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         models[qformat] = (path, "fp32")
     sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
     prompt_sets = {name: read_prompts(path)[:args.limit] for name, path in sets.items()}
-    run_compare(target, draft, models, prompt_sets, args.max_new_tokens, args.out, args.batch, args.max_seq_len)
+    run_compare(target, draft, models, prompt_sets, args.max_new_tokens, args.out, args.batch, args.max_seq_len,
+                artifacts=args.artifacts)
     return 0
 
 

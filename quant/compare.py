@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.quant.accuracy import GATE_TOP1, engine_agreement, heldout_records
 from spectrt.quant.recipes import get_recipe
 from spectrt.runtime.batch import BatchDecoder, Job
 from spectrt.runtime.int8 import quant_spec
 from spectrt.runtime.pipeline import AUTO, Pipeline
-from spectrt.runtime.policy import Policy
+from spectrt.runtime.policy import Policy, load_policy, policy_path
 from spectrt.runtime.profile import _cpu_name, forward_ms, prefilled_cache
 from spectrt.runtime.tree import Tree
 from tqdm import tqdm
@@ -40,7 +41,9 @@ VERIFY_T = tuple(range(1, 17))
 VERIFY_GATE = 1.5  # an INT8 W8A8 verify step must stay >= 1.5x faster than fp32's
 GPU_RESULTS = "gpu.json"  # {"machine": str, "plans": {"fp16" | "int8": {"plan_bytes", "ar_tokens_per_second",
 #                        "spec_tokens_per_second", "tau", "verify_ms": {T: ms}}}}: the TensorRT half (quant/report.py)
-PEER = {"name": "OpenVINO GenAI 2026.4, INT8 weights (lossy), 8 concurrent requests", "tokens_per_second": 418.0}
+# issue #23's measurement on its author's machine (not re-measured here), where our bf16 AR at 8 concurrent ran 333
+PEER = {"name": "OpenVINO GenAI 2026.4, INT8 weights (lossy), 8 concurrent requests", "tokens_per_second": 418.0,
+        "bf16_ar_8_concurrent_there": 333.0}
 
 
 @dataclass
@@ -63,13 +66,22 @@ def token_match_rate(reference: list[int], candidate: list[int]) -> float:
     return sum(a == b for a, b in zip(reference, candidate, strict=False)) / len(reference)
 
 
-def served_tree(policy: Policy) -> Tree | None:
-    """The static tree Triton serves for `tree: auto` under `policy` (triton_repo/spectrt/1/model.py): the draft's
-    top-`width` then a chain, at most `budget - 1` deep; None when the policy runs no draft."""
+def served_tree(policy: Policy) -> str | None:
+    """The static tree Triton serves for `tree: auto` under `policy` (triton_repo/spectrt/1/model.py), as an expansion:
+    the draft's top-`width` then a chain, at most `budget - 1` deep; None when the policy runs no draft."""
     if not (policy.draft and policy.depth > 0):
         return None
     expansion = [policy.width] + [1] * (policy.depth - 1)
-    return Tree.from_expansion(expansion[:max(1, policy.budget - 1)])
+    return ",".join(map(str, expansion[:max(1, policy.budget - 1)]))
+
+
+def tuned_policy_file(target: Path, draft: Path | None, dtype: str, artifacts: Path) -> str | None:
+    """Where `spectrt generate` finds this target's tuned policy (runtime/pipeline.default_policy), None: untuned."""
+    for where in (Path(artifacts), Path(target).parent):
+        path = policy_path(where, Path(target).name, Path(draft).name if draft else None, dtype)
+        if load_policy(path) is not None:
+            return str(path)
+    return None
 
 
 def streamed_weight_bytes(engine) -> int:
@@ -103,14 +115,15 @@ def batched_run(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, c
 def run_compare(target: Path, draft: Path | None, models: dict[str, tuple[Path, str]],
                 prompt_sets: dict[str, list[str]], max_new_tokens: int, out: Path, batch: int = 8,
                 max_seq_len: int = 1024, progress: bool = True, log: Callable[[str], None] = print,
-                records: list[dict] | None = None) -> dict:
+                records: list[dict] | None = None, artifacts: Path = DEFAULT_ARTIFACTS) -> dict:
     """Measure every (precision, mode) of `models` ({label: (checkpoint, dtype)}, "fp32" first: the reference) and
-    write compare.{json,md,png} into `out`; held-out agreement on `records` (default: quant/accuracy.py's)."""
+    write compare.{json,md,png} into `out`; held-out agreement on `records` (default: quant/accuracy.py's); tuned
+    policies found in `artifacts` (or next to each target) as `spectrt generate` finds them."""
     from spectrt.quant import report
 
     if next(iter(models)) != "fp32":
         raise ValueError("the first model compared must be the fp32 target (the reference)")
-    pipes = {label: Pipeline(path, draft, dtype=dtype, max_seq_len=max_seq_len)
+    pipes = {label: Pipeline(path, draft, dtype=dtype, max_seq_len=max_seq_len, artifacts=artifacts)
              for label, (path, dtype) in models.items()}
     first = next(iter(prompt_sets.values()))[0]
     for pipe in pipes.values():  # warm-up: allocator, caches, first-call costs
@@ -151,9 +164,9 @@ def run_compare(target: Path, draft: Path | None, models: dict[str, tuple[Path, 
             runs = {}
             for concurrency in (1, batch):
                 runs[concurrency] = batched_run(pipe, batch_prompts, max_new_tokens, concurrency,
-                                                tree if mode == "spec" else None, max_seq_len)
+                                                Tree.parse(tree) if mode == "spec" and tree else None, max_seq_len)
                 bar.update()
-            batched.append({"precision": label, "mode": mode, "tree": str(tree) if mode == "spec" and tree else None,
+            batched.append({"precision": label, "mode": mode, "tree": tree if mode == "spec" else None,
                             "requests": batch, "tokens_per_second": {str(c): tps for c, (tps, _) in runs.items()},
                             "batched_equal_to_one_at_a_time":
                                 f"{sum(a == b for a, b in zip(runs[1][1], runs[batch][1], strict=True))}/{batch}"})
@@ -176,6 +189,7 @@ def run_compare(target: Path, draft: Path | None, models: dict[str, tuple[Path, 
                  "weights_only": bool(spec.get("weights_only", spec.get("qformat") == "int8_wo")),
                  "summary": get_recipe(spec["qformat"]).summary if spec.get("qformat") else f"{dtype} weights",
                  "policy": pipes[label].policy.to_json(),
+                 "policy_file": tuned_policy_file(path, draft, dtype, artifacts),
                  "weight_bytes": streamed_weight_bytes(engine), "exact": claims_exact(engine),
                  "verify_ms": verify[label],
                  "verify_speedup_vs_fp32": {t: verify["fp32"][t] / ms for t, ms in verify[label].items()}}

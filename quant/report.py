@@ -27,7 +27,10 @@ def markdown(r: dict) -> str:
              f"{r['time']})", "",
              f"Target `{Path(r['target']).name}`, draft `{Path(r['draft']).name if r['draft'] else 'none'}`; every "
              "configuration interleaved prompt by prompt in one process; decode time only. *spec* = what `spectrt "
-             "generate` runs (the precision's tuned policy, else the untuned default).", "",
+             "generate` runs (the precision's tuned policy, else the untuned default): " + ", ".join(
+                 f"{label} {'tuned' if p.get('policy_file') else 'untuned'} (budget {p['policy']['budget']}, depth "
+                 f"{p['policy']['depth']}, width {p['policy']['width']})" for label, p in r["precisions"].items())
+             + ".", "",
              "| precision | weights | weights streamed / forward | verify T=1 | T=8 | T=16 | vs fp32 (T=1 / 8 / 16) "
              "| held-out top-1 vs fp32 | mean KL | exact (tree = AR) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -68,8 +71,10 @@ def markdown(r: dict) -> str:
             lines.append(f"| {b['precision']} | {b['mode']} | {b['tree'] or '–'} | {one:.1f} | {many:.1f} | "
                          f"{many / one:.2f}× | {vs} | {b['batched_equal_to_one_at_a_time']} |")
         peer = r["peer"]
-        lines += ["", f"Peer (issue #23, same model, a machine like this one, not re-measured here): {peer['name']}: "
-                  f"{peer['tokens_per_second']:.0f} tok/s."]
+        ours = peer["bf16_ar_8_concurrent_there"]
+        lines += ["", f"Peer (issue #23, same model, measured on the issue author's machine, not here): "
+                  f"{peer['name']}: {peer['tokens_per_second']:.0f} tok/s, where our bf16 AR at 8 concurrent ran "
+                  f"{ours:.0f} ({peer['tokens_per_second'] / ours:.2f}× it)."]
     ts = list(next(iter(r["precisions"].values()))["verify_ms"])
     lines += ["", "Verify cost curve: ms per target forward of a T-node tree (binary tree mask), context 128, median "
               "of 15, precisions interleaved per T.", "",

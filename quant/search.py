@@ -83,8 +83,9 @@ def markdown(r: dict) -> str:
     if r["rows"]:
         first = r["rows"][0]
         lines += ["", "fp32 verify ms: " + " / ".join(f"{r['fp32_verify_ms'][t]:.2f}" for t in ts) + f"; every row "
-                  f"on the same {first['positions']} held-out positions (fingerprint {first['heldout_fingerprint']}).",
-                  ""]
+                  f"on the same {first['positions']} held-out positions (fingerprint {first['heldout_fingerprint']}). "
+                  "Verify ms: median of 15 forwards of a T-node tree at context 128, one recipe after another (not "
+                  "interleaved: `spectrt compare` interleaves).", ""]
     chosen = r["chosen"]
     lines.append(f"Chosen (the fastest W8A8 recipe at T=1 whose top-1 clears the gate by {GATE_MARGIN}): `{chosen}`"
                  if chosen else "**No W8A8 recipe clears the gate**: none is made the default.")
