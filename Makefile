@@ -16,6 +16,7 @@ QFORMAT   ?= int8_sq
 
 INSTANCES   ?= 1
 CONCURRENCY ?=
+OPENAI_PORT ?= 9000
 
 .PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean
 
@@ -106,8 +107,8 @@ engines: draft $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs
 gpu-check:  ## on a machine with an NVIDIA GPU: TensorRT (or torch-on-CUDA) parity + verify cost vs T
 	bash scripts/gpu_check.sh
 
-serve: draft  ## the real tritonserver on 127.0.0.1 (gRPC 8001, HTTP 8000, metrics 8002); Ctrl-C stops it
-	$(BIN)/spectrt serve --instances $(INSTANCES) $(TREE_ARG)
+serve: draft  ## the real tritonserver on 127.0.0.1 (gRPC 8001, HTTP 8000, metrics 8002, OpenAI API 9000); Ctrl-C stops it
+	$(BIN)/spectrt serve --instances $(INSTANCES) $(TREE_ARG) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT),)
 
 client: setup  ## against `make serve`: gRPC streaming request + stats (CONCURRENCY=N: load run)
 	$(BIN)/spectrt client --prompt "$(PROMPT)" $(if $(CONCURRENCY),--concurrency $(CONCURRENCY),)
@@ -117,11 +118,16 @@ client: setup  ## against `make serve`: gRPC streaming request + stats (CONCURRE
 # perf_analyzer 2.51 never ends a run with warm-up requests (the served model warms up at load instead).
 PERF_VENV  := .venv-perf
 PERF_STAMP := $(PERF_VENV)/.spectrt-perf
-PERF_URL   ?= 127.0.0.1:8001
+PERF_ENDPOINT ?= kserve
+PERF_URL   ?= $(if $(filter chat,$(PERF_ENDPOINT)),127.0.0.1:$(OPENAI_PORT),127.0.0.1:8001)
 PERF_SWEEP ?= 1 2 4 8 16
 PERF_ISL   ?= 32
 PERF_OSL   ?= 96
-PERF_OUT   ?= bench/results/perf
+PERF_OUT   ?= bench/results/perf$(if $(filter chat,$(PERF_ENDPOINT)),-chat,)
+# kserve: Triton's gRPC stream (deterministic output length through min_length); chat: the OpenAI endpoint of
+# `make serve` (/v1/chat/completions, SSE; ignore_eos makes every answer PERF_OSL tokens)
+PERF_MODE_kserve = --endpoint-type kserve --backend tensorrtllm --output-tokens-mean-deterministic
+PERF_MODE_chat   = --endpoint-type chat --extra-inputs ignore_eos:true
 # perf_analyzer measures 3 windows per concurrency and does not wait for stability (a shared CPU never settles)
 PERF_WINDOW_MS ?= 20000
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
@@ -132,15 +138,15 @@ $(PERF_STAMP):
 	$(PERF_VENV)/bin/pip install -q genai-perf==0.0.16 "pandas<3" "tritonclient[grpc]==2.51.0" nvidia-cuda-runtime-cu12
 	touch $(PERF_STAMP)
 
-perf: setup $(PERF_STAMP)  ## against `make serve` (other terminal): genai-perf sweep over PERF_SWEEP concurrencies -> $(PERF_OUT)
+perf: setup $(PERF_STAMP)  ## against `make serve` (other terminal): genai-perf sweep over PERF_SWEEP concurrencies -> $(PERF_OUT) (PERF_ENDPOINT=chat: the OpenAI endpoint)
 	tok=$$($(BIN)/python -c "from spectrt.build.checkpoint import resolve_target; print(resolve_target())"); \
 	cudart=$$(echo $(CURDIR)/$(PERF_VENV)/lib/python3*/site-packages/nvidia/cuda_runtime/lib); \
 	for c in $(PERF_SWEEP); do \
 		PATH="$(CURDIR)/$(PERF_VENV)/bin:$$PATH" LD_LIBRARY_PATH="$$cudart:$$LD_LIBRARY_PATH" \
-		$(PERF_VENV)/bin/genai-perf profile -m spectrt --endpoint-type kserve --backend tensorrtllm --streaming \
+		$(PERF_VENV)/bin/genai-perf profile -m spectrt $(PERF_MODE_$(PERF_ENDPOINT)) --streaming \
 			-u $(PERF_URL) --tokenizer "$$tok" --synthetic-input-tokens-mean $(PERF_ISL) \
 			--synthetic-input-tokens-stddev 0 --output-tokens-mean $(PERF_OSL) --output-tokens-stddev 0 \
-			--output-tokens-mean-deterministic --concurrency $$c --measurement-interval $(PERF_WINDOW_MS) \
+			--concurrency $$c --measurement-interval $(PERF_WINDOW_MS) \
 			--warmup-request-count 0 --artifact-dir $(PERF_OUT)/c$$c || exit 1; \
 	done
 	$(BIN)/python scripts/perf_table.py $(PERF_OUT)

@@ -43,7 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts); "
                    "none: draft-less speculation with suffix candidates")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32")
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
     p.add_argument("--engines", type=Path, help="engines dir from `spectrt engines` (onnxruntime/tensorrt)")
     p.add_argument("--max-seq-len", type=_positive, default=2048)
@@ -243,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft)")
     pr.add_argument("--no-draft", action="store_true", help="profile the target only")
     pr.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where the cost profile is saved")
-    pr.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    pr.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="auto: bf16 on the native CPU forward, else fp32")
     pr.add_argument("--repeats", type=_positive, default=15, help="timed forwards per shape (median reported)")
     pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     pr.set_defaults(func=cmd_profile)
@@ -308,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     from spectrt.runtime.client import add_client_args
     from spectrt.runtime.serve import add_serve_args
 
-    s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1")
+    s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1 "
+                                      "(--openai-port P: and the OpenAI API)")
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("client", help="tritonclient gRPC streaming, --http generate, --concurrency load run")
@@ -331,6 +334,10 @@ def main(argv: list[str] | None = None) -> None:
             args.tree = Tree.parse(args.tree_spec)
         except TreeError as e:
             parser.error(str(e))
+    if getattr(args, "dtype", None) == "auto":  # one precision name from here on (file names, reports)
+        from spectrt.runtime.engine import resolve_dtype
+
+        args.dtype = resolve_dtype("auto", getattr(args, "backend", "torch"))
     try:
         sys.exit(args.func(args))
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, TreeError and input errors

@@ -9,9 +9,9 @@ the same engine alone. Measured, greedy, decode time only:
   AR output, equality with the precision's own AR output (exact modes must be equal);
 - per precision: weight bytes one forward streams, the verify cost curve T = 1..16 (context 128), held-out top-1
   agreement with fp32 (quant/accuracy.py, the same positions for all; the INT8 gate);
-- batched: throughput of N requests through the batch decoder (`BatchDecoder.run`) at 1 and N concurrent
-  requests, AR and the policy's static tree (what Triton serves for `tree: auto`), and whether the batched
-  outputs equal the one-at-a-time ones.
+- batched: throughput of N requests through one `Decoder.run` at 1 and N concurrent requests, AR and the
+  policy's dynamic trees (what Triton serves for `tree: auto`), and whether the batched outputs equal the
+  one-at-a-time ones.
 quant/report.py turns the result into compare.md and compare.png; compare.json holds it all.
 """
 
@@ -28,12 +28,11 @@ import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.quant.accuracy import GATE_TOP1, engine_agreement, heldout_records
 from spectrt.quant.recipes import get_recipe
-from spectrt.runtime.batch import BatchDecoder, Job
+from spectrt.runtime.decoder import Decoder, Job
 from spectrt.runtime.int8 import quant_spec
 from spectrt.runtime.pipeline import AUTO, Pipeline
-from spectrt.runtime.policy import Policy, load_policy, policy_path
+from spectrt.runtime.policy import load_policy, policy_path
 from spectrt.runtime.profile import _cpu_name, forward_ms, prefilled_cache
-from spectrt.runtime.tree import Tree
 from tqdm import tqdm
 
 MODES = ("AR", "spec")
@@ -66,15 +65,6 @@ def token_match_rate(reference: list[int], candidate: list[int]) -> float:
     return sum(a == b for a, b in zip(reference, candidate, strict=False)) / len(reference)
 
 
-def served_tree(policy: Policy) -> str | None:
-    """The static tree Triton serves for `tree: auto` under `policy` (triton_repo/spectrt/1/model.py), as an expansion:
-    the draft's top-`width` then a chain, at most `budget - 1` deep; None when the policy runs no draft."""
-    if not (policy.draft and policy.depth > 0):
-        return None
-    expansion = [policy.width] + [1] * (policy.depth - 1)
-    return ",".join(map(str, expansion[:max(1, policy.budget - 1)]))
-
-
 def tuned_policy_file(target: Path, draft: Path | None, dtype: str, artifacts: Path) -> str | None:
     """Where `spectrt generate` finds this target's tuned policy (runtime/pipeline.default_policy), None: untuned."""
     for where in (Path(artifacts), Path(target).parent):
@@ -99,13 +89,15 @@ def claims_exact(engine) -> bool:
     return engine.native is not None or engine.row_invariant or engine.dtype == torch.float32
 
 
-def batched_run(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, concurrency: int, tree: Tree | None,
+def batched_run(pipe: Pipeline, prompts: list[list[int]], max_new_tokens: int, concurrency: int, spec: bool,
                 max_seq_len: int) -> tuple[float, list[list[int]]]:
-    """(generated tokens per second of wall time, prefill included; outputs) of all `prompts` through one batch
-    decoder admitting `concurrency` at a time."""
+    """(generated tokens per second of wall time, prefill included; outputs) of all `prompts` through one decoder
+    admitting `concurrency` at a time: the target alone, or (`spec`) the pipeline's policy with dynamic trees, which
+    is what Triton serves for `tree: auto`."""
     d = pipe.decoder
-    decoder = BatchDecoder(d.target, d.draft, d.eos_ids, max_seq_len=max_seq_len, max_active=concurrency)
-    jobs = [Job(list(ids), max_new_tokens, tree=tree) for ids in prompts]
+    decoder = Decoder(d.target, d.draft, d.eos_ids, max_seq_len=max_seq_len, max_active=concurrency,
+                      policy=pipe.policy)
+    jobs = [Job(list(ids), max_new_tokens, tree=AUTO if spec else None) for ids in prompts]
     start = time.perf_counter()
     decoder.run(jobs)
     seconds = time.perf_counter() - start
@@ -159,14 +151,13 @@ def run_compare(target: Path, draft: Path | None, models: dict[str, tuple[Path, 
 
     batched = []
     for label, pipe in pipes.items():
-        tree = served_tree(pipe.policy) if draft is not None else None
         for mode in MODES:
             runs = {}
             for concurrency in (1, batch):
-                runs[concurrency] = batched_run(pipe, batch_prompts, max_new_tokens, concurrency,
-                                                Tree.parse(tree) if mode == "spec" and tree else None, max_seq_len)
+                runs[concurrency] = batched_run(pipe, batch_prompts, max_new_tokens, concurrency, mode == "spec",
+                                                max_seq_len)
                 bar.update()
-            batched.append({"precision": label, "mode": mode, "tree": tree if mode == "spec" else None,
+            batched.append({"precision": label, "mode": mode, "tree": AUTO if mode == "spec" else None,
                             "requests": batch, "tokens_per_second": {str(c): tps for c, (tps, _) in runs.items()},
                             "batched_equal_to_one_at_a_time":
                                 f"{sum(a == b for a, b in zip(runs[1][1], runs[batch][1], strict=True))}/{batch}"})

@@ -77,12 +77,14 @@ def request_fields(prompt: str, max_tokens: int, stream: bool, temperature: floa
 
 
 _GRPC_TYPES = {"text_input": "BYTES", "tree": "BYTES", "children": "BYTES", "max_tokens": "INT32", "top_k": "INT32",
-               "end_id": "INT32", "temperature": "FP32", "top_p": "FP32", "seed": "UINT64", "stream": "BOOL",
-               "return_perf_metrics": "BOOL", "apply_chat_template": "BOOL"}
+               "end_id": "INT32", "min_length": "INT32", "temperature": "FP32", "top_p": "FP32", "seed": "UINT64",
+               "stream": "BOOL", "return_perf_metrics": "BOOL", "return_num_input_tokens": "BOOL",
+               "return_num_output_tokens": "BOOL", "exclude_input_in_output": "BOOL", "apply_chat_template": "BOOL"}
 
 
 def grpc_inputs(fields: dict, types: dict[str, str] | None = None) -> list:
-    """tritonclient InferInputs of shape [1, 1] (batch of one), the dtypes the model declares unless `types` says."""
+    """tritonclient InferInputs of shape [1, 1] (batch of one; a list value, e.g. stop_words, is [1, n]), the dtypes
+    the model declares unless `types` says."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import triton_to_np_dtype
@@ -90,10 +92,11 @@ def grpc_inputs(fields: dict, types: dict[str, str] | None = None) -> list:
     inputs = []
     for name, value in fields.items():
         dtype = (types or {}).get(name) or _GRPC_TYPES.get(name, "BYTES")
+        values = list(value) if isinstance(value, list | tuple) else [value]
         if dtype == "BYTES":
-            data = np.array([[value if isinstance(value, bytes) else str(value).encode("utf-8")]], dtype=np.object_)
+            data = np.array([[v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]], dtype=np.object_)
         else:
-            data = np.array([[value]], dtype=triton_to_np_dtype(dtype))
+            data = np.array([values], dtype=triton_to_np_dtype(dtype))
         tensor = grpcclient.InferInput(name, list(data.shape), dtype)
         tensor.set_data_from_numpy(data)
         inputs.append(tensor)

@@ -1,32 +1,45 @@
-"""The speculative decode loop: build a token tree, verify it in one target pass, accept, compact.
+"""THE decode loop: every surface (generate, bench, tune, the corpus generator, Triton) runs `Decoder`.
 
-Each step's tree comes from one place, `_build`: a per-request suffix index (free candidates) and the
-draft model, merged into one `TokenTrie`. With a `Policy` the tree is dynamic (EAGLE-2): the draft
-expands the best-scoring nodes level by level and the step verifies the B best nodes, B chosen from the
-policy's cost curve so that a step with no candidate worth a verify is plain autoregressive decoding.
-With an explicit static `Tree` (SpecInfer expansion vector) the draft fills that shape and suffix
-candidates are merged in. Autoregressive decoding is the root-only tree, so the baseline runs on exactly
-the engine, cache and kernels that speculation uses. Both caches are allocated once here.
+A single request is a batch of one. Each active request owns a slot (its target and draft KV caches: one pool per
+engine, allocated once here). Each `step`:
+
+1. prompts still being prefilled contribute causal chunks (bounded per step, so a long prompt never stalls the
+   others); the draft reads the same chunks in its first pass of the step;
+2. every decoding request gets a token trie from the proposers (runtime/propose.py): suffix candidates (free), then
+   the draft (static SpecInfer shapes, or EAGLE-2 expansion of the best nodes), all requests' draft levels in one
+   draft forward each; the draft is skipped for the step when even a sure draft token could not pay for its pass;
+3. one speculation budget across the batch (`runtime/policy.allocate`): which scored nodes of which request to
+   verify, by expected tokens per millisecond of the batched target forward, never worse than plain batched
+   decoding; static trees are verified whole (cut by rank when the step's row cap is exceeded);
+4. ONE target `forward_many` over the prompt chunks and every request's tree;
+5. per request: verification (greedy, or lossless sampling), KV compaction (target and draft), stop conditions
+   (end-of-sequence, length, stop words), `min_length` and bad words applied to the distribution verified.
+
+Autoregressive decoding is the root-only tree, so the baseline runs on exactly the engine, caches and kernels that
+speculation uses. A step that fails is rolled back and each request retried alone: only the requests that fail
+alone end (finish "error"); the others continue with exactly the arithmetic of the batch (the engines' rows are
+invariant of the batch). The decoder does no I/O: `step` returns what each request emitted and which finished.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
-from spectrt.runtime.engine import Engine
-from spectrt.runtime.policy import Policy, best_size
-from spectrt.runtime.sampling import SamplingParams, draw_children, sampling_probs, verify_sampled
-from spectrt.runtime.suffix import SuffixIndex
+from spectrt.runtime.engine import Engine, Segment
+from spectrt.runtime.policy import Policy, allocate
+from spectrt.runtime.propose import Candidates, DraftProposer, SuffixProposer
+from spectrt.runtime.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
-
+AUTO = "auto"  # a job's tree: dynamic trees under the decoder's policy
 ROOT_ONLY = Tree((-1,))
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclass
@@ -36,11 +49,12 @@ class DecodeStats:
     emitted_tokens: int = 0  # new tokens plus the end-of-sequence token, which a target pass also produced
     target_passes: int = 0
     draft_passes: int = 0
+    proposed: int = 0  # candidate nodes sent to verification
     prefill_seconds: float = 0.0
     seconds: float = 0.0  # prefill + decode
-    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per target pass
+    accepted: list[int] = field(default_factory=list)  # candidate tokens accepted per target pass
     verified: list[int] = field(default_factory=list)  # tree nodes verified per target pass (1 = plain AR step)
-    trace: list[tuple] = field(default_factory=list)  # with SpecDecoder.record: (kind, key, parent ok, accepted)
+    trace: list[tuple] = field(default_factory=list)  # with Decoder.record: (kind, key, parent ok, accepted)
 
     @property
     def tau(self) -> float:
@@ -68,6 +82,8 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "target_passes": self.target_passes,
             "draft_passes": self.draft_passes,
+            "proposed": self.proposed,
+            "accepted": sum(self.accepted),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "decode_seconds": round(self.decode_seconds, 4),
             "seconds": round(self.seconds, 4),
@@ -81,263 +97,493 @@ class DecodeStats:
 @dataclass
 class DecodeResult:
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_new_tokens / max_seq_len)
+    finish_reason: str  # "stop" (end-of-sequence token or stop word) or "length" (max_new_tokens / max_seq_len)
     stats: DecodeStats
 
 
-class SpecDecoder:
-    """Tree speculative decoding (greedy or lossless sampling) over a target and an optional draft engine.
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
+class Job:
+    """One request: what to decode (checked by `Decoder.check`) and its decode state.
 
-    With sampling, a node's children are either drawn without replacement from the draft's
-    distribution ("sample", verified by recursive rejection sampling against that distribution) or
-    are the draft's top-k ("topk", verified by the point-mass rule); both are exact.
+    `tree`: None (the target alone), a static `Tree` (SpecInfer expansion vector, filled by the draft) or `AUTO`
+    (dynamic trees under the decoder's policy); `suffix`: merge suffix candidates (None: the policy's choice for
+    `AUTO`, off for the others).
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    tree: Tree | str | None = None
+    params: SamplingParams = GREEDY
+    children: str = "sample"  # sampled static trees: children drawn without replacement ("sample") or top-k
+    eos_ids: set[int] | None = None  # None: the decoder's
+    min_length: int = 0  # end-of-sequence is masked out of the target distribution before this many tokens
+    stop_words: list[list[int]] = field(default_factory=list)  # stop after emitting any of these sequences
+    bad_words: list[list[int]] = field(default_factory=list)  # never emitted (masked in the target distribution)
+    suffix: bool | None = None
+    tag: object = None  # the caller's handle
+    # decode state
+    out: list[int] = field(default_factory=list)
+    finish: str | None = None  # one of FINISH_REASONS once finished
+    error: str | None = None  # why, for finish "error"
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    slot: int = -1
+    ids: list[int] = field(default_factory=list)
+    draft_gen: torch.Generator | None = None
+    verify_gen: torch.Generator | None = None
+    started: float = 0.0
+    decoding: bool = False  # prefill done
+    exception: BaseException | None = field(default=None, repr=False)  # what ended it with "error"
+
+
+@dataclass
+class StepInfo:
+    active: int = 0
+    prefill_tokens: int = 0
+    tree_tokens: int = 0  # target rows spent on decoding trees (roots included)
+    emitted: list[tuple[Job, list[int]]] = field(default_factory=list)  # new tokens per job, in order
+    finished: list[Job] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(t) for _, t in self.emitted)
+
+    def merge(self, other: StepInfo) -> None:
+        self.prefill_tokens += other.prefill_tokens
+        self.tree_tokens += other.tree_tokens
+        self.emitted += other.emitted
+        self.finished += other.finished
+
+
+@lru_cache(maxsize=256)
+def cut_tree(tree: Tree, nodes: int) -> Tree:
+    """The first `nodes` nodes of `tree` in top-1-first order (path rank sum, depth, index), as a Tree.
+
+    That order puts every parent and every earlier sibling before a node, so the cut is connected and
+    each node keeps a rank-order prefix of its children (what drafting and verification assume).
+    """
+    if nodes >= len(tree):
+        return tree
+    rank_sum = [0] * len(tree)
+    for i, p in enumerate(tree.parents[1:], start=1):
+        rank_sum[i] = rank_sum[p] + tree.ranks[i]
+    keep = sorted(sorted(range(len(tree)), key=lambda i: (rank_sum[i], tree.depths[i], i))[:max(nodes, 1)])
+    index = {old: new for new, old in enumerate(keep)}
+    return Tree(tuple(-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep))
+
+
+class Decoder:
+    """Up to `max_active` requests decoded together: `add` between `step`s, `cancel` any time between steps.
+
+    `policy` shapes dynamic trees (`AUTO` jobs) and holds this machine's cost curves that the budget rule weighs;
+    `tree_budget` caps the rows a step spends on trees (static trees are cut by rank beyond it); `prefill_budget`
+    the prompt tokens prefilled per step.
     """
 
     def __init__(self, target: Engine, draft: Engine | None, eos_ids: set[int], max_seq_len: int = 2048,
-                 max_tree_tokens: int = 64):
+                 max_tree_tokens: int = 64, max_active: int = 1, policy: Policy | None = None,
+                 tree_budget: int | None = None, prefill_budget: int | None = None):
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
                 f"({target.config.vocab_size}): use a draft made from this target"
             )
-        self.target, self.draft = target, draft
-        self.eos_ids = eos_ids
-        self.max_seq_len = max_seq_len
-        self.max_tree_tokens = max_tree_tokens
+        if max_active < 1 or max_seq_len < 2 or max_tree_tokens < 1:
+            raise ValueError(f"max_active ({max_active}) and max_tree_tokens ({max_tree_tokens}) must be >= 1 and "
+                             f"max_seq_len ({max_seq_len}) >= 2")
+        self.target, self.draft, self.eos_ids = target, draft, set(eos_ids)
+        self.vocab_size = target.config.vocab_size
+        self.max_seq_len, self.max_tree_tokens, self.max_active = max_seq_len, max_tree_tokens, max_active
+        self.tree_budget = tree_budget or max_active * max_tree_tokens
+        self.prefill_budget = prefill_budget or max_tree_tokens
         capacity = max_seq_len + max_tree_tokens
-        self.target_cache = target.new_cache(capacity, max_tree_tokens)
-        self.draft_cache = draft.new_cache(capacity, max_tree_tokens) if draft is not None else None
+        self.target_caches = target.new_caches(max_active, capacity, max_tree_tokens)
+        self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens) if draft is not None else None
+        self.suffix = SuffixProposer(max_active)
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
-        self.node_tokens = torch.zeros(max_tree_tokens, dtype=torch.long)
-        self.node_q = torch.zeros(max_tree_tokens, target.config.vocab_size) if draft is not None else None
+        self.policy = policy or Policy()
+        self.free = list(range(max_active))[::-1]
+        self.active: list[Job] = []
         self.record = False  # fill DecodeStats.trace (what `spectrt tune` measures acceptance from)
 
-    def _catch_up(self, engine: Engine, cache, ids: list[int]) -> torch.Tensor:
-        """Feed ids[cache.length:] causally in window-sized chunks; return the last token's logits."""
-        logits = None
-        while cache.length < len(ids):
-            n = cache.length
-            chunk = ids[n:n + self.max_tree_tokens]
-            t = len(chunk)
-            logits = engine.forward(torch.tensor(chunk), torch.arange(n, n + t), self.causal[:t, :t], cache)
-            cache.commit(t)
-        return logits[-1]
+    @property
+    def policy(self) -> Policy:
+        return self._policy
 
-    def _draft_tree(self, tree: Tree, ids: list[int], n: int, stats: DecodeStats, params: SamplingParams,
-                    children: str, generator: torch.Generator) -> None:
-        """Fill node_tokens[1:] with the draft's children, one draft pass per tree level."""
-        logits = self._catch_up(self.draft, self.draft_cache, ids)[None]
-        stats.draft_passes += 1
-        for depth in range(1, tree.max_depth + 1):
-            level, parents = tree.levels[depth], tree.levels[depth - 1]
-            first, last = level[0], level[-1]
-            parent_row, rank, k = tree.level_children[depth - 1]
-            if params.greedy or children == "topk":
-                top = logits.topk(k, dim=-1).indices
-            else:
-                q = sampling_probs(logits, params)
-                self.node_q[parents[0]:parents[-1] + 1] = q
-                top = draw_children(q, k, generator)
-            self.node_tokens[first:last + 1] = top[parent_row, rank]
-            if depth < tree.max_depth:
-                logits = self.draft.forward(
-                    self.node_tokens[first:last + 1], torch.full((len(level),), n + depth),
-                    tree.mask[first:last + 1, 1:last + 1], self.draft_cache,
-                )
-                stats.draft_passes += 1
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        self._verify = policy.verify_cost
+        if self.drafter is not None:
+            self.drafter.cost = policy.draft_cost
 
-    def _draft_dynamic(self, trie: TokenTrie, ids: list[int], n: int, policy: Policy, params: SamplingParams,
-                       stats: DecodeStats, keys: dict) -> float:
-        """EAGLE-2 expansion: each level, the draft reads the `width` best unread nodes whose parent it has
-        read and adds their top-`width` children; it stops at `depth` or when another level is not expected
-        to pay. Returns the draft time spent, in the policy's cost units."""
-        cal, verify, dcost = policy.calibration, policy.verify_cost, policy.draft_cost
-        budget = min(policy.budget, self.max_tree_tokens)
-        sunk, frontier, fed = dcost(len(ids) - self.draft_cache.length), [0], []
-        free = sorted(trie.scores[1:], reverse=True)
-        b, rate = best_size(free, 0.0, verify, budget)
-        if (1 + sum(free[:b - 1]) + cal.draft[-1]) / (sunk + verify(min(b + 1, budget))) <= rate:
-            return 0.0  # even a sure-to-be-accepted draft token would not pay for the draft pass
-        logits = self._catch_up(self.draft, self.draft_cache, ids)[None]
-        stats.draft_passes += 1
-        for depth in range(1, policy.depth + 1):
-            q = logits.softmax(-1) if params.greedy else sampling_probs(logits, params)
-            top = q.topk(policy.width, dim=-1)
-            probs, toks = top.values.tolist(), top.indices.tolist()
-            for row, parent in enumerate(frontier):
-                for rank, (prob, tok) in enumerate(zip(probs[row], toks[row], strict=True)):
-                    node = trie.add(parent, tok, trie.scores[parent] * cal.draft_edge(prob))
-                    keys.setdefault(node, []).append(("draft", (depth, rank, prob)))
-            if depth == policy.depth:
-                break
-            ranked = trie.best(len(trie))[1:]
-            scores = [trie.scores[i] for i in ranked]
-            b, rate = best_size(scores, sunk, verify, budget)
-            nxt = [i for i in ranked if trie.depths[i] == depth
-                   and (trie.parents[i] == 0 or trie.draft_slot[trie.parents[i]] >= 0)][:policy.width]
-            # the next level is expected to add about what this one added per unit of parent score
-            edge = cal.draft_edge(float(top.values[:, 0].mean()))
-            gain = 1 + sum(scores[:b - 1]) + sum(trie.scores[i] for i in nxt) * edge
-            if (not nxt or len(fed) + len(nxt) > self.max_tree_tokens
-                    or gain / (sunk + dcost(len(nxt)) + verify(min(b + len(nxt), budget))) <= rate):
-                break
-            mask = torch.zeros(len(nxt), len(fed) + len(nxt), dtype=torch.bool)
-            for row, node in enumerate(nxt):
-                mask[row, len(fed) + row] = True
-                anc = trie.parents[node]
-                while anc > 0:
-                    mask[row, trie.draft_slot[anc]] = True
-                    anc = trie.parents[anc]
-            for node in nxt:
-                trie.draft_slot[node] = len(fed)
-                fed.append(node)
-            logits = self.draft.forward(torch.tensor([trie.tokens[i] for i in nxt]),
-                                        torch.full((len(nxt),), n + depth), mask, self.draft_cache)
-            stats.draft_passes += 1
-            sunk += dcost(len(nxt))
-            frontier = nxt
-        return sunk
+    # ------------------------------------------------------------------------------------- membership
+    def check(self, job: Job) -> None:
+        """The decoder's input checks (ValueError naming the fix), before a job takes a slot."""
+        if job.children not in CHILD_MODES:
+            raise ValueError(f"children must be one of {CHILD_MODES}, got {job.children!r}")
+        if not job.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if job.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {job.max_new_tokens}")
+        if len(job.prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(job.prompt_ids)} tokens but max_seq_len is {self.max_seq_len}: "
+                             "shorten the prompt or raise max_seq_len")
+        bad = [t for t in job.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"the prompt holds token ids outside this model's vocabulary [0, {self.vocab_size}) "
+                             f"(e.g. {bad[0]}): a tokenizer with added tokens needs a model that has them")
+        if job.eos_ids is not None and not all(0 <= t < self.vocab_size for t in job.eos_ids):
+            raise ValueError(f"end_id must be a token id in [0, {self.vocab_size}), got {sorted(job.eos_ids)}")
+        for name, words in (("stop_words", job.stop_words), ("bad_words", job.bad_words)):
+            if any(not w or not all(0 <= t < self.vocab_size for t in w) for w in words):
+                raise ValueError(f"{name} must be non-empty token sequences within the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if isinstance(job.tree, Tree) and len(job.tree) > self.max_tree_tokens:
+            raise ValueError(f"the tree has {len(job.tree)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
+        if job.tree is not None and not isinstance(job.tree, Tree) and job.tree != AUTO:
+            raise ValueError(f"a job's tree is None, a Tree or {AUTO!r}, got {job.tree!r}")
 
-    def _add_suffix(self, trie: TokenTrie, index: SuffixIndex, policy: Policy, room: int, keys: dict) -> None:
-        """Merge the suffix index's candidates (point masses) into the trie, at most `room` tokens in all."""
-        for cand in index.propose(policy.suffix_depth):
-            tokens = cand.tokens[:room]
-            if not tokens:
-                break
-            room -= len(tokens)
-            scores = policy.calibration.suffix_path(cand.match, cand.share)
-            for k, node in enumerate(trie.add_path(tokens, scores[:len(tokens)])):
-                keys.setdefault(node, []).append(("suffix", (cand.match, k)))
+    def add(self, job: Job) -> None:
+        """Give the job a slot (call only while `self.free`); its prefill starts with the next step."""
+        self.check(job)
+        if not self.free:
+            raise RuntimeError("no free slot: wait for a request to finish")
+        job.slot = self.free.pop()
+        if self.draft is None and isinstance(job.tree, Tree):
+            job.tree = None  # no draft to fill a static tree: the target alone (suffix candidates stay possible)
+        if job.suffix is None:
+            job.suffix = job.tree == AUTO and self.policy.suffix
+        job.ids = list(job.prompt_ids)
+        job.out, job.finish, job.error, job.decoding = [], None, None, False
+        job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids))
+        seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
+        job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
+        job.verify_gen = torch.Generator().manual_seed(2 * seed + 1)
+        job.started = time.perf_counter()
+        self.target_caches[job.slot].reset()
+        if self.drafter is not None:
+            self.drafter.start(job.slot)
+        if job.suffix:
+            self.suffix.start(job.slot, job.ids)
+        self.active.append(job)
 
-    def _build(self, ids: list[int], n: int, static: Tree | None, policy: Policy | None, index: SuffixIndex | None,
-               use_draft: bool, params: SamplingParams, children: str, stats: DecodeStats,
-               draft_gen: torch.Generator) -> tuple[TokenTrie, list[int], dict, torch.Tensor | None]:
-        """This step's candidates, from every proposer, merged into one trie; which nodes to verify.
+    def _release(self, job: Job, finish: str, exception: BaseException | None = None) -> None:
+        job.finish = job.finish or finish
+        if exception is not None and job.exception is None:
+            job.exception, job.error = exception, f"{type(exception).__name__}: {exception}"
+        job.stats.new_tokens = len(job.out)
+        job.stats.seconds = time.perf_counter() - job.started
+        if not job.decoding:
+            job.stats.prefill_seconds = job.stats.seconds
+        if job in self.active:
+            self.active.remove(job)
+            self.free.append(job.slot)
+            self.suffix.stop(job.slot)
 
-        Returns the trie, the nodes to verify (root first), each node's proposer keys (for tuning) and,
-        for a static tree of sampled children, the draft distributions they were drawn from (trie order).
-        """
-        trie, keys = TokenTrie(ids[-1]), {}
-        if static is None:  # dynamic: free candidates first, then the draft extends the best nodes
-            # `budget` bounds the draft's tree; suffix candidates cost no forward and may add up to suffix_depth
-            # nodes when their own scores pay for the larger verify (measured: a 4-node cap held the repetitive
-            # set at 1.47x AR while suffix candidates alone reached 1.62x)
-            room = max(policy.budget, 1 + policy.suffix_depth) if policy.suffix else policy.budget
-            budget = min(room, self.max_tree_tokens)
-            if index is not None:
-                self._add_suffix(trie, index, policy, budget - 1, keys)
-            sunk = self._draft_dynamic(trie, ids, n, policy, params, stats, keys) if use_draft else 0.0
-            b, _ = best_size(sorted(trie.scores[1:], reverse=True), sunk, policy.verify_cost, budget)
-            return trie, trie.best(b), keys, None
-        static_q = None
-        if len(static) > 1:  # the static shape first (trie node i = tree node i, sampled children in draw order)
-            self.node_tokens[0] = ids[-1]
-            self._draft_tree(static, ids, n, stats, params, children, draft_gen)
-            sampled = not params.greedy and children == "sample"
-            for i in range(1, len(static)):
-                node = trie.add(static.parents[i], int(self.node_tokens[i]), 1.0, sampled=sampled)
-                trie.draft_slot[node] = i - 1 if static.depths[i] < static.max_depth else -1
-            static_q = self.node_q[:len(static)] if sampled else None
-        if index is not None:  # all merged in: pruning by score would make the point set depend on the draws
-            self._add_suffix(trie, index, policy, self.max_tree_tokens - len(static), keys)
-        return trie, list(range(len(trie))), keys, static_q
+    def cancel(self, job: Job) -> None:
+        """Drop a job now (between steps): its slot is free for the next `add`."""
+        self._release(job, "cancelled")
+
+    def finish(self, job: Job, reason: str = "stop") -> None:
+        """End a job from outside the loop between steps (e.g. a stop string matched on the detokenized text)."""
+        self._release(job, reason)
+
+    def run(self, jobs: list[Job]) -> list[Job]:
+        """Decode all jobs, admitting them in order as slots free up (in-process use, tools and tests)."""
+        waiting = list(jobs)
+        while waiting or self.active:
+            while waiting and self.free:
+                self.add(waiting.pop(0))
+            self.step()
+        return jobs
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None, params: SamplingParams = GREEDY,
-                 children: str = "sample", policy: Policy | None = None) -> DecodeResult:
-        """Decode. `tree` (with a draft): that static shape, plus suffix candidates if `policy.suffix`;
-        `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
-        neither (or a draft-less decoder given only a tree): plain autoregressive decoding."""
-        static = tree if (tree is not None and self.draft is not None) else None
-        if static is None and policy is None:
-            static = ROOT_ONLY
-        use_draft = self.draft is not None and (static is not None and len(static) > 1
-                                                or static is None and policy.draft and policy.depth > 0)
-        if children not in CHILD_MODES:
-            raise ValueError(f"children must be one of {CHILD_MODES}, got {children!r}")
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**62)
-        # drafting and verification draw from independent streams (a shared stream would bias acceptance)
-        draft_gen = torch.Generator().manual_seed(2 * seed)
-        verify_gen = torch.Generator().manual_seed(2 * seed + 1)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}: "
-                "shorten the prompt or raise --max-seq-len"
-            )
-        if static is not None and len(static) > self.max_tree_tokens:
-            raise ValueError(f"the tree has {len(static)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
+                 on_tokens=None, params: SamplingParams = GREEDY, children: str = "sample",
+                 policy: Policy | None = None) -> DecodeResult:
+        """One request, a batch of one. `tree` (with a draft): that static shape, plus suffix candidates if
+        `policy.suffix`; `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
+        neither: the target alone. `on_tokens(new_ids)` is called as tokens are accepted."""
+        if self.active:
+            raise RuntimeError("generate() runs one request on an idle decoder: use add/step for batches")
+        job = Job(list(prompt_ids), max_new_tokens, tree if tree is not None else (AUTO if policy else None),
+                  params, children, suffix=policy is not None and policy.suffix)
+        served = self.policy
+        self.policy = policy or served
+        try:
+            self.add(job)
+            while self.active:
+                info = self.step()
+                if on_tokens is not None:
+                    for _, new in info.emitted:
+                        on_tokens(new)
+        finally:
+            self.policy = served
+            for left in list(self.active):  # a callback raised: nothing stays in a slot
+                self.cancel(left)
+        if job.exception is not None:
+            raise job.exception
+        return DecodeResult(job.out, job.finish, job.stats)
 
-        stats = DecodeStats(prompt_tokens=len(prompt_ids))
-        start = time.perf_counter()
-        ids = list(prompt_ids)
-        self.target_cache.reset()
-        self._catch_up(self.target, self.target_cache, ids[:-1])
-        if use_draft:
-            self.draft_cache.reset()
-            self._catch_up(self.draft, self.draft_cache, ids[:-1])
-        index = SuffixIndex(ids) if policy is not None and policy.suffix else None
-        stats.prefill_seconds = time.perf_counter() - start
+    # ------------------------------------------------------------------------------------- one step
+    def step(self) -> StepInfo:
+        """One batched step over all active jobs: what each emitted and which finished (for streaming and metrics)."""
+        info = StepInfo(active=len(self.active))
+        jobs = list(self.active)
+        snapshot = self._lengths(jobs)
+        try:
+            planned = self._forward(jobs, info)
+        except Exception as exc:
+            self._restore(snapshot)
+            if len(jobs) == 1:
+                self._release(jobs[0], "error", exc)
+                info.finished.append(jobs[0])
+                return info
+            # isolate: each job alone; the ones that fail alone end, the rest advance as they would have
+            info = StepInfo(active=len(jobs))
+            for job in jobs:
+                alone = StepInfo()
+                one = self._lengths([job])
+                try:
+                    planned = self._forward([job], alone)
+                except Exception as failure:
+                    self._restore(one)
+                    self._release(job, "error", failure)
+                    info.finished.append(job)
+                    continue
+                self._accept_all(planned, alone)
+                info.merge(alone)
+            return info
+        self._accept_all(planned, info)
+        return info
 
-        limit = min(max_new_tokens, self.max_seq_len - len(prompt_ids))
-        out: list[int] = []
-        finish = "length"
-        while len(out) < limit:
-            n = self.target_cache.length
-            trie, nodes, keys, static_q = self._build(ids, n, static, policy, index, use_draft, params, children,
-                                                      stats, draft_gen)
-            step_tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
-            tokens = torch.tensor([trie.tokens[i] for i in order])
-            logits = self.target.forward(tokens, step_tree.positions(n), step_tree.mask, self.target_cache)
-            stats.target_passes += 1
-            stats.verified.append(len(step_tree))
-            if params.greedy:
-                path, bonus = greedy_accept(step_tree, tokens.tolist(), logits.argmax(-1).tolist())
-            else:
-                q = point = sampled = None
-                if static_q is not None:  # static tree rows first, in their own order (trie nodes 0..len-1)
-                    # rows of nodes without sampled children are never read: any valid distribution will do
-                    q = static_q[[i if i < len(static) and static.children[i] else 0 for i in order]]
-                    point = [trie.point[i] for i in order]
-                    sampled = [trie.sampled[i] for i in order]
-                path, bonus = verify_sampled(step_tree, tokens, sampling_probs(logits, params), q, verify_gen,
-                                             point, sampled)
-            stats.accepted.append(len(path) - 1)
-            if self.record:
-                self._trace(stats, step_tree, order, path, keys)
-            self.target_cache.compact(path)
-            if use_draft:
-                slots = []
-                for i in path[1:]:
-                    if trie.draft_slot[order[i]] < 0:
-                        break
-                    slots.append(trie.draft_slot[order[i]])
-                self.draft_cache.compact(slots)
-            new = [int(tokens[i]) for i in path[1:]] + [bonus]
-            new = new[:limit - len(out)]
-            eos = next((j for j, tok in enumerate(new) if tok in self.eos_ids), None)
-            stats.emitted_tokens += len(new) if eos is None else eos + 1
-            if eos is not None:
-                new, finish = new[:eos], "stop"
-            out.extend(new)
-            ids.extend(new)
-            if index is not None:
-                index.extend(new)
-            if on_tokens is not None and new:
-                on_tokens(new)
-            if finish == "stop":
-                break
-        stats.new_tokens = len(out)
-        stats.seconds = time.perf_counter() - start
-        return DecodeResult(out, finish, stats)
+    def _lengths(self, jobs: list[Job]) -> list[tuple]:
+        caches = [self.target_caches[j.slot] for j in jobs]
+        if self.drafter is not None:
+            caches += [self.drafter.caches[j.slot] for j in jobs]
+        return [(c, c.length) for c in caches]
 
     @staticmethod
-    def _trace(stats: DecodeStats, tree: Tree, order: list[int], path: list[int], keys: dict) -> None:
-        """Record, for each verified candidate, whether its parent was accepted and whether it was (for tuning)."""
-        on_path = set(path)
+    def _restore(snapshot: list[tuple]) -> None:
+        for cache, length in snapshot:
+            cache.length = length
+
+    def _forward(self, jobs: list[Job], info: StepInfo) -> list[tuple]:
+        """Everything up to and including the target forward (no request state changes but cache lengths, which
+        `step` restores if this raises). Returns per job what its acceptance needs."""
+        prefill, decode = [], []
+        for job in jobs:
+            (decode if job.decoding or self.target_caches[job.slot].length >= len(job.ids) - 1 else prefill).append(job)
+        now = time.perf_counter()
+        for job in decode:
+            if not job.decoding:
+                job.decoding = True
+                job.stats.prefill_seconds = now - job.started
+        segments, draft_prefill, chunks = [], [], []
+        budget = self.prefill_budget
+        for job in prefill:  # admission order: the oldest prompt advances first
+            if budget <= 0:
+                break
+            cache = self.target_caches[job.slot]
+            n = cache.length
+            t = min(len(job.ids) - 1 - n, budget, self.max_tree_tokens)
+            segments.append((torch.tensor(job.ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache))
+            chunks.append((job, t))
+            budget -= t
+            info.prefill_tokens += t
+            if self.drafter is not None and self._drafts(job):
+                seg = self.drafter.chunk(job.slot, job.ids, n + t)
+                if seg is not None:
+                    draft_prefill.append(seg)
+        cands = self._propose(decode, draft_prefill, base_rows=info.prefill_tokens)
+        plans = []
+        for cand in cands:
+            trie = cand.trie
+            if cand.static is not None:
+                nodes = list(range(len(trie)))
+            else:
+                nodes = trie.best(cand.chosen)
+            tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
+            tokens = torch.tensor([trie.tokens[i] for i in order])
+            cache = self.target_caches[cand.job.slot]
+            segments.append((tokens, tree.positions(cand.position), tree.mask, cache))
+            plans.append((cand, tree, order, tokens))
+            info.tree_tokens += len(tree)
+        logits = self.target.forward_many(segments) if segments else []
+        for job, t in chunks:
+            self.target_caches[job.slot].commit(t)
+        return [(cand, tree, order, tokens, lg) for (cand, tree, order, tokens), lg
+                in zip(plans, logits[len(chunks):], strict=True)]
+
+    def _drafts(self, job: Job) -> bool:
+        """Whether the job's trees come from the draft (a static tree, or AUTO with the policy's draft on)."""
+        if isinstance(job.tree, Tree):
+            return len(job.tree) > 1
+        return job.tree == AUTO and self.policy.draft and self.policy.depth > 0
+
+    def _propose(self, decode: list[Job], draft_prefill: list[Segment], base_rows: int) -> list[Candidates]:
+        """Every decoding job's candidates: suffix first for dynamic trees, the draft (gated by whether it can pay),
+        then the budget: how many of each dynamic trie's best nodes to verify (`cand.chosen`)."""
+        policy, verify = self.policy, self._verify
+        static_jobs = [j for j in decode if isinstance(j.tree, Tree)]
+        static_total = sum(len(j.tree) for j in static_jobs)
+        share = max(1, self.tree_budget // max(len(decode), 1))
+        cands = []
+        for job in decode:
+            root = len(job.ids) - 1  # the root is the last accepted token, at position len(ids) - 1
+            cand = Candidates(job, TokenTrie(job.ids[-1]), root)
+            room = self.max_seq_len - len(job.ids)  # a tree deeper than the room left only wastes rows
+            if isinstance(job.tree, Tree):
+                tree = job.tree if static_total <= self.tree_budget else cut_tree(job.tree, share)
+                if tree.max_depth > room:
+                    tree = cut_tree(tree, sum(d <= room for d in tree.depths))
+                cand.static, cand.budget = tree, len(tree)
+            else:
+                cand.policy = policy
+                spec = job.tree == AUTO or job.suffix
+                # `budget` bounds the draft's tree; suffix candidates cost no forward and may add up to suffix_depth
+                # nodes when their own scores pay for the larger verify (measured: a 4-node cap held the repetitive
+                # set at 1.47x AR while suffix candidates alone reached 1.62x)
+                size = max(policy.budget, 1 + policy.suffix_depth) if job.suffix else policy.budget
+                cand.budget = min(size, self.max_tree_tokens, room + 1) if spec else 1
+                if job.suffix:
+                    self.suffix.propose(cand, policy, cand.budget - 1)
+            cands.append(cand)
+        static_rows = sum(len(c.static) for c in cands if c.static is not None)
+        dynamic = [c for c in cands if c.static is None]
+        sunk = 0.0
+        if self.drafter is not None:
+            drafting = [c for c in cands if self._drafts(c.job) and (c.static is None or len(c.static) > 1)]
+            drafting = self._gate(drafting, dynamic, base_rows + static_rows)
+            if drafting or draft_prefill:
+                sunk = self.drafter.propose(drafting, draft_prefill, verify, base_rows + static_rows,
+                                            self.max_tree_tokens)
+        for cand in cands:  # static trees: suffix candidates merged after the shape (trie node i = tree node i)
+            if cand.static is not None:
+                cand.budget = len(cand.trie)
+                if cand.job.suffix:
+                    self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
+                    cand.budget = len(cand.trie)
+        sizes, _ = allocate([c.scores for c in dynamic], [c.budget for c in dynamic], sunk, verify,
+                            base_rows + sum(len(c.trie) for c in cands if c.static is not None))
+        for cand, size in zip(dynamic, sizes, strict=True):
+            cand.chosen = size
+        return cands
+
+    def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int) -> list[Candidates]:
+        """The draft runs this step only if even a sure-to-be-accepted draft token per dynamic request would pay for
+        the draft pass; static trees always draft (their shape is the caller's explicit choice)."""
+        grow = [c for c in drafting if c.static is None]
+        if not grow:
+            return drafting
+        verify, cal = self._verify, self.policy.calibration
+        caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
+        sizes, rate = allocate([c.scores for c in dynamic], caps, 0.0, verify, base_rows)
+        gain = float(len(dynamic)) + sum(sum(c.scores[:b - 1]) for c, b in zip(dynamic, sizes, strict=True))
+        chosen = {id(c): (b, cap) for c, b, cap in zip(dynamic, sizes, caps, strict=True)}
+        rows = base_rows + sum(sizes) + sum(min(chosen[id(c)][0] + 1, chosen[id(c)][1]) - chosen[id(c)][0]
+                                            for c in grow)
+        catch_up = sum(min(self.drafter.lag(c.job.slot, c.job.ids), self.max_tree_tokens) for c in grow)
+        sunk = self.drafter.cost(catch_up)
+        if (gain + cal.draft[-1] * len(grow)) / (sunk + verify(rows)) <= rate:
+            return [c for c in drafting if c.static is not None]
+        return drafting
+
+    # ------------------------------------------------------------------------------------- acceptance
+    def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:
+        for cand, tree, order, tokens, logits in planned:
+            job = cand.job
+            try:
+                self._accept(cand, tree, order, tokens, logits, info)
+            except Exception as exc:  # this request's verification failed: it ends, the batch goes on
+                self._release(job, "error", exc)
+                if job not in info.finished:
+                    info.finished.append(job)
+
+    def _constrain(self, job: Job, tree: Tree, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The request's target distribution at every node: end-of-sequence masked before min_length, bad words
+        masked where their prefix matches. Verification uses this same distribution, so it stays lossless. All
+        masked entries are written in one indexed assignment (a scalar write per word and node cost ~0.1 ms each)."""
+        if not job.bad_words and len(job.out) >= job.min_length:
+            return logits
+        logits = logits.clone()
+        rows, cols = [], []
+        eos = sorted(job.eos_ids if job.eos_ids is not None else self.eos_ids)
+        singles = [w[0] for w in job.bad_words if len(w) == 1]
+        longer = [w for w in job.bad_words if len(w) > 1]
+        longest = max((len(w) for w in longer), default=1)
+        context = job.ids[-longest:] if longer else []
+        paths: list[list[int]] = [[]]
         for i in range(1, len(tree)):
-            for kind, key in keys.get(order[i], ()):
-                stats.trace.append((kind, key, tree.parents[i] in on_path, i in on_path))
+            paths.append(paths[tree.parents[i]] + [tokens[i]])
+        for i, path in enumerate(paths):
+            if len(job.out) + len(path) < job.min_length:
+                rows += [i] * len(eos)
+                cols += eos
+            if longer:
+                seq = context + path
+                for word in longer:
+                    k = len(word) - 1
+                    if len(seq) >= k and seq[len(seq) - k:] == word[:-1]:
+                        rows.append(i)
+                        cols.append(word[-1])
+        if singles:
+            logits[:, singles] = float("-inf")
+        if rows:
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _accept(self, cand: Candidates, tree: Tree, order: list[int], tokens: torch.Tensor, logits: torch.Tensor,
+                info: StepInfo) -> None:
+        job, trie, stats = cand.job, cand.trie, cand.job.stats
+        token_list = tokens.tolist()
+        logits = self._constrain(job, tree, token_list, logits)
+        stats.target_passes += 1
+        stats.proposed += len(tree) - 1
+        stats.verified.append(len(tree))
+        if job.params.greedy:
+            path, bonus = greedy_accept(tree, token_list, argmax_rows(logits))
+        else:
+            q = None
+            if cand.q:  # sampled static children: each node's draft distribution (rows never read: any valid one)
+                fallback = next(iter(cand.q.values()))
+                q = torch.stack([cand.q.get(i, fallback) for i in order])
+            point = [trie.point[i] for i in order] if cand.q else None
+            sampled = [trie.sampled[i] for i in order] if cand.q else None
+            path, bonus = verify_sampled(tree, tokens, sampling_probs(logits, job.params), q, job.verify_gen,
+                                         point, sampled)
+        stats.accepted.append(len(path) - 1)
+        if self.record:
+            on_path = set(path)
+            for i in range(1, len(tree)):
+                for kind, key in cand.keys.get(order[i], ()):
+                    stats.trace.append((kind, key, tree.parents[i] in on_path, i in on_path))
+        self.target_caches[job.slot].compact(path)
+        if self.drafter is not None and self._drafts(job):
+            self.drafter.accept(job.slot, trie, order, path)
+        limit = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids))
+        new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]
+        eos = job.eos_ids if job.eos_ids is not None else self.eos_ids
+        finish, emitted = None, len(new)  # emitted counts an end-of-sequence token too (a target pass made it)
+        longest = max((len(w) for w in job.stop_words), default=0)
+        tail = job.out[len(job.out) - longest + 1:] if longest > 1 else []
+        for j, tok in enumerate(new):
+            if tok in eos:
+                new, finish, emitted = new[:j], "stop", j + 1
+                break
+            if job.stop_words:
+                seq = tail + new[:j + 1]
+                if any(len(seq) >= len(w) and seq[len(seq) - len(w):] == w for w in job.stop_words):
+                    new, finish, emitted = new[:j + 1], "stop", j + 1
+                    break
+        stats.emitted_tokens += emitted
+        job.out.extend(new)
+        job.ids.extend(new)
+        if job.suffix:
+            self.suffix.accept(job.slot, new)
+        if finish is None and len(job.out) >= limit:
+            finish = "length"
+        if new:
+            info.emitted.append((job, new))
+        if finish is not None:
+            self._release(job, finish)
+            info.finished.append(job)

@@ -39,8 +39,9 @@ class Engine(Protocol):
 def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", measure_kernels: bool = True) -> Engine:
     """Load one model for the given backend (torch is the reference and the CPU path). `measure_kernels=False`
     fixes the torch reference path's GEMM formulation instead of timing it at load (reproducible numerics)."""
+    dtype = resolve_dtype(dtype, backend)
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported: choose one of {sorted(DTYPES)}")
+        raise ValueError(f"--dtype {dtype!r} is not supported: choose auto or one of {sorted(DTYPES)}")
     if backend == "onnxruntime":  # `checkpoint` is a model of an engines dir: engines/<name>/{target,draft}
         if dtype != "fp32":
             raise ValueError("--backend onnxruntime runs the exported fp32 graph: use --dtype fp32")
@@ -54,6 +55,17 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", m
     if backend != "torch":
         raise ValueError(f"--backend {backend!r} is not available: choose torch, onnxruntime or tensorrt")
     return Transformer.load(Path(checkpoint), DTYPES[dtype], measure_kernels)
+
+
+def resolve_dtype(dtype: str, backend: str = "torch") -> str:
+    """`auto` (the default everywhere): bf16 where the native CPU forward runs (bf16 weights, fp32 arithmetic: row
+    invariant, so tree decoding equals bf16 AR exactly, and a step streams half the bytes of fp32: 2x faster), fp32
+    elsewhere (the torch reference path is not row invariant in bf16; exported graphs run fp32)."""
+    if dtype != "auto":
+        return dtype
+    from spectrt.runtime.kernels import native_unavailable
+
+    return "bf16" if backend == "torch" and native_unavailable() is None else "fp32"
 
 
 def draft_dtype(backend: str, dtype: str) -> str:

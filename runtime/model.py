@@ -137,7 +137,7 @@ class KVCache:
         """Absolute slots [start, end) a forward of `tokens` under `tree_mask` [T, W] writes; refuses overflow."""
         t, window = tree_mask.shape
         start, end = self.length + window - t, self.length + window
-        if end > self.capacity or t > min(self.max_window, max_rows or t) or tokens.shape[0] != t:
+        if end > self.capacity or t > min(self.max_window, max_rows or t) or tokens.shape[0] != t or window < t:
             raise ValueError(
                 f"forward of {t} tokens in a {window}-slot window after {self.length} exceeds the static cache"
             )

@@ -1,4 +1,4 @@
-"""Text in, text out: tokenizer + chat template + SpecDecoder over a target/draft pair.
+"""Text in, text out: tokenizer + chat template + the decode loop (`Decoder`) over a target/draft pair.
 
 The CLI, the benchmark and the Triton model all go through `Pipeline`, so they share one
 loading path, one set of input checks and one streaming detokenizer.
@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
-from spectrt.runtime.decoder import GREEDY, DecodeStats, SpecDecoder
-from spectrt.runtime.engine import check_draft_matches, draft_dtype, load_engine
+from spectrt.runtime.decoder import GREEDY, Decoder, DecodeStats
+from spectrt.runtime.engine import check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from spectrt.runtime.policy import Policy, load_policy, policy_path
 from spectrt.runtime.sampling import SamplingParams
+from spectrt.runtime.text import TextStream
 from spectrt.runtime.tree import Tree
 from transformers import AutoTokenizer
 
@@ -46,29 +47,13 @@ class Generation:
                 "stats": self.stats.as_dict()}
 
 
-class TextStream:
-    """Turns accepted token chunks into text deltas, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer, emit: Callable[[str], None]):
-        self.tokenizer, self.emit = tokenizer, emit
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def __call__(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        if len(text) > self.sent:
-            self.emit(text[self.sent:])
-            self.sent = len(text)
-
-
 class Pipeline:
-    def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "fp32",
+    def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "auto",
                  max_seq_len: int = 2048, max_tree_tokens: int = 64, policy: Policy | None = None,
-                 artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True):
+                 artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True, max_active: int = 1,
+                 tree_budget: int | None = None, prefill_budget: int | None = None):
         target = Path(target)
+        self.dtype = dtype = resolve_dtype(dtype, backend)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
         if draft is not None:
             check_draft_matches(target, Path(draft))
@@ -80,12 +65,16 @@ class Pipeline:
             eos |= set(configured) if isinstance(configured, list) else {configured}
         draft_engine = None if draft is None else load_engine(Path(draft), backend, draft_dtype(backend, dtype),
                                                               measure_kernels)
-        self.decoder = SpecDecoder(
+        self.decoder = Decoder(
             load_engine(target, backend, dtype, measure_kernels),
             draft_engine,
             eos_ids={e for e in eos if e is not None},
             max_seq_len=max_seq_len,
             max_tree_tokens=max_tree_tokens,
+            max_active=max_active,
+            policy=self.policy,
+            tree_budget=tree_budget,
+            prefill_budget=prefill_budget,
         )
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -110,10 +99,17 @@ class Pipeline:
             tree, policy = None, tree
         elif isinstance(tree, str):
             tree = Tree.parse(tree)
-        stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
-        result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree, on_tokens=stream,
-                                       params=params, children=children, policy=policy)
+        stream = TextStream(self.tokenizer) if on_text is not None else None
+
+        def on_tokens(ids: list[int]) -> None:
+            delta = stream.push(ids)
+            if delta:
+                on_text(delta)
+
+        result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree,
+                                       on_tokens=on_tokens if stream is not None else None, params=params,
+                                       children=children, policy=policy)
+        if stream is not None and (rest := stream.finish()):
+            on_text(rest)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        if stream is not None and len(text) > stream.sent:
-            on_text(text[stream.sent:])
         return Generation(text, result.token_ids, result.finish_reason, result.stats)

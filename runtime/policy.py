@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -119,15 +120,41 @@ SUFFIX_ONLY = Policy(budget=16, depth=0, draft=False, suffix=True)
 def best_size(scores: list[float], sunk_ms: float, verify: CostCurve, budget: int) -> tuple[int, float]:
     """Nodes to verify (root included) maximising (1 + Σ best scores) / (sunk + verify(B)); and that rate.
 
-    `scores` are the candidate nodes' path scores in descending order; B = 1 is plain decoding.
+    `scores` are the candidate nodes' path scores in descending order; B = 1 is plain decoding. The batch-of-one
+    case of `allocate`.
     """
-    best, best_rate, gain = 1, 1.0 / (sunk_ms + verify(1)), 1.0
-    for b, s in enumerate(scores[:budget - 1], start=2):
+    sizes, rate = allocate([scores], [budget], sunk_ms, verify)
+    return sizes[0], rate
+
+
+def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
+             base_rows: int = 0) -> tuple[list[int], float]:
+    """One speculation budget across a batch: nodes to verify per request (root included, >= 1 each), maximising
+    expected tokens per millisecond of the ONE batched forward, and that rate.
+
+    Request j brings its candidates' path scores in descending order (`scores[j]`, each an estimated probability
+    that the target accepts the path: a node's expected tokens) and may verify at most `budgets[j]` nodes. The
+    forward also carries `base_rows` rows that are paid for anyway (prefill chunks, static trees) and costs
+    `verify(total rows)` ms after `sunk_ms` already spent (draft passes). Expected tokens are the N roots (one token
+    each: plain batched decoding) plus the chosen scores; the best choice takes the globally highest scores (a
+    prefix of each request's list, so each tree stays connected: a node's score never exceeds its parent's) and
+    the count is chosen by maximising the rate, so the result is never worse than plain batched decoding
+    (nothing chosen), and at batch 1 it is the per-step verify size of one request.
+    """
+    n = len(scores)
+    merged = sorted(((s, j) for j, (row, cap) in enumerate(zip(scores, budgets, strict=True))
+                     for s in row[:max(cap - 1, 0)]), key=lambda sj: (-sj[0], sj[1]))
+    counts = [0] * n
+    best_k, gain = 0, float(n)
+    best_rate = gain / (sunk_ms + verify(base_rows + n))
+    for k, (s, _) in enumerate(merged, start=1):
         gain += s
-        rate = gain / (sunk_ms + verify(b))
+        rate = gain / (sunk_ms + verify(base_rows + n + k))
         if rate > best_rate:
-            best, best_rate = b, rate
-    return best, best_rate
+            best_k, best_rate = k, rate
+    for _, j in merged[:best_k]:
+        counts[j] += 1
+    return [1 + c for c in counts], best_rate
 
 
 def expected_tokens(acceptance: list[list[float]], budget: int, depth: int, width: int) -> float:

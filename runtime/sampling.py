@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .tree import Tree
@@ -53,6 +54,31 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first index on ties, as `torch.argmax`). numpy's reduction is ~12x faster than torch's
+    on 49k-wide fp32 rows here (0.02 vs 0.25 ms for 4 rows, 2 threads): a cost every decode step pays."""
+    return logits.detach().float().numpy().argmax(-1).tolist()
+
+
+def top_tokens(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k best tokens per row of logits [M, V] (ties to the lower id) and their softmax probabilities.
+
+    k rounds of numpy argmax on a copy: 0.04 ms for k = 3 on two 49k-wide rows, against 0.18 ms for `torch.topk`
+    and 0.05 ms more for a full softmax (a draft level pays it for every expanded node).
+    """
+    rows = logits.detach().float().numpy()
+    work, ids = rows.copy(), []
+    index = np.arange(len(rows))
+    for _ in range(k):
+        best = work.argmax(-1)
+        ids.append(best)
+        work[index, best] = -np.inf
+    top = np.stack(ids, -1)
+    lse = torch.logsumexp(logits.detach().float(), -1, keepdim=True).numpy()
+    probs = np.exp(np.take_along_axis(rows, top, -1) - lse)
+    return top.tolist(), probs.tolist()
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -8,12 +8,16 @@ writes into, or deletes, a directory it did not create), starts the server on 12
     <run dir>/backends/python/  libtriton_python.so, triton_python_backend_utils.py and the stub built for
                                 this interpreter's Python version (symlinks into the wheel)
     <run dir>/server.log        the server's stdout and stderr
+    <run dir>/openai.log        the OpenAI frontend's log (with `openai_port`: runtime/openai_frontend.py)
     <run dir>/admin-key         the key of the restricted admin APIs (model repository, shared memory, trace,
                                 logging): HTTP header ADMIN_HEADER, gRPC metadata GRPC_ADMIN_HEADER
 
 Environment: LD_LIBRARY_PATH gets the interpreter's `lib/` (libpython for the stub) and the wheel's
 `nvidia_pytriton.libs`; this virtualenv's `bin/` goes first on PATH because the stub finds its Python
 through PATH (PYTHONPATH is ignored: spectrt must be installed into that environment).
+
+With `openai_port`, the OpenAI-compatible frontend runs next to the server under the same supervisor (started,
+stopped and cleaned up with it; readiness waits for both).
 
 The server runs under `supervise.py` (its own session; see there), which stops it, kills its process group,
 sweeps the python backend's shared-memory regions (our own unique prefix under /dev/shm) and removes a
@@ -154,6 +158,22 @@ def prepare_model_repository(dest: Path, source: Path = DEFAULT_REPOSITORY, mode
     return Path(dest)
 
 
+def tokenizer_dir(params: dict[str, object]) -> Path:
+    """The served target's directory (tokenizer and chat template) from the model parameters, as the model picks it:
+    engine_dir's target for its backend, else target_dir, else the embedded default in artifacts/."""
+    engine = str(params.get("engine_dir") or "")
+    if engine:
+        from spectrt.build.engines import engine_models
+
+        return Path(engine_models(Path(engine), str(params.get("backend") or "torch"))[0]).resolve()
+    target = str(params.get("target_dir") or "")
+    if target:
+        return Path(target).resolve()
+    from spectrt.build.checkpoint import resolve_target
+
+    return resolve_target().resolve()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -175,7 +195,9 @@ class TritonServer:
                  model: str = DEFAULT_MODEL, served_name: str | None = None, repository: Path = DEFAULT_REPOSITORY,
                  host: str = "127.0.0.1", http_port: int = 0, grpc_port: int = 0, metrics_port: int = 0,
                  ready_timeout: float = 180.0, exit_timeout: int = 10, run_dir: Path | None = None,
-                 log_verbose: int = 0, console: bool = False, admin_key: str | None = None):
+                 log_verbose: int = 0, console: bool = False, admin_key: str | None = None,
+                 openai_port: int | None = None, openai_host: str | None = None, openai_timeout: float = 600.0,
+                 tokenizer: Path | None = None):
         # Path values are made absolute here (the deployed copy lives elsewhere); strings are written as given,
         # and the model resolves relative ones against the model repository's parent directory
         self.params = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in (params or {}).items()}
@@ -190,6 +212,11 @@ class TritonServer:
         self.run_parent = Path(run_dir) if run_dir else None
         self.run_dir: Path | None = None  # created by prepare()
         self.log_verbose, self.console = log_verbose, console
+        # the OpenAI frontend (None: none); its tokenizer (chat template) is the served target's unless given
+        self.openai_host = openai_host or host
+        self.openai_port = None if openai_port is None else (openai_port or free_port(self.openai_host))
+        self.openai_timeout = openai_timeout
+        self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
         if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
             raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
                              "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
@@ -213,9 +240,19 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
+    def openai_url(self) -> str | None:
+        """The OpenAI API's base URL (http://host:port/v1), None without the frontend."""
+        return None if self.openai_port is None else f"http://{self.openai_host}:{self.openai_port}/v1"
+
+    @property
     def pid(self) -> int | None:
         """The tritonserver's PID (its parent is the supervisor)."""
         return int(self._reported["pid"]) if "pid" in self._reported else None
+
+    @property
+    def openai_pid(self) -> int | None:
+        """The OpenAI frontend's PID (its parent is the supervisor)."""
+        return int(self._reported["frontend_pid"]) if "frontend_pid" in self._reported else None
 
     @property
     def log_path(self) -> Path:
@@ -225,7 +262,7 @@ class TritonServer:
         return {"grpc": self.grpc_url, "http": self.http_url, "metrics": self.metrics_url,
                 "generate": f"{self.http_url}/v2/models/{self.served_name}/generate",
                 "generate_stream": f"{self.http_url}/v2/models/{self.served_name}/generate_stream",
-                "model": self.served_name}
+                "model": self.served_name, **({"openai": self.openai_url} if self.openai_url else {})}
 
     # lifecycle ---------------------------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -247,6 +284,14 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
         ]
 
+    def frontend_command(self) -> list[str]:
+        """The OpenAI frontend, against this server's gRPC port (loopback when Triton listens on every address)."""
+        grpc_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        tokenizer = self.tokenizer or tokenizer_dir(self.params)
+        return [sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={grpc_host}:{self.grpc_port}",
+                f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
+                f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}"]
+
     def prepare(self) -> None:
         """A fresh run directory (never one that exists: we delete only what we made) with the model and backends."""
         if self.run_parent is not None:
@@ -264,7 +309,10 @@ class TritonServer:
             self.prepare()
             spec = {"command": self.command(), "cwd": str(self.run_dir),
                     "log": None if self.console else str(self.log_path), "shm_prefix": self.shm_prefix,
-                    "remove_dir": None if self.run_parent else str(self.run_dir), "exit_timeout": self.exit_timeout}
+                    "remove_dir": None if self.run_parent else str(self.run_dir), "exit_timeout": self.exit_timeout,
+                    "frontend": None if self.openai_port is None else {
+                        "command": self.frontend_command(),
+                        "log": None if self.console else str(self.run_dir / "openai.log")}}
             read_fd, write_fd = os.pipe()
             self._report_fd = read_fd
             try:
@@ -322,17 +370,32 @@ class TritonServer:
             if self.poll() is not None or self.supervisor.poll() is not None:
                 raise ServeError(f"tritonserver exited with code {self.poll()} before it was ready\n"
                                  f"{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and self.openai_ready():
                 return
             time.sleep(0.2)
         raise TimeoutError(f"tritonserver was not ready after {self.ready_timeout:.0f}s (pid {self.pid}); "
                            f"stopped it\n{self.log_tail()}")
 
+    def openai_ready(self) -> bool:
+        """The frontend answers /health with 200 (it checks the model through Triton); True without a frontend."""
+        if self.openai_port is None:
+            return True
+        try:
+            host = "127.0.0.1" if self.openai_host in ("0.0.0.0", "::", "") else self.openai_host
+            with urllib.request.urlopen(f"http://{host}:{self.openai_port}/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def log_tail(self, lines: int = 40) -> str:
-        if self.run_dir is None or not self.log_path.is_file():
+        if self.run_dir is None:
             return ""
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(["--- server log (tail) ---", *text[-lines:]])
+        out = []
+        for name, path in (("server", self.log_path), ("OpenAI frontend", self.run_dir / "openai.log")):
+            if path.is_file():
+                text = path.read_text(errors="replace").splitlines()
+                out += [f"--- {name} log (tail) ---", *text[-lines:]]
+        return "\n".join(out)
 
     def stop(self) -> int | None:
         """Tell the supervisor to stop the server (SIGINT, exit_timeout seconds, SIGKILL) and clean up; idempotent.
@@ -402,7 +465,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=Path, default=None,
                    help="engines/<name> dir from `spectrt engines` (replaces --target/--draft; see --backend)")
     p.add_argument("--artifacts", type=Path, default=None, help="where converted models live (default: artifacts)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32")
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
                    help="onnxruntime/tensorrt run the graphs/plans of --engines; torch runs checkpoints")
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
@@ -416,6 +480,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="also serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on this port "
+                        "(0: a free one), a frontend over Triton's gRPC stream run with the server")
+    p.add_argument("--openai-host", default=None, help="address of the OpenAI endpoint (default: --host)")
+    p.add_argument("--openai-timeout", type=float, default=600.0,
+                   help="deadline of one OpenAI request, seconds (then 504 and the request is cancelled)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
@@ -467,12 +537,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = TritonServer(model_params(args), instances=args.instances, served_name=args.model_name,
                               host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                               metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
-                              console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key)
+                              console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
+                              openai_port=args.openai_port, openai_host=args.openai_host,
+                              openai_timeout=args.openai_timeout)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2
-    if warning := host_warning(args.host):
-        print(f"spectrt serve: warning: {warning}", file=sys.stderr)
+    hosts = {args.host} | ({server.openai_host} if args.openai_port is not None else set())
+    for host in sorted(hosts):
+        if warning := host_warning(host):
+            print(f"spectrt serve: warning: {warning}", file=sys.stderr)
 
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGINT too: a background job of a non-interactive
     # shell starts with SIGINT ignored
@@ -495,11 +569,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         ends = server.endpoints()
         _say(json.dumps({**ends, "pid": server.pid, "supervisor_pid": server.supervisor.pid,
+                         **({"openai_pid": server.openai_pid} if server.openai_pid else {}),
                          "run_dir": str(server.run_dir), "shm_prefix": server.shm_prefix,
                          "admin_header": {"http": ADMIN_HEADER, "grpc": GRPC_ADMIN_HEADER},
                          "admin_key_file": str(server.run_dir / "admin-key")},
                         indent=2), sys.stdout)
-        _say(f"ready: gRPC {ends['grpc']} | HTTP {ends['http']} | metrics {ends['metrics']}  (Ctrl-C stops)",
+        openai = f" | OpenAI {ends['openai']}" if "openai" in ends else ""
+        _say(f"ready: gRPC {ends['grpc']} | HTTP {ends['http']} | metrics {ends['metrics']}{openai}  (Ctrl-C stops)",
              sys.stdout)
         while server.poll() is None:
             time.sleep(0.5)

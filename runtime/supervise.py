@@ -4,6 +4,7 @@ The launcher (`serve.TritonServer`) can end without running any Python cleanup: 
 it stops, an interpreter crash. So this small process (standard library only, run by path) sits between them:
 
     launcher --stdin pipe--> supervise.py (own session) --> tritonserver (own process group) --> python stubs
+                                                        `--> the OpenAI frontend, if asked (own process group)
 
 - It runs in its own session, so Ctrl-C and the SIGHUP of a closed terminal reach the launcher, never it.
 - The launcher writes "stop" on its stdin to stop the server; the launcher's death closes that pipe (EOF), which
@@ -13,11 +14,15 @@ it stops, an interpreter crash. So this small process (standard library only, ru
   leftover stub (this process is their subreaper), removing the python backend's /dev/shm regions (our unique
   prefix) and, if told to, the run directory. Further signals during the stop are ignored: it always finishes.
 - The server gets PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of this process cannot leave it running.
+- The frontend (optional) is started and stopped with the server, and gets the same PDEATHSIG. It is stopped first
+  (SIGTERM: it closes its connections, which cancels their requests upstream; then SIGKILL to its group), and if
+  either process exits on its own the other is stopped too: the deployment is up as a whole or not at all.
 
 Argument: one JSON object {command, cwd, log (file or null: inherit stdout), shm_prefix, remove_dir (or null),
-exit_timeout, report_fd}. On report_fd it writes "pid N" once the server runs and "exit CODE" once it has exited
-and its group is reaped; the run directory goes only after the launcher's "stop" (or death), so that a launcher
-whose server died can still read the log.
+exit_timeout, report_fd, frontend (null or {command, log})}. On report_fd it writes "pid N" once the server runs
+("frontend_pid N" once the frontend does), "frontend_exit CODE" once the frontend is stopped and reaped, and "exit
+CODE" once the server has exited and its group is reaped; the run directory goes only after the launcher's "stop"
+(or death), so that a launcher whose server died can still read the log.
 """
 
 from __future__ import annotations
@@ -84,6 +89,20 @@ def stop(proc: subprocess.Popen, exit_timeout: float) -> int:
     return code
 
 
+def stop_frontend(proc: subprocess.Popen, grace: float = 5.0) -> int:
+    """SIGTERM (its open streams are cancelled upstream), `grace` seconds, then SIGKILL its group; reap it."""
+    if not _exited(proc.pid):
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while not _exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # unreaped, so the group id is still its own
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.wait()
+
+
 def main(spec: dict) -> int:
     report = os.fdopen(spec["report_fd"], "w", buffering=1)
     stopping = []
@@ -91,25 +110,38 @@ def main(spec: dict) -> int:
         signal.signal(sig, lambda *_: stopping.append(True))
     _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     log = open(spec["log"], "ab") if spec["log"] else None  # noqa: SIM115 (open for the server's lifetime)
-    code = None
+    front_spec = spec.get("frontend")
+    front_log = open(front_spec["log"], "ab") if front_spec and front_spec["log"] else None  # noqa: SIM115
+    code = front = None
     try:
         parent = os.getpid()
         proc = subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT if log else None, start_new_session=True,
                                 preexec_fn=lambda: _die_with(parent))
         _say(report, f"pid {proc.pid}")
+        if front_spec:
+            front = subprocess.Popen(front_spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL,
+                                     stdout=front_log, stderr=subprocess.STDOUT if front_log else None,
+                                     start_new_session=True, preexec_fn=lambda: _die_with(parent))
+            _say(report, f"frontend_pid {front.pid}")
         with selectors.DefaultSelector() as sel:
             sel.register(sys.stdin.fileno(), selectors.EVENT_READ)  # "stop", or EOF when the launcher is gone
-            while not stopping and not _exited(proc.pid) and not sel.select(timeout=0.2):
+            while (not stopping and not _exited(proc.pid) and not (front and _exited(front.pid))
+                   and not sel.select(timeout=0.2)):
                 pass
+            if front is not None:
+                _say(report, f"frontend_exit {stop_frontend(front)}")
             code = stop(proc, spec["exit_timeout"])
             sweep_shm(spec["shm_prefix"])
             _say(report, f"exit {code}")
             while not stopping and not sel.select(timeout=0.2):  # the server exited on its own: the launcher
                 pass  # still reads the log, so the run directory stays until it says stop (or dies)
     finally:
-        if log is not None:
-            log.close()
+        if front is not None and front.returncode is None:  # an error above: the frontend must not outlive us
+            stop_frontend(front, grace=0)
+        for f in (log, front_log):
+            if f is not None:
+                f.close()
         sweep_shm(spec["shm_prefix"])
         if spec["remove_dir"]:
             shutil.rmtree(spec["remove_dir"], ignore_errors=True)

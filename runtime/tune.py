@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.policy import Calibration, CostCurve, Policy, choose_policy, policy_path
 from spectrt.runtime.profile import cost_profile_path
 from tqdm import tqdm
@@ -45,7 +45,7 @@ def measure_curve(engine, tokens: tuple[int, ...] = PROFILE_TOKENS, context: int
     return CostCurve(ms)
 
 
-def cost_curves(decoder: SpecDecoder, artifacts: Path, target: str, dtype: str) -> tuple[CostCurve, CostCurve | None,
+def cost_curves(decoder: Decoder, artifacts: Path, target: str, dtype: str) -> tuple[CostCurve, CostCurve | None,
                                                                                             str]:
     """(target curve, draft curve or None, where they came from): the profile file wins when present."""
     path = cost_profile_path(Path(target), dtype, artifacts)
@@ -98,7 +98,7 @@ def acceptance_tables(trace: list[tuple], depth: int, width: int,
     return acceptance, calibration, counts
 
 
-def measure_acceptance(decoder: SpecDecoder, prompts: list[list[int]], max_new_tokens: int, depth: int,
+def measure_acceptance(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, depth: int,
                        width: int) -> list[tuple]:
     """Decode the prompts greedily verifying every candidate of a depth x width dynamic tree; the trace."""
     budget = decoder.max_tree_tokens

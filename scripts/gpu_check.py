@@ -192,10 +192,10 @@ def verify_cost(engine, device: torch.device, tokens=TOKENS, past: int = 256, it
 
 
 def decode_all(target, draft, ids_list, tree_spec: str | None, new_tokens: int, max_seq_len: int = 512):
-    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.decoder import Decoder
     from spectrt.runtime.tree import Tree
 
-    decoder = SpecDecoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
+    decoder = Decoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
     outs, tokens, seconds, passes = [], 0, 0.0, 0
     for ids in ids_list:
         r = decoder.generate(ids, new_tokens, Tree.parse(tree_spec) if tree_spec else None)

@@ -1,17 +1,26 @@
-"""In-flight batching: cut trees, and the batched decoder against each request's sequential run (fp32)."""
+"""The one decode loop with many requests (fp32): batched == each request's sequential run for every proposer,
+joins and leaves mid-run, cut static trees, the budget shrinking to plain batched decoding, draft positions,
+cancellation, constraints, and failure isolation."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from spectrt.runtime.batch import BatchDecoder, Job, cut_tree
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import AUTO, Decoder, Job, cut_tree
+from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 
 PROMPTS = ["Write a short poem about the sea.", "Name three colors.", "What is 12 times 15? Explain briefly.",
            "List five animals that live in the ocean.", "What is the capital of France?",
-           "Give three tips for learning a new language, with one example each, in detail."]
+           "Give three tips for learning a new language, with one example each, in detail.",
+           "Repeat exactly: red apple, green pear, red apple, green pear, red apple, green pear."]
+FLAT = ((1, 1.0), (64, 1.0))  # verify cost flat in T: every candidate with a chance is verified (big trees)
+# flat costs and a free draft: every candidate is drafted and verified whatever the batch, so a request's trees (and
+# with them its random draws under sampling) are the same alone and batched
+DYNAMIC = Policy(budget=6, depth=2, width=2, verify_ms=FLAT, draft_ms=((1, 1e-6),))
 
 
 @pytest.mark.parametrize("spec", ["2,1", "3,2,2,1,1", "1,1,1,1", "4"])
@@ -41,22 +50,39 @@ def models(target, draft, target_dir):
     return target, draft, {tok.eos_token_id}, prompts, tok
 
 
-def _sequential(models, jobs: list[Job]) -> list[list[int]]:
+def _sequential(models, jobs: list[Job], policy: Policy = DYNAMIC) -> list[list[int]]:
+    """Each job alone, through `generate` (a batch of one)."""
     target, draft, eos, _, _ = models
-    dec = SpecDecoder(target, draft, eos, max_seq_len=256)
-    return [dec.generate(j.prompt_ids, j.max_new_tokens, j.tree, params=j.params, children=j.children).token_ids
-            for j in jobs]
+    dec = Decoder(target, draft, eos, max_seq_len=256)
+    out = []
+    for j in jobs:
+        tree, pol = (None, policy) if j.tree == AUTO else (j.tree, policy if j.suffix else None)
+        if j.tree is None and j.suffix:  # draft-less speculation: suffix candidates only
+            pol = replace(policy, draft=False, depth=0)
+        out.append(dec.generate(j.prompt_ids, j.max_new_tokens, tree, params=j.params, children=j.children,
+                                policy=pol).token_ids)
+    return out
 
 
-def _jobs(models, trees, lengths, params=None):
+def _jobs(models, trees, lengths, params=None, suffix=None):
     prompts = models[3]
-    return [Job(prompts[i % len(prompts)], m, t, params=(params or {}).get(i, SamplingParams()))
+    return [Job(prompts[i % len(prompts)], m, t, params=(params or {}).get(i, SamplingParams()),
+                suffix=(suffix or {}).get(i))
             for i, (t, m) in enumerate(zip(trees, lengths, strict=True))]
+
+
+def _run(decoder: Decoder, jobs: list[Job]) -> list:
+    steps, waiting = [], list(jobs)
+    while waiting or decoder.active:
+        while waiting and decoder.free:
+            decoder.add(waiting.pop(0))
+        steps.append(decoder.step())
+    return steps
 
 
 def test_forward_many_equals_one_forward_per_segment(models):
     target, _, _, prompts, _ = models
-    caches = [target.new_cache(128, 32) for _ in range(3)]
+    caches = target.new_caches(3, 128, 32)
     ref_caches = [target.new_cache(128, 32) for _ in range(3)]
     causal = torch.ones(32, 32, dtype=torch.bool).tril()
     segs, refs = [], []
@@ -70,20 +96,14 @@ def test_forward_many_equals_one_forward_per_segment(models):
         torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_greedy_equals_sequential_with_joins_and_leaves(models):
+def test_batched_static_trees_equal_sequential_with_joins_and_leaves(models):
     """7 requests, 3 slots: different prompts, trees and lengths; prompts prefilled in 8-token chunks that share
     steps with decoding, so requests join and leave mid-run."""
     target, draft, eos, _, _ = models
     trees = [Tree.parse("2,1"), None, Tree.parse("3,1,1"), Tree.parse("1,1,1"), Tree.parse("2,1"), None,
              Tree.parse("2,2")]
     jobs = _jobs(models, trees, [12, 20, 7, 16, 9, 5, 14])
-    batch = BatchDecoder(target, draft, eos, max_seq_len=256, max_active=3, prefill_budget=8)
-    steps = []
-    waiting = list(jobs)
-    while waiting or batch.active:
-        while waiting and batch.free:
-            batch.add(waiting.pop(0))
-        steps.append(batch.step())
+    steps = _run(Decoder(target, draft, eos, max_seq_len=256, max_active=3, prefill_budget=8), jobs)
     assert any(s.prefill_tokens and s.tree_tokens for s in steps), "prefill must share steps with decoding"
     assert max(s.active for s in steps) == 3
     for job, want in zip(jobs, _sequential(models, jobs), strict=True):
@@ -91,32 +111,102 @@ def test_batched_greedy_equals_sequential_with_joins_and_leaves(models):
         assert job.finish in ("stop", "length")
 
 
-def test_budget_cuts_trees_and_outputs_stay_equal(models):
+def test_batched_dynamic_trees_and_suffix_candidates_equal_sequential(models):
+    """Dynamic trees (draft + suffix), draft-less suffix speculation, a static tree with suffix candidates and plain
+    AR requests in one batch, joining and leaving: every output equals the request's own run."""
     target, draft, eos, _, _ = models
-    jobs = _jobs(models, [Tree.parse("2,1")] * 4, [10, 10, 10, 10])
-    batch = BatchDecoder(target, draft, eos, max_seq_len=256, max_active=4, tree_budget=6)
-    batch.run(jobs)
+    trees = [AUTO, AUTO, Tree.parse("2,1"), None, AUTO, AUTO, AUTO]
+    suffix = {2: True, 3: True}  # the static tree merges suffix candidates; job 3 is suffix-only speculation
+    jobs = _jobs(models, trees, [24, 18, 20, 24, 10, 22, 30], suffix=suffix)
+    decoder = Decoder(target, draft, eos, max_seq_len=256, max_active=4, prefill_budget=16, policy=DYNAMIC)
+    decoder.record = True
+    steps = _run(decoder, jobs)
+    assert max(s.active for s in steps) == 4
     for job, want in zip(jobs, _sequential(models, jobs), strict=True):
         assert job.out == want
-    assert all(job.proposed < 4 * job.stats.target_passes for job in jobs), "trees must have been cut"
+    kinds = {kind for job in jobs for kind, _, _, accepted in job.stats.trace if accepted}
+    assert kinds == {"draft", "suffix"}, "both proposers must have had candidates accepted in the batch"
+    assert max(max(j.stats.verified) for j in jobs if j.tree == AUTO) > 2  # real trees, not single tokens
 
 
-def test_sampled_requests_with_seeds_match_their_sequential_runs(models):
-    """Per-request sampling params, seeds and trees in one batch: each stream draws from its own generators."""
+def test_seeded_sampling_in_a_batch_equals_sequential(models):
+    """Per-request sampling params, seeds, static and dynamic trees in one batch: each draws from its own streams."""
     target, draft, eos, _, _ = models
     params = {0: SamplingParams(0.8, 0, 0.95, seed=3), 1: SamplingParams(1.0, 20, 1.0, seed=4),
-              2: SamplingParams(), 3: SamplingParams(0.7, seed=5)}
-    jobs = _jobs(models, [Tree.parse("2,1"), Tree.parse("3,1"), Tree.parse("2,1"), None], [10, 10, 10, 10], params)
+              2: SamplingParams(), 3: SamplingParams(0.7, seed=5), 4: SamplingParams(0.9, seed=6)}
+    jobs = _jobs(models, [Tree.parse("2,1"), Tree.parse("3,1"), Tree.parse("2,1"), None, AUTO], [10] * 5, params)
     jobs[1].children = "topk"
-    BatchDecoder(target, draft, eos, max_seq_len=256, max_active=4).run(jobs)
+    Decoder(target, draft, eos, max_seq_len=256, max_active=5, policy=DYNAMIC).run(jobs)
     for job, want in zip(jobs, _sequential(models, jobs), strict=True):
         assert job.out == want
+
+
+def test_row_cap_cuts_static_trees_and_outputs_stay_equal(models):
+    target, draft, eos, _, _ = models
+    jobs = _jobs(models, [Tree.parse("2,1")] * 4, [10, 10, 10, 10])
+    Decoder(target, draft, eos, max_seq_len=256, max_active=4, tree_budget=6).run(jobs)
+    for job, want in zip(jobs, _sequential(models, jobs), strict=True):
+        assert job.out == want
+    assert all(job.stats.proposed < 2 * job.stats.target_passes for job in jobs), "trees must have been cut"
+
+
+def test_budget_degrades_to_plain_batched_decoding_as_the_batch_grows(models):
+    """A cost curve where one extra row is worth it for one request but not when 4 share the forward: alone a
+    request verifies trees; four together decode one token each, and the draft is skipped."""
+    target, draft, eos, _, _ = models
+    # 1 row: 1.0, 2 rows: 1.1 (a tree pays), 4 rows: 4.0, 5+ rows: steep (any tree in a batch of 4 loses)
+    steep = Policy(budget=4, depth=2, width=2, verify_ms=((1, 1.0), (2, 1.1), (3, 1.2), (4, 4.0), (5, 9.0)),
+                   draft_ms=((1, 0.01),))
+    alone = Job(models[3][1], 16, AUTO)
+    Decoder(target, draft, eos, max_seq_len=256, policy=steep).run([alone])
+    assert max(alone.stats.verified) > 1
+    jobs = _jobs(models, [AUTO] * 4, [16] * 4)
+    decoder = Decoder(target, draft, eos, max_seq_len=256, max_active=4, policy=steep)
+    steps = _run(decoder, jobs)
+    full = [s for s in steps if s.active == 4 and not s.prefill_tokens]
+    assert full and all(s.tree_tokens == 4 for s in full)
+    for job, want in zip(jobs, _sequential(models, jobs, steep), strict=True):
+        assert job.out == want
+
+
+class RecordingEngine:
+    """Wraps an engine and records every segment's (tokens, positions, tree mask, committed length)."""
+
+    def __init__(self, engine):
+        self.engine, self.config, self.calls = engine, engine.config, []
+
+    def new_caches(self, *args):
+        return self.engine.new_caches(*args)
+
+    def forward_many(self, segments):
+        self.calls.append([(s[0].tolist(), s[1].tolist(), s[2].clone(), s[3].length) for s in segments])
+        return self.engine.forward_many(segments)
+
+
+@pytest.mark.parametrize("tree", [Tree.parse("2,2,1"), AUTO])
+def test_draft_and_target_positions_are_prefix_length_plus_depth(models, tree):
+    """Every row an engine sees sits at position = committed prefix + window slots before it on its own path:
+    a tree node at (root position + depth), the root at its prefix length (the off-by-one of the old batched
+    draft would put every draft level one position too high)."""
+    target, draft, eos, prompts, _ = models
+    rec_target, rec_draft = RecordingEngine(target), RecordingEngine(draft)
+    jobs = _jobs(models, [tree, tree], [20, 20])
+    Decoder(rec_target, rec_draft, eos, max_seq_len=256, max_active=2, policy=DYNAMIC).run(jobs)
+    assert len(rec_draft.calls) > 5
+    for engine in (rec_target, rec_draft):
+        for call in engine.calls:
+            for tokens, positions, mask, length in call:
+                window = mask.shape[1]
+                for row, pos in enumerate(positions):
+                    own = window - len(tokens) + row  # this row's window slot
+                    assert mask[row, own]
+                    assert pos == length + int(mask[row, :own].sum()), (engine is rec_draft, positions)
 
 
 def test_cancel_frees_the_slot_and_leaves_the_others_intact(models):
     target, draft, eos, _, _ = models
-    jobs = _jobs(models, [Tree.parse("2,1")] * 3, [16, 16, 16])
-    batch = BatchDecoder(target, draft, eos, max_seq_len=256, max_active=2)
+    jobs = _jobs(models, [Tree.parse("2,1"), AUTO, AUTO], [16, 16, 16])
+    batch = Decoder(target, draft, eos, max_seq_len=256, max_active=2, policy=DYNAMIC)
     batch.add(jobs[0])
     batch.add(jobs[1])
     batch.step()
@@ -133,12 +223,12 @@ def test_cancel_frees_the_slot_and_leaves_the_others_intact(models):
 def test_min_length_bad_words_and_stop_words(models):
     target, draft, eos, prompts, _ = models
     short = Job(prompts[4], 40, Tree.parse("2,1"))  # "capital of France": ends early with end-of-sequence
-    BatchDecoder(target, draft, eos, max_seq_len=256, max_active=1).run([short])
+    Decoder(target, draft, eos, max_seq_len=256).run([short])
     assert short.finish == "stop" and len(short.out) < 20
     longer = Job(prompts[4], 40, Tree.parse("2,1"), min_length=len(short.out) + 6)
-    banned = Job(prompts[4], 40, Tree.parse("2,1"), bad_words=[[short.out[1]], short.out[3:5]])
-    stop = Job(prompts[4], 40, Tree.parse("2,1"), stop_words=[short.out[2:4], [999999]])
-    BatchDecoder(target, draft, eos, max_seq_len=256, max_active=3).run([longer, banned, stop])
+    banned = Job(prompts[4], 40, AUTO, bad_words=[[short.out[1]], short.out[3:5]])
+    stop = Job(prompts[4], 40, AUTO, stop_words=[short.out[2:4], [49151, 49150]])
+    Decoder(target, draft, eos, max_seq_len=256, max_active=3, policy=DYNAMIC).run([longer, banned, stop])
     assert len(longer.out) >= len(short.out) + 6 and longer.out[:len(short.out)] == short.out
     assert short.out[1] not in banned.out and banned.out[:1] == short.out[:1]
     assert all(banned.out[i:i + 2] != short.out[3:5] for i in range(len(banned.out)))
@@ -147,10 +237,49 @@ def test_min_length_bad_words_and_stop_words(models):
 
 def test_bad_job_is_refused_before_taking_a_slot(models):
     target, draft, eos, prompts, _ = models
-    batch = BatchDecoder(target, draft, eos, max_seq_len=64, max_tree_tokens=8, max_active=1)
+    batch = Decoder(target, draft, eos, max_seq_len=64, max_tree_tokens=8, max_active=1)
+    vocab = target.config.vocab_size
     for job, message in ((Job([], 4), "empty"), (Job(prompts[0], 0), "max_new_tokens"),
                          (Job(list(range(70)), 4), "max_seq_len"), (Job(prompts[0], 4, Tree.parse("3,3")), "max_tree"),
-                         (Job(prompts[0], 4, children="x"), "children")):
+                         (Job(prompts[0], 4, children="x"), "children"),
+                         (Job([1, 2, vocab], 4), "outside this model's vocabulary"),
+                         (Job(prompts[0], 4, stop_words=[[vocab + 5]]), "stop_words"),
+                         (Job(prompts[0], 4, bad_words=[[]]), "bad_words"),
+                         (Job(prompts[0], 4, tree="wide"), "a job's tree")):
         with pytest.raises(ValueError, match=message):
             batch.add(job)
     assert batch.free == [0]
+
+
+class PoisonedEngine(RecordingEngine):
+    """Raises on any forward that holds a row of the poisoned slot, once armed (a failing request)."""
+
+    slot: int | None = None
+
+    def forward_many(self, segments):
+        if self.slot is not None and any(s[3].slot == self.slot for s in segments):
+            raise RuntimeError("poisoned request")
+        return self.engine.forward_many(segments)
+
+
+def test_a_failing_request_ends_alone_and_the_batch_goes_on(models):
+    """Three requests decode together; one starts to fail mid-run. It ends with finish "error" and its message; a
+    request that finishes in that same step is still reported finished; the third carries on unchanged."""
+    target, draft, eos, prompts, _ = models
+    poisoned = PoisonedEngine(target)
+    decoder = Decoder(poisoned, draft, eos, max_seq_len=256, max_active=3, prefill_budget=256, policy=DYNAMIC)
+    done, steady, doomed = Job(prompts[0], 2), Job(prompts[1], 16, Tree.parse("2,1")), Job(prompts[2], 16, AUTO)
+    for job in (done, steady, doomed):
+        decoder.add(job)
+    decoder.step()  # all three prompts prefilled
+    decoder.step()  # one decode step: `done` needs at most one more
+    assert done.finish is None and len(done.out) < 2
+    poisoned.slot = doomed.slot
+    info = decoder.step()
+    assert doomed.finish == "error" and "poisoned request" in doomed.error
+    assert done.finish == "length" and done in info.finished and doomed in info.finished
+    assert doomed not in decoder.active and doomed.slot in decoder.free
+    while decoder.active:
+        decoder.step()
+    assert steady.out == _sequential(models, [steady])[0]
+    assert done.out == _sequential(models, [done])[0]

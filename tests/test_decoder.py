@@ -1,10 +1,13 @@
-"""The decode loop on the real embedded model: lossless greedy tree decoding, static KV, limits, sampling."""
+"""The decode loop as a batch of one, on the real embedded model: lossless greedy tree decoding against an
+independent autoregressive reference (the engine's forward, one token at a time, no decoder code), static KV,
+limits, sampling."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from spectrt.build.slice import slice_target
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
@@ -42,10 +45,35 @@ def mid_draft(target_dir, tmp_path_factory) -> Transformer:
     return Transformer.load(slice_target(target_dir, 20, tmp_path_factory.mktemp("slice20")))
 
 
+def reference_greedy(engine, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy decoding straight on the engine: prompt in causal chunks, then one token per forward."""
+    cache = engine.new_cache(len(prompt) + max_new_tokens + 64, 64)
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    for start in range(0, len(prompt), 64):
+        chunk = prompt[start:start + 64]
+        logits = engine.forward(torch.tensor(chunk), torch.arange(start, start + len(chunk)),
+                                causal[:len(chunk), :len(chunk)], cache)
+        cache.commit(len(chunk))
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = int(logits[-1].argmax())
+        if token in eos:
+            break
+        out.append(token)
+        logits = engine.forward(torch.tensor([token]), torch.tensor([cache.length]), causal[:1, :1], cache)
+        cache.commit(1)
+    return out
+
+
 @pytest.fixture(scope="module")
 def ar_outputs(target, prompt_ids) -> list[list[int]]:
-    decoder = SpecDecoder(target, None, EOS, max_seq_len=512)
-    return [decoder.generate(ids, 128).token_ids for ids in prompt_ids]
+    return [reference_greedy(target, ids, 128, EOS) for ids in prompt_ids]
+
+
+def test_decoder_ar_equals_the_independent_reference(target, prompt_ids, ar_outputs):
+    decoder = Decoder(target, None, EOS, max_seq_len=512)
+    for ids, expected in zip(prompt_ids, ar_outputs, strict=True):
+        assert decoder.generate(ids, 128).token_ids == expected
 
 
 @pytest.mark.parametrize("draft_name, spec", [
@@ -56,7 +84,7 @@ def ar_outputs(target, prompt_ids) -> list[list[int]]:
 ])
 def test_greedy_tree_decoding_is_lossless(request, target, prompt_ids, ar_outputs, draft_name, spec):
     draft = {"weak": "draft", "mid": "mid_draft", "target": "target"}[draft_name]
-    decoder = SpecDecoder(target, request.getfixturevalue(draft), EOS, max_seq_len=512)
+    decoder = Decoder(target, request.getfixturevalue(draft), EOS, max_seq_len=512)
     tree = Tree.parse(spec)
     accepted = []
     for ids, expected in zip(prompt_ids, ar_outputs, strict=True):
@@ -71,28 +99,29 @@ def test_greedy_tree_decoding_is_lossless(request, target, prompt_ids, ar_output
 
 def test_lossless_across_300_tokens_of_compaction(target, prompt_ids):
     # no end-of-sequence: force 320 new tokens through ~80 compactions of non-contiguous tree paths
-    ar = SpecDecoder(target, None, set(), max_seq_len=512).generate(prompt_ids[1], 320)
-    spec = SpecDecoder(target, target, set(), max_seq_len=512).generate(prompt_ids[1], 320, Tree.parse("2,2,1"))
-    assert len(ar.token_ids) == 320
-    assert spec.token_ids == ar.token_ids
+    ar = reference_greedy(target, prompt_ids[1], 320, set())
+    spec = Decoder(target, target, set(), max_seq_len=512).generate(prompt_ids[1], 320, Tree.parse("2,2,1"))
+    assert len(ar) == 320
+    assert spec.token_ids == ar
     assert spec.stats.target_passes < 320 / 3
 
 
 def test_kv_cache_is_static(target, draft, prompt_ids):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=256)
-    buffers = [decoder.target_cache.k, decoder.target_cache.v, decoder.target_cache.attention,
-               decoder.draft_cache.k, decoder.draft_cache.v, decoder.node_tokens]
+    decoder = Decoder(target, draft, EOS, max_seq_len=256, max_active=2)
+    caches = decoder.target_caches + decoder.drafter.caches
+    buffers = [b for c in caches for b in (c.pool_k, c.pool_v, c.k, c.v, c.attention)]
     before = [(id(b), b.data_ptr(), b.shape) for b in buffers]
-    caches = (decoder.target_cache, decoder.draft_cache)
     decoder.generate(prompt_ids[0], 24, Tree.parse("3,2,1"))
     decoder.generate(prompt_ids[2], 24, Tree.parse("1,1"), params=SamplingParams(temperature=0.9, seed=1))
-    assert (decoder.target_cache, decoder.draft_cache) == caches
+    decoder.generate(prompt_ids[3], 24, policy=Policy(budget=6, depth=2, width=2, verify_ms=FLAT))
+    assert decoder.target_caches + decoder.drafter.caches == caches
     assert [(id(b), b.data_ptr(), b.shape) for b in buffers] == before
+    assert caches[0].pool_k is caches[1].pool_k  # one pool per engine: the slots are views of it
 
 
 def test_generation_stops_at_max_seq_len(target, draft, prompt_ids):
     ids = prompt_ids[0]
-    decoder = SpecDecoder(target, draft, set(), max_seq_len=len(ids) + 5)
+    decoder = Decoder(target, draft, set(), max_seq_len=len(ids) + 5)
     result = decoder.generate(ids, 100, Tree.parse("2,2"))
     assert result.finish_reason == "length" and len(result.token_ids) == 5
 
@@ -100,13 +129,13 @@ def test_generation_stops_at_max_seq_len(target, draft, prompt_ids):
 def test_generation_stops_at_eos(target, draft, tokenizer):
     ids = list(tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"])
-    result = SpecDecoder(target, draft, EOS, max_seq_len=512).generate(ids, 200, Tree.parse("2,1"))
+    result = Decoder(target, draft, EOS, max_seq_len=512).generate(ids, 200, Tree.parse("2,1"))
     assert result.finish_reason == "stop"
     assert 0 < len(result.token_ids) < 200 and not EOS & set(result.token_ids)
 
 
 def test_bad_requests_are_refused(target, draft, prompt_ids):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=64, max_tree_tokens=16)
+    decoder = Decoder(target, draft, EOS, max_seq_len=64, max_tree_tokens=16)
     with pytest.raises(ValueError, match="empty"):
         decoder.generate([], 8)
     with pytest.raises(ValueError, match="max_new_tokens must be positive"):
@@ -120,7 +149,7 @@ def test_bad_requests_are_refused(target, draft, prompt_ids):
 
 
 def test_sampling_is_seeded_and_reproducible(target, draft, prompt_ids):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     tree = Tree.parse("2,1")
     runs = [decoder.generate(prompt_ids[3], 32, tree, params=SamplingParams(temperature=1.0, seed=s)).token_ids
             for s in (7, 7, 8)]
@@ -129,14 +158,14 @@ def test_sampling_is_seeded_and_reproducible(target, draft, prompt_ids):
 
 
 def test_temperature_zero_is_greedy(target, draft, prompt_ids, ar_outputs):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     result = decoder.generate(prompt_ids[0], 128, Tree.parse("2,1"), params=SamplingParams(temperature=0.0, seed=3))
     assert result.token_ids == ar_outputs[0]
 
 
 def test_tiny_temperature_decodes_greedily(target, draft, prompt_ids, ar_outputs):
     """temperature=1e-40 used to make the logits +-inf and multinomial raise; below MIN_TEMPERATURE it is greedy."""
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     result = decoder.generate(prompt_ids[0], 128, Tree.parse("2,1"), params=SamplingParams(temperature=1e-40, seed=3))
     assert result.token_ids == ar_outputs[0]
 
@@ -148,7 +177,7 @@ def test_draft_vocabulary_must_match(target, tmp_path):
                          num_attention_heads=4, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="draft vocabulary"):
-        SpecDecoder(target, Transformer.load(tmp_path), EOS)
+        Decoder(target, Transformer.load(tmp_path), EOS)
 
 
 FLAT = ((1, 1.0), (64, 1.0))  # verify cost flat in T: every candidate with a chance is verified (big trees)
@@ -165,11 +194,11 @@ def test_greedy_dynamic_merged_trees_are_lossless(request, target, prompt_ids, a
                                                   policy):
     draft = None if draft_name == "none" else request.getfixturevalue(
         {"weak": "draft", "mid": "mid_draft", "target": "target"}[draft_name])
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     decoder.record = True
     repeat = list(tokenizer.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"])
-    ar = SpecDecoder(target, None, EOS, max_seq_len=512).generate(repeat, 64).token_ids
+    ar = reference_greedy(target, repeat, 64, EOS)
     kinds = set()
     for ids, expected in zip(prompt_ids + [repeat], ar_outputs + [ar], strict=True):
         result = decoder.generate(ids, 128 if ids is not repeat else 64, policy=policy)
@@ -181,7 +210,7 @@ def test_greedy_dynamic_merged_trees_are_lossless(request, target, prompt_ids, a
 
 
 def test_static_tree_with_suffix_candidates_is_lossless(target, draft, prompt_ids, ar_outputs):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     for ids, expected in zip(prompt_ids[:4], ar_outputs[:4], strict=True):
         result = decoder.generate(ids, 128, Tree.parse("2,1"), policy=Policy())
         assert result.token_ids == expected
@@ -191,16 +220,34 @@ def test_static_tree_with_suffix_candidates_is_lossless(target, draft, prompt_id
 def test_no_speculation_when_it_cannot_pay(target, draft, prompt_ids, ar_outputs):
     """A verify of 2 tokens costing 100 steps: every step is a plain AR step and the draft never runs."""
     steep = Policy(budget=8, depth=3, width=2, verify_ms=((1, 1.0), (2, 100.0)))
-    result = SpecDecoder(target, draft, EOS, max_seq_len=512).generate(prompt_ids[1], 128, policy=steep)
+    result = Decoder(target, draft, EOS, max_seq_len=512).generate(prompt_ids[1], 128, policy=steep)
     assert result.token_ids == ar_outputs[1]
     assert set(result.stats.verified) == {1} and result.stats.draft_passes == 0
 
 
 @pytest.mark.parametrize("tree", [None, Tree.parse("2,1")])
 def test_sampling_with_suffix_candidates_is_seeded(target, draft, prompt_ids, tree):
-    decoder = SpecDecoder(target, draft, EOS, max_seq_len=512)
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
     policy = Policy(budget=8, depth=2, width=2, verify_ms=FLAT)
     runs = [decoder.generate(prompt_ids[5], 32, tree, params=SamplingParams(temperature=0.8, seed=s),
                              policy=policy).token_ids for s in (4, 4, 5)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert all(0 <= t < target.config.vocab_size for t in runs[0])
+
+
+@pytest.mark.parametrize("policy", [Policy(budget=10, depth=3, width=2, verify_ms=FLAT), Policy(budget=16, depth=0,
+                                                                                                draft=False)])
+def test_bf16_dynamic_and_suffix_trees_equal_bf16_ar(target_dir, draft, prompt_ids, tokenizer, policy):
+    """bf16 is exact on the native forward (row-invariant kernels): every proposer's trees give bf16 AR's output."""
+    bf16 = Transformer.load(target_dir, torch.bfloat16)
+    if bf16.native is None:
+        pytest.fail("bf16 exactness needs the native CPU forward (make setup builds it)")
+    decoder = Decoder(bf16, draft, EOS, max_seq_len=512)
+    repeat = list(tokenizer.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+    speculative = 0
+    for ids in prompt_ids[:3] + [repeat]:
+        result = decoder.generate(ids, 64, policy=policy)
+        assert result.token_ids == reference_greedy(bf16, ids, 64, EOS)
+        speculative += sum(a > 0 for a in result.stats.accepted)
+    assert speculative > 0

@@ -261,22 +261,23 @@ def test_subset_head_saved_with_the_draft(tiny, distilled):
 
 def test_subset_draft_greedy_tree_decoding_equals_autoregressive(tiny, distilled):
     """The target verifies over its full vocabulary: a subset draft changes speed, never output."""
-    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.decoder import Decoder
     from spectrt.runtime.model import Transformer
     from spectrt.runtime.sampling import SamplingParams
     from spectrt.runtime.tree import Tree
 
     target, draft = Transformer.load(tiny), Transformer.load(distilled)
     subset = set(draft.head_ids.tolist())
-    dec = SpecDecoder(target, draft, eos_ids={2}, max_seq_len=256, max_tree_tokens=16)
+    dec = Decoder(target, draft, eos_ids={2}, max_seq_len=256, max_tree_tokens=16)
     drafted: list[int] = []
-    real_draft_tree = dec._draft_tree
+    propose = dec.drafter.propose
 
-    def spy(tree, *args):
-        real_draft_tree(tree, *args)
-        drafted.extend(dec.node_tokens[1:len(tree)].tolist())
+    def spy(cands, *args):  # every non-root trie node came from the draft (no suffix candidates here)
+        sunk = propose(cands, *args)
+        drafted.extend(t for cand in cands for t in cand.trie.tokens[1:])
+        return sunk
 
-    dec._draft_tree = spy
+    dec.drafter.propose = spy
     tree = Tree.from_expansion((3, 2, 1))
     accepted = 0
     for prompt in ([1, 40, 41, 42, 43], [1, 7, 99, 250, 8, 13], [1, 300, 301, 302]):
@@ -456,13 +457,13 @@ def test_closed_form_gradient_matches_autograd(temperature):
 def test_native_generator_greedy_answers_equal_the_decoder(target_dir):
     """Target answers for distillation come from the native batched forward: greedy ones are the served AR output."""
     from spectrt.build.corpus import _NativeGenerator
-    from spectrt.runtime.decoder import SpecDecoder
+    from spectrt.runtime.decoder import Decoder
 
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:8 + 3 * i]
                for i in range(3)]
     gen = _NativeGenerator(target_dir, "float32")
     records = gen.generate(prompts, 24, 0.0, [2], 0, 8, torch.Generator().manual_seed(0))
-    decoder = SpecDecoder(gen.model, None, {2}, max_seq_len=128)
+    decoder = Decoder(gen.model, None, {2}, max_seq_len=128)
     for prompt, rec in zip(prompts, records, strict=True):
         answer = rec["input_ids"][rec["prompt_len"]:].tolist()
         assert answer[:len(answer) - (answer[-1] == 2)] == decoder.generate(prompt, 24).token_ids

@@ -20,7 +20,7 @@ from conftest import ARCHS
 from spectrt.build.compile import default_profiles, network_io, parse_onnx, trt_module
 from spectrt.build.engines import EngineBuildError, make_engines
 from spectrt.build.export import io_spec
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.engine import load_engine
 from spectrt.runtime.model import ModelConfig
 from spectrt.runtime.onnx_engine import EngineDirError, OnnxEngine
@@ -243,7 +243,7 @@ def test_mismatched_pairs_are_refused_at_build_time(target_dir, draft_dir, tmp_p
 
 @pytest.fixture(scope="module")
 def ar_outputs(target, prompt_ids) -> list[list[int]]:
-    decoder = SpecDecoder(target, None, EOS, max_seq_len=256)
+    decoder = Decoder(target, None, EOS, max_seq_len=256)
     return [decoder.generate(ids, 40).token_ids for ids in prompt_ids]
 
 
@@ -251,14 +251,14 @@ def test_greedy_tree_decoding_onnxruntime_equals_target_ar(engines, prompt_ids, 
     ort_target = load_engine(engines / "target", "onnxruntime")
     ort_draft = load_engine(engines / "draft", "onnxruntime")
     for draft, spec in ((ort_draft, "3,2,1"), (ort_target, "2,1,1")):  # weak draft; the target drafting itself
-        decoder = SpecDecoder(ort_target, draft, EOS, max_seq_len=256, max_tree_tokens=16)
-        buffers = (decoder.target_cache.k.data_ptr(), decoder.draft_cache.k.data_ptr())
+        decoder = Decoder(ort_target, draft, EOS, max_seq_len=256, max_tree_tokens=16)
+        buffers = (decoder.target_caches[0].k.data_ptr(), decoder.drafter.caches[0].k.data_ptr())
         accepted = []
         for ids, expected in zip(prompt_ids, ar_outputs, strict=True):
             result = decoder.generate(ids, 40, Tree.parse(spec))
             assert result.token_ids == expected
             accepted += result.stats.accepted
-        assert (decoder.target_cache.k.data_ptr(), decoder.draft_cache.k.data_ptr()) == buffers
+        assert (decoder.target_caches[0].k.data_ptr(), decoder.drafter.caches[0].k.data_ptr()) == buffers
         if draft is ort_target:
             assert sum(accepted) >= len(accepted), "the target drafting for itself must get paths accepted"
 
@@ -370,8 +370,8 @@ def test_tensorrt_engine_static_buffers_and_fp16_graph(trt_cpu_engines, target):
 def test_greedy_tree_decoding_tensorrt_engine_is_lossless(trt_cpu_engines, prompt_ids):
     """Tree decoding through the tensorrt engine class equals its own AR greedy output (fp16 graph)."""
     trt_target, trt_draft = trt_cpu_engines
-    ar = SpecDecoder(trt_target, None, EOS, max_seq_len=192, max_tree_tokens=16)
-    spec = SpecDecoder(trt_target, trt_draft, EOS, max_seq_len=192, max_tree_tokens=16)
+    ar = Decoder(trt_target, None, EOS, max_seq_len=192, max_tree_tokens=16)
+    spec = Decoder(trt_target, trt_draft, EOS, max_seq_len=192, max_tree_tokens=16)
     for ids in prompt_ids[:1]:
         expected = ar.generate(ids, 24).token_ids
         assert spec.generate(ids, 24, Tree.parse("2,2,1")).token_ids == expected

@@ -23,7 +23,7 @@ import torch
 from spectrt.build.checkpoint import CheckpointError, resolve_target
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
 from spectrt.build.slice import TOKENIZER_FILES, load_state_dict, slice_target
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
 from spectrt.runtime.families import rope_frequencies
 from spectrt.runtime.model import ModelConfig, Transformer
@@ -160,9 +160,9 @@ def test_rope_tables_equal_hugging_face_at_real_sizes(rope, tmp_path):
 def test_greedy_tree_decoding_equals_autoregressive(checkpoints, drafts, family):
     target = Transformer.load(checkpoints(family))
     prompt = _ids(12, seed=2).tolist()
-    ar = SpecDecoder(target, None, set(), max_seq_len=128).generate(prompt, 40)
+    ar = Decoder(target, None, set(), max_seq_len=128).generate(prompt, 40)
     for draft, spec in ((Transformer.load(drafts(family)), "2,1"), (target, "2,1,1")):
-        result = SpecDecoder(target, draft, set(), max_seq_len=128).generate(prompt, 40, Tree.parse(spec))
+        result = Decoder(target, draft, set(), max_seq_len=128).generate(prompt, 40, Tree.parse(spec))
         assert result.token_ids == ar.token_ids
     assert max(result.stats.accepted) == 3  # the target drafting for itself: whole paths accepted and compacted
 
@@ -274,8 +274,8 @@ def test_engines_build_and_run(checkpoints, drafts, family, tmp_path):
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     reference = Transformer.load(target)
     prompt = _ids(10, seed=4).tolist()
-    ar = SpecDecoder(reference, None, set(), max_seq_len=96).generate(prompt, 24)
-    spec = SpecDecoder(engine, load_engine(out / "draft", "onnxruntime"), set(), max_seq_len=96)
+    ar = Decoder(reference, None, set(), max_seq_len=96).generate(prompt, 24)
+    spec = Decoder(engine, load_engine(out / "draft", "onnxruntime"), set(), max_seq_len=96)
     assert spec.generate(prompt, 24, Tree.parse("2,1")).token_ids == ar.token_ids
 
 
@@ -298,8 +298,8 @@ def test_draft_maker_distills_a_family_slice(checkpoints, tmp_path):
     assert not torch.equal(trained[bias], sliced[bias])
     target_engine = Transformer.load(target)
     prompt = _ids(12, seed=6).tolist()
-    ar = SpecDecoder(target_engine, None, set(), max_seq_len=96).generate(prompt, 24)
-    spec = SpecDecoder(target_engine, Transformer.load(draft), set(), max_seq_len=96)
+    ar = Decoder(target_engine, None, set(), max_seq_len=96).generate(prompt, 24)
+    spec = Decoder(target_engine, Transformer.load(draft), set(), max_seq_len=96)
     assert spec.generate(prompt, 24, Tree.parse("2,1")).token_ids == ar.token_ids
 
 

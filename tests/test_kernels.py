@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spectrt.runtime import kernels
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
 from test_decoder import EOS, PROMPTS  # the decoder tests' prompts
@@ -134,8 +134,8 @@ def bf16_prompts(target_dir):
 def test_bf16_greedy_tree_equals_bf16_autoregressive(bf16, target_dir, draft_dir, bf16_prompts, spec):
     """bf16 is an exact mode: its tree decoding gives its own AR tokens (it did on 4/12 prompts before)."""
     draft = Transformer.load(draft_dir, torch.bfloat16) if spec == "2,2,1" else bf16
-    ar = SpecDecoder(bf16, None, EOS, max_seq_len=512)
-    spec_decoder = SpecDecoder(bf16, draft, EOS, max_seq_len=512)
+    ar = Decoder(bf16, None, EOS, max_seq_len=512)
+    spec_decoder = Decoder(bf16, draft, EOS, max_seq_len=512)
     accepted = 0
     for ids in bf16_prompts:
         expected = ar.generate(ids, 96).token_ids
@@ -146,11 +146,11 @@ def test_bf16_greedy_tree_equals_bf16_autoregressive(bf16, target_dir, draft_dir
 
 
 def test_native_decoding_allocates_no_buffers(target, bf16_prompts):
-    decoder = SpecDecoder(target, target, EOS, max_seq_len=512)
+    decoder = Decoder(target, target, EOS, max_seq_len=512)
     native = target.native
-    before = [t.data_ptr() for t in native.scratch + [native.rope_cos, decoder.target_cache.k]]
+    before = [t.data_ptr() for t in native.scratch + [native.rope_cos, decoder.target_caches[0].k]]
     decoder.generate(bf16_prompts[0], 24, Tree.parse("2,2,1"))
-    assert [t.data_ptr() for t in native.scratch + [native.rope_cos, decoder.target_cache.k]] == before
+    assert [t.data_ptr() for t in native.scratch + [native.rope_cos, decoder.target_caches[0].k]] == before
 
 
 def test_native_refuses_bad_token_ids(target):

@@ -113,3 +113,58 @@ def test_profile_file_curves():
     assert curve_from_profile(profile, "target", context=900)(2) == 50.0
     assert curve_from_profile(profile, "draft")(2) == 4.5
     assert curve_from_profile({"target": {}}, "draft") is None
+
+
+def _rate(scores, sizes, sunk, verify, base):
+    gain = len(scores) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
+    return gain / (sunk + verify(base + sum(sizes)))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_allocate_is_the_best_allocation_and_never_below_plain_batched_decoding(seed):
+    """Brute force over every allocation of a small batch: `allocate` finds the best expected tokens per ms, and that
+    is never below plain batched decoding (one token per request)."""
+    import itertools
+    import random
+
+    from spectrt.runtime.policy import allocate
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 3)
+    scores = [sorted((rng.random() ** 2 for _ in range(rng.randint(0, 4))), reverse=True) for _ in range(n)]
+    budgets = [rng.randint(1, 5) for _ in range(n)]
+    verify = CostCurve({1: 1.0, 2: 1.0 + rng.random() * 0.3, 4: 1.5 + rng.random(), 8: 3 + 2 * rng.random(),
+                        16: 8.0})
+    sunk, base = rng.random() * 0.3, rng.randint(0, 6)
+    sizes, rate = allocate(scores, budgets, sunk, verify, base)
+    assert all(1 <= b <= max(1, min(cap, len(row) + 1)) for b, cap, row in zip(sizes, budgets, scores, strict=True))
+    assert rate == pytest.approx(_rate(scores, sizes, sunk, verify, base))
+    choices = [range(1, min(cap, len(row) + 1) + 1) for row, cap in zip(scores, budgets, strict=True)]
+    best = max(_rate(scores, list(c), sunk, verify, base) for c in itertools.product(*choices))
+    assert rate == pytest.approx(best)
+    assert rate >= _rate(scores, [1] * n, sunk, verify, base) - 1e-12
+
+
+def test_allocate_at_batch_one_is_the_per_step_verify_size():
+    """The old per-step rule, written out: B maximising (1 + top scores) / (sunk + verify(B))."""
+    from spectrt.runtime.policy import allocate
+
+    verify = CostCurve({1: 10.0, 2: 10.5, 4: 12.0, 8: 20.0})
+    for scores in ([0.9, 0.5, 0.2, 0.01], [0.05, 0.04], [], [0.99] * 9):
+        for sunk in (0.0, 0.7, 5.0):
+            rates = [(1 + sum(scores[:b - 1])) / (sunk + verify(b)) for b in range(1, min(8, len(scores) + 1) + 1)]
+            want = 1 + max(range(len(rates)), key=lambda i: (rates[i], -i))
+            assert allocate([scores], [8], sunk, verify)[0] == [want]
+            assert best_size(scores, sunk, verify, 8)[0] == want
+
+
+def test_allocate_shares_one_budget_across_requests():
+    """The best nodes of the whole batch win: a confident request verifies more, a hopeless one stays at its root."""
+    from spectrt.runtime.policy import allocate
+
+    verify = CostCurve({1: 10.0, 4: 10.3, 8: 14.0, 16: 30.0})
+    sizes, _ = allocate([[0.9, 0.8, 0.7], [0.02, 0.01], [0.6]], [4, 4, 4], 0.0, verify)
+    assert sizes == [4, 1, 2]
+    steep = CostCurve({1: 10.0, 3: 11.0, 4: 40.0})  # 3 rows fine, a 4th row costs 4x
+    sizes, _ = allocate([[0.9], [0.9], [0.9]], [2, 2, 2], 0.0, steep)
+    assert sizes == [1, 1, 1]  # three requests: any extra row would more than double the step

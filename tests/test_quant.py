@@ -32,7 +32,7 @@ from spectrt.quant.quantize import (
     save_quantized,
 )
 from spectrt.quant.recipes import DEFAULT_QFORMAT, RECIPES, Recipe, choose_recipe, get_recipe
-from spectrt.runtime.decoder import SpecDecoder
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.int8 import Int8Linear
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
@@ -315,9 +315,9 @@ def test_int8_verify_rows_match_single_token_steps(int8_target, prompt_ids):
 @pytest.mark.parametrize("spec", ["2,1", "3,2,1"])
 def test_tree_decoding_with_an_int8_target_equals_its_own_greedy_ar(int8_target, draft, prompt_ids, spec):
     target = Transformer.load(int8_target[1])
-    ar = SpecDecoder(target, None, EOS, max_seq_len=512)
-    tree = SpecDecoder(target, draft, EOS, max_seq_len=512)
-    fp = SpecDecoder(Transformer.load(int8_target[0]), None, EOS, max_seq_len=512)
+    ar = Decoder(target, None, EOS, max_seq_len=512)
+    tree = Decoder(target, draft, EOS, max_seq_len=512)
+    fp = Decoder(Transformer.load(int8_target[0]), None, EOS, max_seq_len=512)
     differs_from_fp = accepted = 0
     for ids in prompt_ids:
         want = ar.generate(ids, 64).token_ids
@@ -354,7 +354,7 @@ def test_accuracy_report_on_the_int8_target(int8_target, prompt_ids):
     fp = Transformer.load(target)
     records = []
     for ids in prompt_ids[:2]:
-        answer = SpecDecoder(fp, None, EOS, max_seq_len=512).generate(ids, 24).token_ids
+        answer = Decoder(fp, None, EOS, max_seq_len=512).generate(ids, 24).token_ids
         records.append({"input_ids": torch.tensor(ids + answer), "prompt_len": len(ids)})
     positions = sum(len(r["input_ids"]) - r["prompt_len"] for r in records)
     itself = accuracy_report(target, target, progress=False, log=lambda _: None, records=records)
@@ -392,7 +392,7 @@ def tiny_target(target_dir, tmp_path_factory) -> dict:
     fp = Transformer.load(path)
     records = []
     for ids in ([1, 9707, 28, 11, 5], [1, 504, 2129, 314]):
-        answer = SpecDecoder(fp, None, EOS, max_seq_len=64).generate(ids, 16).token_ids
+        answer = Decoder(fp, None, EOS, max_seq_len=64).generate(ids, 16).token_ids
         records.append({"input_ids": torch.tensor(ids + answer), "prompt_len": len(ids)})
     return {"target": path, "draft": draft, "checkpoints": checkpoints, "records": records}
 

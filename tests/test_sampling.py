@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -532,3 +533,91 @@ def test_merged_tree_sees_duplicates_often():
     drawn = draw_children(q[prev, last], 2, g)
     share = (drawn == _suffix_token(prev, last)[:, None]).any(1).double().mean()
     assert share > 0.2
+
+
+# ---------------------------------------------------------------- through the decode loop itself
+
+
+class MarkovEngine:
+    """The synthetic tables as an engine of the one interface: a row's logits are table[previous token, token], where
+    the previous token is the latest slot the row may see (its parent in a tree, the last committed token for a
+    root). Token ids live in the cache's K slots. It refuses any row whose position is not its visible prefix
+    length, so the loop's positions and masks are checked too."""
+
+    def __init__(self, table: torch.Tensor):
+        from spectrt.runtime.model import ModelConfig
+
+        self.table = table
+        self.config = ModelConfig(V, 8, 8, 1, 1, 1, 1, 1e-5, 1e4, True)
+
+    def new_caches(self, slots: int, capacity: int, window: int):
+        from spectrt.runtime.model import KVCache
+
+        return KVCache.pool(self.config, slots, capacity, window, torch.float32)
+
+    def forward_many(self, segments):
+        out = []
+        for tokens, positions, mask, cache in segments:
+            start, end = cache.new_slots(tokens, mask)
+            cache.k[0, 0, start:end, 0] = tokens.float()
+            n, t, w = cache.length, len(tokens), mask.shape[1]
+            rows = []
+            for r in range(t):
+                seen = mask[r, :w - t + r].nonzero().flatten()  # window slots before its own
+                assert int(positions[r]) == n + len(seen), "a row's position must be its visible prefix length"
+                prev = n + int(seen[-1]) if len(seen) else n - 1
+                before = int(cache.k[0, 0, prev, 0]) if prev >= 0 else CONTEXT[0]
+                rows.append(self.table[before, int(tokens[r])])
+            out.append(torch.stack(rows))
+        return out
+
+
+PROMPT = [CONTEXT[1], 2, 5, CONTEXT[0], CONTEXT[1]]  # ends with the context; "... 0 1" repeats: suffix candidates
+LOOP_SAMPLES = 12_000
+
+
+def loop_counts(tree, params: SamplingParams, children: str = "sample", policy=None) -> torch.Tensor:
+    """The first three tokens of LOOP_SAMPLES seeded requests decoded by the real loop (32 at a time)."""
+    from spectrt.runtime.decoder import AUTO, Decoder, Job
+
+    decoder = Decoder(MarkovEngine(TARGET_LOGITS), MarkovEngine(DRAFT_LOGITS), set(), max_seq_len=16,
+                      max_tree_tokens=16, max_active=32, policy=policy)
+    jobs = [Job(PROMPT, LENGTH, tree if tree is not None else AUTO, replace(params, seed=s), children,
+                suffix=True) for s in range(LOOP_SAMPLES)]
+    decoder.run(jobs)
+    out = torch.tensor([j.out for j in jobs])
+    assert (out >= 0).all() and out.shape == (LOOP_SAMPLES, LENGTH)
+    return torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V), jobs
+
+
+def _loop_fit(tree, params, children="sample", policy=None):
+    counts, jobs = loop_counts(tree, params, children, policy)
+    probs = exact_joint(params)
+    assert counts[probs == 0].sum() == 0, "emitted a token sequence the target gives probability 0"
+    return goodness_of_fit(counts, probs), jobs
+
+
+@pytest.mark.parametrize("case", ["static sampled + suffix", "static top-k + suffix", "dynamic + suffix"])
+def test_sampling_through_the_decode_loop_is_exact(case):
+    """End to end through `Decoder`: its own q-row bookkeeping, suffix candidates merged into sampled static trees,
+    dynamic trees, batching and compaction; the emitted tokens follow the target's distribution."""
+    from spectrt.runtime.policy import Policy
+
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    flat = Policy(budget=8, depth=2, width=2, verify_ms=((1, 1.0),), draft_ms=((1, 1e-6),))
+    tree, children, policy = {"static sampled + suffix": (Tree.parse("2,2"), "sample", None),
+                              "static top-k + suffix": (Tree.parse("2,1"), "topk", None),
+                              "dynamic + suffix": (None, "sample", flat)}[case]
+    (stat, df, pval), jobs = _loop_fit(tree, params, children, policy)
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+    assert sum(sum(j.stats.accepted) for j in jobs) > LOOP_SAMPLES // 4  # real speculation, not AR
+
+
+def test_loop_check_rejects_children_drawn_from_another_distribution(monkeypatch):
+    """A bookkeeping bug: children drawn from one distribution, verified against the recorded q of another."""
+    from spectrt.runtime import propose
+
+    real = propose.draw_children
+    monkeypatch.setattr(propose, "draw_children", lambda q, k, gen: real(torch.ones_like(q) / q.shape[-1], k, gen))
+    (stat, df, pval), _ = _loop_fit(Tree.parse("2,2"), SamplingParams(temperature=1.0))
+    assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"

@@ -462,13 +462,13 @@ def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, p
 
 
 def _batch_reference(pipe, prompt: str, max_tokens: int, **constraints):
-    from spectrt.runtime.batch import BatchDecoder, Job
+    from spectrt.runtime.decoder import Decoder, Job
     from spectrt.runtime.tree import Tree
 
     dec = pipe.decoder
     job = Job(pipe.encode(prompt), max_tokens, Tree.parse(TREE), **constraints)
     with _threads(1):
-        BatchDecoder(dec.target, dec.draft, dec.eos_ids, MAX_SEQ_LEN, max_active=1).run([job])
+        Decoder(dec.target, dec.draft, dec.eos_ids, MAX_SEQ_LEN).run([job])
     return job
 
 

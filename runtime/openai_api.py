@@ -1,0 +1,422 @@
+"""The OpenAI API as data: request bodies -> the Triton model's inputs, Triton responses -> OpenAI bodies and chunks.
+
+Pure functions (no I/O, no model), so every rule is tested with small dicts; `openai_frontend.py` is the HTTP and
+gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-compatible endpoint"):
+
+- honoured: `model` (must be the served name), `messages` (system/developer/user/assistant turns, text content),
+  `prompt` (one string), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (strings:
+  the text ends before the first one; also sent to the model as `stop_words` so it usually stops at once), `n` (1),
+  `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens`, `ignore_eos`; the spectrt
+  extension `tree` (per-request token tree, e.g. "2,1" or "none").
+- accepted at their no-op values only, refused otherwise: `logit_bias` ({}), `logprobs` (false/null),
+  `top_logprobs` (0), `presence_penalty` / `frequency_penalty` (0), `repetition_penalty` (1), `tools` / `functions`
+  ([]), `tool_choice` / `function_call` ("none", "auto"), `response_format` ({"type": "text"}), `best_of` (1),
+  `echo` (false), `suffix` (""), `n` (1).
+- ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
+  `safety_identifier`, and any field sent as null.
+- anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
+
+Responses carry `usage` (prompt tokens = the model's `num_input_tokens`, chat template included; completion tokens =
+the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted), `finish_reason`
+("stop": end-of-sequence or a stop string; "length": `max_tokens` or the context) and vLLM's per-request
+`metrics.speculative_decoding` block (non-streaming: in the body; streaming: in the usage chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
+NOOP = {  # field: the values that change nothing (accepted); any other value is refused
+    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "n": (1,),
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
+          "min_tokens", "ignore_eos", "tree"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+TEXT_FIELDS = COMMON | {"prompt"}
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+SEED_MODULUS = 1 << 64  # the model's seed input is UINT64
+
+
+class ApiError(Exception):
+    """A request answered with an OpenAI error object: {"error": {message, type, param, code}} and an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+             413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error",
+             504: "timeout_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The deployed model's bounds, read from its config.pbtxt parameters."""
+
+    max_tokens: int  # max_tokens_limit
+    default_max_tokens: int
+    max_seq_len: int
+
+
+@dataclass
+class Call:
+    """One validated request: the Triton model's inputs and what the answer needs."""
+
+    kind: str  # "chat" or "text"
+    fields: dict  # Triton input name -> value (client.grpc_inputs makes the tensors)
+    stream: bool
+    include_usage: bool
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON ({e}): send a JSON object") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _number(body: dict, name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{name} must be a number, got {json.dumps(value)}", name)
+    if value < low or value > high or (low_open and value == low):
+        raise bad(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{name} must be an integer, got {json.dumps(value)}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise bad(f"{name} must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _same(value, ok) -> bool:
+    """JSON equality where true is not 1 (0 and 0.0 are the same number)."""
+    if isinstance(value, bool) or isinstance(ok, bool):
+        return value is ok
+    return value == ok
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name in allowed or name in IGNORED or value is None:
+            continue
+        if name in NOOP:
+            if not any(_same(value, ok) for ok in NOOP[name]):
+                raise bad(f"{name}={json.dumps(value)} is not supported by spectrt "
+                          f"(accepted: {', '.join(json.dumps(v) for v in NOOP[name])})", name, "unsupported_parameter")
+            continue
+        raise bad(f"unrecognized request argument: {name}", name, "unrecognized_argument")
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise bad(f"stop has {len(stops)} strings, more than {MAX_STOPS}", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad(f"each stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+def _common(body: dict, served: str, limits: Limits, max_tokens: int | None) -> tuple[dict, bool, bool, list[str]]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model is required: the served model's name (GET /v1/models)", "model")
+    if model != served:
+        raise bad(f"the model `{model}` does not exist: this server serves `{served}` (GET /v1/models)", "model",
+                  "model_not_found")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict) or any(k != "include_usage" and v is not None for k, v in options.items()):
+            raise bad('stream_options supports {"include_usage": true|false} only', "stream_options")
+        include_usage = options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise bad("stream_options.include_usage must be true or false", "stream_options")
+    if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
+        raise bad(f"max_tokens must be in [1, {limits.max_tokens}] (this deployment's limit), got {max_tokens}",
+                  "max_tokens")
+    fields: dict = {"max_tokens": max_tokens if max_tokens is not None else limits.default_max_tokens}
+    temperature = _number(body, "temperature", 0, 2)
+    top_p = _number(body, "top_p", 0, 1, low_open=True)
+    top_k = _integer(body, "top_k", -1)
+    seed = _integer(body, "seed")
+    min_tokens = _integer(body, "min_tokens", 0, fields["max_tokens"])
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos must be true or false", "ignore_eos")
+    tree = body.get("tree")
+    if tree is not None and not isinstance(tree, str):
+        raise bad('tree must be a string: branching per depth ("2,1"), or "none" for the target alone', "tree")
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("tree", tree)):
+        if value is not None:
+            fields[name] = value
+    if top_k is not None:
+        fields["top_k"] = max(top_k, 0)  # -1 (vLLM) and 0 both mean no top-k
+    if seed is not None:
+        fields["seed"] = seed % SEED_MODULUS
+    if ignore_eos or min_tokens:  # end-of-sequence is masked until min_length tokens: ignore_eos = all of them
+        fields["min_length"] = fields["max_tokens"] if ignore_eos else min_tokens
+    stops = _stops(body)
+    if stops:
+        fields["stop_words"] = stops
+    return fields, stream, include_usage, stops
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"messages[{i}].content: only text parts are supported, got {kind!r}", "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`messages` as [{role, content}] for the chat template (developer turns become system turns)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad(f"messages[{i}] must be an object with role and content", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "messages")
+        for key, value in message.items():
+            if key not in ("role", "content", "name") and value not in (None, [], "", {}):
+                raise bad(f"messages[{i}].{key} is not supported by spectrt (text turns only)", "messages")
+        out.append({"role": ROLES[role], "content": _content(message, i)})
+    return out
+
+
+def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[dict]], str]) -> Call:
+    """A /v1/chat/completions body -> Call; `render` applies the target's chat template to the messages."""
+    _check_fields(body, CHAT_FIELDS)
+    messages = chat_messages(body)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name)
+    fields, stream, include_usage, stops = _common(body, served, limits, max_tokens)
+    fields.update(text_input=render(messages), apply_chat_template=False)
+    return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"])
+
+
+def parse_completion(body: dict, served: str, limits: Limits) -> Call:
+    """A /v1/completions body -> Call (the prompt is sent as is: no chat template)."""
+    _check_fields(body, TEXT_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise bad("prompt must be one string: token-id prompts and batches of prompts are not supported", "prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise bad("prompt must be a non-empty string", "prompt")
+    fields, stream, include_usage, stops = _common(body, served, limits, _integer(body, "max_tokens"))
+    fields.update(text_input=prompt, apply_chat_template=False)
+    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"])
+
+
+def upstream_fields(call: Call) -> dict:
+    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics."""
+    return {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
+            "return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+class StopText:
+    """OpenAI `stop` over a stream of text deltas: the text ends before the first stop string.
+
+    A delta's tail that could begin a stop string is held back until the next delta settles it, so nothing past a
+    stop string is ever sent. `feed` returns the text that is safe to send; `flush` the held-back rest at the end.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.stopped = stops, "", False
+
+    def feed(self, delta: str) -> str:
+        if not self.stops or self.stopped:
+            return "" if self.stopped else delta
+        text = self.pending + delta
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped, self.pending = True, ""
+            return text[:min(cuts)]
+        hold = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+# --------------------------------------------------------------------------- responses
+
+
+@dataclass
+class Outcome:
+    """What the model's responses added up to."""
+
+    text: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    perf: dict = field(default_factory=dict)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def speculative_metrics(perf: dict) -> dict | None:
+    """vLLM's per-request `metrics.speculative_decoding` from the model's perf outputs (None without them).
+
+    mean_acceptance_length is τ, tokens per target pass (vLLM: 1 + accepted / steps); a step is one target pass.
+    vLLM's acceptance_histogram and num_spec_tokens are left out: the model reports totals, and a tree's size
+    varies per step.
+    """
+    passes = perf.get("target_passes")
+    if not passes:
+        return None
+    accepted, drafted = int(perf.get("total_accepted_draft_tokens", 0)), int(perf.get("total_draft_tokens", 0))
+    return {"mean_acceptance_length": 1 + accepted / passes,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "num_spec_steps": int(passes), "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafted}
+
+
+def finish_reason(outcome: Outcome, max_tokens: int) -> str:
+    """The model's finish_reason output; from the token count if the deployed model predates that output."""
+    if outcome.finish_reason in ("stop", "length"):
+        return outcome.finish_reason
+    return "length" if outcome.completion_tokens >= max_tokens else "stop"
+
+
+def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
+    """The non-streaming answer (chat.completion or text_completion)."""
+    reason = finish_reason(outcome, call.max_tokens)
+    if call.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+                  "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": reason}
+    body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": outcome.usage()}
+    metrics = speculative_metrics(outcome.perf)
+    if metrics is not None:
+        body["metrics"] = {"speculative_decoding": metrics}
+    return body
+
+
+class Chunks:
+    """Server-sent events of one streamed answer: `data: <chunk>` lines, then `data: [DONE]`."""
+
+    def __init__(self, call: Call, rid: str, created: int, model: str):
+        self.call, self.first = call, True
+        self.head = {"id": rid, "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
+                     "created": created, "model": model}
+
+    def _event(self, choices: list, **extra) -> bytes:
+        body = {**self.head, "choices": choices, **extra}
+        if self.call.include_usage and "usage" not in body:
+            body["usage"] = None  # as OpenAI: null on every chunk but the last
+        return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+    def text(self, delta: str) -> bytes:
+        if self.call.kind == "chat":
+            choice = {"index": 0, "delta": {"role": "assistant", "content": delta} if self.first else
+                      {"content": delta}, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": None}
+        self.first = False
+        return self._event([choice])
+
+    def finish(self, outcome: Outcome) -> bytes:
+        """The last chunks: the finish reason, then (include_usage) usage and metrics, then [DONE]."""
+        reason = finish_reason(outcome, self.call.max_tokens)
+        if self.call.kind == "chat":
+            choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if self.first else {},
+                      "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+        out = self._event([choice])
+        if self.call.include_usage:
+            metrics = speculative_metrics(outcome.perf)
+            extra = {"metrics": {"speculative_decoding": metrics}} if metrics is not None else {}
+            out += self._event([], usage=outcome.usage(), **extra)
+        return out + DONE
+
+    @staticmethod
+    def error(error: ApiError) -> bytes:
+        """A failure after the stream began (its status is already 200): an error event, then [DONE]."""
+        return b"data: " + json.dumps(error.body()).encode() + b"\n\n" + DONE
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def upstream_error(message: str) -> ApiError:
+    """The model's (or Triton's) error message -> the OpenAI error with the right status.
+
+    Triton's gRPC stream carries only the message, so it is classified by the scheduler's message prefixes
+    (runtime/scheduler.py): "overloaded" (queue full, or no slot within max_queue_seconds) and "the server is
+    stopping" -> 503 (clients retry); "deadline exceeded" -> 504; "spectrt failed" (an internal failure) -> 500;
+    anything else is the model refusing the request's values -> 400.
+    """
+    if "overloaded" in message or "server is stopping" in message:
+        return ApiError(503, message, None, "overloaded")
+    if message.startswith("deadline exceeded"):
+        return ApiError(504, message, None, "timeout")
+    if message.startswith("spectrt failed"):
+        return ApiError(500, message, None, "internal_error")
+    return ApiError(400, message, None, "invalid_value")

@@ -1,0 +1,282 @@
+"""Proposers: where each step's candidate tokens come from, for a whole batch of requests at once.
+
+Every decoding request gets a `Candidates` record per step: a token trie rooted at its last accepted token, with a
+score per node (the estimated probability that the target accepts the path to it). Proposers add to it:
+
+- `SuffixProposer`: free candidates (no forward pass) from a per-request suffix index over prompt + output
+  (prompt lookup / SuffixDecoding), merged into the trie as point-mass candidates.
+- `DraftProposer`: a draft model. A request with a static SpecInfer tree gets that shape filled with the draft's
+  children (top-k, or drawn without replacement from its q under sampling); a request with dynamic trees gets
+  EAGLE-2 expansion of its best nodes, level by level, while another level is expected to pay for itself. Every
+  request's level runs in ONE draft `forward_many`, and the expansion decisions weigh the whole batch's expected
+  tokens against the batched verify (`runtime/policy.allocate`).
+
+A proposer keeps its own per-slot state (`start` when a request takes a slot, `accept` after verification). The
+decode loop (runtime/decoder.py) owns the order: suffix first (free), then the draft, then the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from spectrt.runtime.engine import Engine, Segment
+from spectrt.runtime.policy import Policy, allocate
+from spectrt.runtime.sampling import draw_children, sampling_probs, top_tokens
+from spectrt.runtime.suffix import SuffixIndex
+from spectrt.runtime.tree import TokenTrie, Tree
+
+
+@dataclass(eq=False)  # identity: compared and looked up as objects
+class Candidates:
+    """One decoding request's candidates this step.
+
+    `static`: this step's static tree shape (trie node i = tree node i), or None for a dynamic tree under
+    `policy`; `q[node]`: the draft distribution the node's sampled children were drawn from; `keys[node]`: which
+    proposer proposed it and how (`spectrt tune` measures acceptance from them).
+    """
+
+    job: object
+    trie: TokenTrie
+    position: int  # RoPE position of the root (its prefix length): a node sits at position + depth
+    static: Tree | None = None
+    policy: Policy | None = None
+    budget: int = 1  # most nodes this request may verify (root included)
+    chosen: int = 1  # nodes the budget rule chose to verify (dynamic trees)
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, list] = field(default_factory=dict)
+
+    @property
+    def scores(self) -> list[float]:
+        """Non-root node scores, best first (what the budget rule ranks)."""
+        return sorted(self.trie.scores[1:], reverse=True)
+
+
+class SuffixProposer:
+    """Per-slot suffix index over each request's prompt and accepted tokens; proposals cost no forward."""
+
+    def __init__(self, slots: int):
+        self.index: list[SuffixIndex | None] = [None] * slots
+
+    def start(self, slot: int, ids: list[int]) -> None:
+        self.index[slot] = SuffixIndex(ids)
+
+    def stop(self, slot: int) -> None:
+        self.index[slot] = None
+
+    def accept(self, slot: int, tokens: list[int]) -> None:
+        if self.index[slot] is not None:
+            self.index[slot].extend(tokens)
+
+    def propose(self, cand: Candidates, policy: Policy, room: int) -> None:
+        """Merge the index's continuations into the trie as point masses, at most `room` tokens in all."""
+        index = self.index[cand.job.slot]
+        if index is None:
+            return
+        for found in index.propose(policy.suffix_depth):
+            tokens = found.tokens[:room]
+            if not tokens:
+                break
+            room -= len(tokens)
+            scores = policy.calibration.suffix_path(found.match, found.share)
+            for k, node in enumerate(cand.trie.add_path(tokens, scores[:len(tokens)])):
+                cand.keys.setdefault(node, []).append(("suffix", (found.match, k)))
+
+
+@dataclass(eq=False)  # identity: compared and looked up as objects
+class _Drafting:
+    """One request's draft state during a step: the nodes fed to the draft so far (window order) and the level."""
+
+    cand: Candidates
+    logits: torch.Tensor | None = None  # draft logits of the frontier's rows
+    frontier: list[int] = field(default_factory=lambda: [0])
+    fed: list[int] = field(default_factory=list)
+    top1: float = 0.0  # mean top-1 draft probability of the last level (how much the next level may add)
+
+
+class DraftProposer:
+    """A draft model over per-slot static KV caches: static trees and EAGLE-2 dynamic expansion, batched.
+
+    The draft cache of a slot holds the request's accepted tokens (it catches up lazily, in the first draft pass of
+    a step that drafts) and, during a step, the fed tree nodes in its uncommitted window; `accept` keeps the
+    accepted fed nodes (`compact`). A node's draft slot is `trie.draft_slot[node]`.
+    """
+
+    def __init__(self, engine: Engine, slots: int, capacity: int, window: int):
+        self.engine, self.window = engine, window
+        self.caches = engine.new_caches(slots, capacity, window)
+        self.causal = torch.ones(window, window, dtype=torch.bool).tril()
+        self.cost: Callable[[int], float] = lambda rows: 0.0  # draft ms vs rows, set by the decoder
+
+    def start(self, slot: int) -> None:
+        self.caches[slot].reset()
+
+    def lag(self, slot: int, ids: list[int]) -> int:
+        """Tokens of `ids` the slot's draft cache has not read yet."""
+        return len(ids) - self.caches[slot].length
+
+    def chunk(self, slot: int, ids: list[int], end: int) -> Segment | None:
+        """The causal segment that feeds ids[cache.length:end] (at most a window), or None if nothing to feed."""
+        cache = self.caches[slot]
+        n = cache.length
+        t = min(end - n, self.window)
+        if t <= 0:
+            return None
+        return torch.tensor(ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache
+
+    def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
+        """Keep the accepted nodes the draft has read (a prefix of the accepted path) as committed tokens."""
+        slots = []
+        for i in path[1:]:
+            s = trie.draft_slot[order[i]]
+            if s < 0:
+                break
+            slots.append(s)
+        self.caches[slot].compact(slots)
+
+    # ------------------------------------------------------------------------------------------- one step
+    def propose(self, cands: list[Candidates], prefill: list[Segment], verify: Callable[[int], float],
+                base_rows: int, max_tree_tokens: int) -> float:
+        """Fill every candidate record that drafts this step; returns the draft milliseconds spent (cost units).
+
+        `prefill`: draft segments that feed prompt chunks of requests still prefilling (they share the first draft
+        forward). `verify(rows)` is the batched target cost, `base_rows` the target rows paid anyway this step.
+        """
+        drafting, segments = [], list(prefill)
+        for cand in cands:
+            job = cand.job
+            seg = self.chunk(job.slot, job.ids, len(job.ids))
+            if seg is None or len(seg[0]) < self.lag(job.slot, job.ids):
+                if seg is not None:  # more than a window behind: catch up now, draft from the next step
+                    segments.append(seg)
+                continue
+            segments.append(seg)
+            drafting.append(_Drafting(cand))
+        if not segments:
+            return 0.0
+        rows, prefill_rows = sum(len(s[0]) for s in segments), sum(len(s[0]) for s in prefill)
+        sunk = self.cost(rows) - (self.cost(prefill_rows) if prefill_rows else 0.0)  # prompt chunks are paid anyway
+        logits = self.engine.forward_many(segments)
+        for seg in segments:
+            seg[3].commit(len(seg[0]))
+        by_cache = {id(seg[3]): lg for seg, lg in zip(segments, logits, strict=True)}
+        for d in drafting:
+            d.logits = by_cache[id(self.caches[d.cand.job.slot])][-1:]
+            d.cand.job.stats.draft_passes += 1
+        depth = 1
+        while drafting:
+            grow = [d for d in drafting if d.cand.static is None]
+            self._children(drafting, depth)
+            nxt = {id(d): self._next_static(d, depth) if d.cand.static is not None else [] for d in drafting}
+            static_rows = sum(len(v) for v in nxt.values())
+            if grow:
+                sunk = self._next_dynamic(grow, depth, nxt, static_rows, sunk, verify, base_rows, max_tree_tokens)
+            level = [d for d in drafting if nxt[id(d)]]
+            if not level:
+                break
+            segments = [self._feed(d, nxt[id(d)]) for d in level]
+            rows = sum(len(s[0]) for s in segments)
+            sunk += self.cost(rows)
+            for d, lg in zip(level, self.engine.forward_many(segments), strict=True):
+                d.logits = lg
+                d.frontier = nxt[id(d)]
+                d.cand.job.stats.draft_passes += 1
+            drafting, depth = level, depth + 1
+        return sunk
+
+    def _children(self, drafting: list[_Drafting], depth: int) -> None:
+        """Add this level's children under each request's frontier (one softmax/top-k for the batch where possible)."""
+        for d in drafting:
+            cand, job = d.cand, d.cand.job
+            params = job.params
+            if cand.static is not None:
+                tree = cand.static
+                if depth > tree.max_depth:
+                    continue
+                parent_row, rank, k = tree.level_children[depth - 1]
+                level, parents = tree.levels[depth], tree.levels[depth - 1]
+                sampled = not params.greedy and job.children == "sample"
+                if sampled:
+                    q = sampling_probs(d.logits, params)
+                    for row, node in enumerate(parents):
+                        cand.q[node] = q[row]
+                    top = draw_children(q, k, job.draft_gen)
+                else:
+                    top = torch.tensor(top_tokens(d.logits, k)[0])
+                tokens = top[parent_row, rank].tolist()
+                for node, tok in zip(level, tokens, strict=True):
+                    got = cand.trie.add(tree.parents[node], tok, 1.0, sampled=sampled)
+                    assert got == node, "a static tree fills trie nodes in its own order"
+                continue
+            policy = cand.policy
+            cal = policy.calibration
+            if params.greedy:
+                toks, probs = top_tokens(d.logits, policy.width)
+            else:
+                top = sampling_probs(d.logits, params).topk(policy.width, dim=-1)
+                probs, toks = top.values.tolist(), top.indices.tolist()
+            d.top1 = sum(p[0] for p in probs) / len(probs)
+            for row, parent in enumerate(d.frontier):
+                for rank, (prob, tok) in enumerate(zip(probs[row], toks[row], strict=True)):
+                    node = cand.trie.add(parent, tok, cand.trie.scores[parent] * cal.draft_edge(prob))
+                    cand.keys.setdefault(node, []).append(("draft", (depth, rank, prob)))
+
+    @staticmethod
+    def _next_static(d: _Drafting, depth: int) -> list[int]:
+        """A static tree's next level to feed: every node of this level unless it is the last one."""
+        tree = d.cand.static
+        return list(tree.levels[depth]) if depth < tree.max_depth else []
+
+    def _next_dynamic(self, grow: list[_Drafting], depth: int, nxt: dict, static_rows: int, sunk: float,
+                      verify: Callable[[int], float], base_rows: int, max_tree_tokens: int) -> float:
+        """EAGLE-2's next level for the dynamic requests, if the whole batch expects it to pay (sets `nxt`).
+
+        Each request would read its `width` best unread nodes of this depth whose parent the draft has read; the
+        next level is expected to add about what this one added per unit of parent score. The level runs when the
+        batch's expected tokens per ms with it (the extra draft rows and the larger verify) beat the current best
+        allocation; a request at its policy's depth stops.
+        """
+        cands = [d.cand for d in grow]
+        budgets = [min(c.policy.budget, c.budget) for c in cands]
+        sizes, rate = allocate([c.scores for c in cands], budgets, sunk, verify, base_rows)
+        gain = float(len(cands)) + sum(sum(c.scores[:b - 1]) for c, b in zip(cands, sizes, strict=True))
+        want, added, rows = {}, 0.0, 0
+        for d, c, b, cap in zip(grow, cands, sizes, budgets, strict=True):
+            if depth >= c.policy.depth:
+                continue
+            trie = c.trie
+            ranked = trie.best(len(trie))[1:]
+            picks = [i for i in ranked if trie.depths[i] == depth
+                     and (trie.parents[i] == 0 or trie.draft_slot[trie.parents[i]] >= 0)][:c.policy.width]
+            if not picks or len(d.fed) + len(picks) > self.window:
+                continue
+            added += sum(trie.scores[i] for i in picks) * c.policy.calibration.draft_edge(d.top1)
+            want[id(d)] = picks
+            rows += min(b + len(picks), cap) - b
+        if not want:
+            return sunk
+        dynamic_rows = sum(len(v) for v in want.values())
+        extra = self.cost(static_rows + dynamic_rows) - (self.cost(static_rows) if static_rows else 0.0)
+        total = base_rows + sum(sizes) + rows
+        if (gain + added) / (sunk + extra + verify(total)) > rate:
+            nxt.update(want)
+        return sunk
+
+    def _feed(self, d: _Drafting, nodes: list[int]) -> Segment:
+        """The draft segment of one request's next level: each node sees its fed ancestors and itself."""
+        trie, cache = d.cand.trie, self.caches[d.cand.job.slot]
+        fed = len(d.fed)
+        mask = torch.zeros(len(nodes), fed + len(nodes), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            mask[row, fed + row] = True
+            anc = trie.parents[node]
+            while anc > 0:
+                mask[row, trie.draft_slot[anc]] = True
+                anc = trie.parents[anc]
+        for node in nodes:
+            trie.draft_slot[node] = len(d.fed)
+            d.fed.append(node)
+        depth = trie.depths[nodes[0]]
+        tokens = torch.tensor([trie.tokens[i] for i in nodes])
+        return tokens, torch.full((len(nodes),), d.cand.position + depth), mask, cache

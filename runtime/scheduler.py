@@ -1,0 +1,364 @@
+"""The serving scheduler: one thread owns the decode loop; queue, admission, fairness, cancellation, deadlines,
+overload, drain and metrics live here, testable in process without tritonserver.
+
+A `Request` is what one client sent: one or more `Row`s (runtime/requests.py) and a `Sink` that carries responses
+back (the Triton model implements it over its response sender). The scheduler guarantees that every request gets
+exactly one final response, whatever happens: finished, cancelled by its client, refused for overload, past its
+deadline, failed (its own step failed: the batch goes on without it), or the server stopping.
+
+Each tick: take new requests; drop cancelled ones and end the ones past their deadline or queue wait; admit waiting
+rows into free slots, the request with the fewest active rows first (one 8-row request cannot take every slot);
+run one decoder step; turn each row's new tokens into text (incremental detokenization, stop strings matched on
+the text) and hand it to the sink.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from spectrt.runtime.decoder import Decoder, Job
+from spectrt.runtime.requests import Row
+from spectrt.runtime.text import StopStrings, TextStream
+
+CANCEL_CHECK_SECONDS = 0.1  # how often a request's sink is asked whether its client went away (an IPC round trip)
+IDLE_WAIT_SECONDS = 0.1  # how long an idle scheduler blocks waiting for work (the thread never spins)
+
+
+class Overloaded(Exception):
+    """No room: the queue is full or the server is stopping (UNAVAILABLE; the client may retry)."""
+
+
+class Sink(Protocol):
+    """Where one request's responses go. Exactly one of `done`, `fail`, `close` ends it."""
+
+    def cancelled(self) -> bool: ...
+
+    def text(self, row: int, delta: str, tokens: int) -> None:
+        """A streamed text delta of one row and how many tokens it covers."""
+
+    def row_done(self, row: int, result: RowResult, last: bool) -> None:
+        """One row finished; `last`: it is the request's final response."""
+
+    def fail(self, message: str, code: str) -> None:
+        """The request's final response is this error (`code`: "invalid", "unavailable", "deadline", "internal")."""
+
+    def close(self) -> None:
+        """Its client went away: end the stream without an answer."""
+
+
+class Metrics(Protocol):
+    def count(self, name: str, value: float = 1) -> None: ...
+
+    def observe(self, name: str, value: float) -> None: ...
+
+    def gauge(self, name: str, value: float) -> None: ...
+
+
+class CounterMetrics:
+    """In-process metrics (tests, the CLI): every name's total, last gauge value and observations."""
+
+    def __init__(self):
+        self.counts: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+        self.observations: dict[str, list[float]] = {}
+
+    def count(self, name: str, value: float = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + value
+
+    def observe(self, name: str, value: float) -> None:
+        self.observations.setdefault(name, []).append(value)
+
+    def gauge(self, name: str, value: float) -> None:
+        self.gauges[name] = value
+
+
+@dataclass
+class RowResult:
+    text: str
+    finish_reason: str
+    output_tokens: int
+    proposed: int
+    accepted: int
+    target_passes: int
+    seconds: float
+
+
+@dataclass(eq=False)  # identity: two requests with equal fields are still two requests
+class Request:
+    rows: list[Row]
+    sink: Sink
+    arrived: float = field(default_factory=time.monotonic)
+    streams: list[TextStream] = field(default_factory=list)
+    stops: list[StopStrings] = field(default_factory=list)
+    ended: list[bool] = field(default_factory=list)  # per row: its final response was handled
+    cut: list[bool] = field(default_factory=list)  # per row: its text ended at a stop string
+    remaining: int = 0
+    active: int = 0  # rows holding a slot
+    waiting: list[int] = field(default_factory=list)  # rows not admitted yet
+    first_text: float | None = None
+    checked: float = 0.0
+    done: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.arrived + min(r.timeout for r in self.rows)
+
+
+class Scheduler:
+    """One thread decoding up to the decoder's `max_active` rows together; `submit` from any thread."""
+
+    def __init__(self, decoder: Decoder, tokenizer, metrics: Metrics | None = None, max_queue: int = 64,
+                 max_queue_seconds: float = 30.0):
+        self.decoder, self.tokenizer = decoder, tokenizer
+        self.metrics = metrics or CounterMetrics()
+        self.max_queue, self.max_queue_seconds = max_queue, max_queue_seconds
+        self.incoming: queue.Queue[Request] = queue.Queue()
+        self.requests: list[Request] = []  # taken in, not done; admission order
+        self.reserved = 0  # rows accepted (reserve) and not yet admitted or dropped
+        self.lock = threading.Lock()
+        self.accepting = True
+        self.stopping = False
+        self.restarts = 0
+        self.thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------ any thread
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more rows, checked before the request is parsed or tokenized (backpressure first)."""
+        with self.lock:
+            if not self.accepting:
+                self.metrics.count("overloaded", rows)
+                raise Overloaded("the server is stopping: retry on another instance")
+            if self.reserved + rows > self.max_queue:
+                self.metrics.count("overloaded", rows)
+                raise Overloaded(f"overloaded: {self.reserved} requests are already queued (max_queue_size="
+                                 f"{self.max_queue}); retry later")
+            self.reserved += rows
+
+    def release(self, rows: int) -> None:
+        with self.lock:
+            self.reserved -= rows
+
+    def submit(self, request: Request) -> None:
+        """Hand a validated request (its rows reserved) to the scheduler thread."""
+        self.incoming.put(request)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self) -> None:
+        """Start (or restart after a crash: the requests it held end with an error) the scheduler thread."""
+        if self.alive:
+            return
+        if self.thread is not None:  # it died: whatever it held cannot be trusted
+            self.restarts += 1
+            self.metrics.count("scheduler_restarts")
+            for request in list(self.requests):
+                self._fail(request, "the scheduler restarted after an internal error: retry", "internal")
+            for job in list(self.decoder.active):
+                self.decoder.cancel(job)
+        self.thread = threading.Thread(target=self._run, name="spectrt-scheduler", daemon=True)
+        self.thread.start()
+
+    def stop(self, drain_seconds: float = 0.0) -> None:
+        """Refuse new requests, let the ones in flight finish for up to `drain_seconds`, then end the rest with an
+        UNAVAILABLE final response; returns once the thread is gone."""
+        with self.lock:
+            self.accepting = False
+        self.drain_until = time.monotonic() + drain_seconds
+        self.stopping = True
+        if self.thread is not None:
+            self.thread.join(timeout=drain_seconds + 10)
+        self._take_incoming()
+        for request in list(self.requests):
+            self._fail(request, "the server is stopping: retry on another instance", "unavailable")
+
+    # ------------------------------------------------------------------------------------ scheduler thread
+    def _run(self) -> None:
+        while True:
+            if self.stopping and (time.monotonic() >= self.drain_until or not self.requests and self.incoming.empty()):
+                return
+            try:
+                self.tick()
+            except Exception as e:  # never leave a request without its final response: end what was in flight
+                for request in list(self.requests):
+                    self._fail(request, f"spectrt failed: {type(e).__name__}: {e}", "internal")
+                for job in list(self.decoder.active):
+                    self.decoder.cancel(job)
+
+    def _take_incoming(self, wait: float = 0.0) -> None:
+        try:
+            request = self.incoming.get(timeout=wait) if wait else self.incoming.get_nowait()
+            while True:
+                self._take(request)
+                request = self.incoming.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _take(self, request: Request) -> None:
+        request.remaining = len(request.rows)
+        request.waiting = list(range(len(request.rows)))
+        request.streams = [TextStream(self.tokenizer) for _ in request.rows]
+        request.stops = [StopStrings(r.stop_strings) for r in request.rows]
+        request.ended = [False] * len(request.rows)
+        request.cut = [False] * len(request.rows)
+        for i, row in enumerate(request.rows):
+            row.job.tag = (request, i)
+        try:
+            for row in request.rows:
+                self.decoder.check(row.job)
+        except ValueError as e:
+            self.release(len(request.rows))
+            request.waiting = []
+            request.done = True
+            request.sink.fail(str(e), "invalid")
+            return
+        self.requests.append(request)
+
+    def tick(self) -> None:
+        """One round: intake, cancellations and deadlines, admission, one decoder step, responses."""
+        idle = not self.decoder.active and not any(r.waiting for r in self.requests)
+        self._take_incoming(IDLE_WAIT_SECONDS if idle else 0.0)
+        now = time.monotonic()
+        for request in list(self.requests):
+            self._check(request, now)
+        self._admit(now)
+        self.metrics.gauge("active", len(self.decoder.active))
+        self.metrics.gauge("queued", sum(len(r.waiting) for r in self.requests))
+        if not self.decoder.active:
+            return
+        info = self.decoder.step()
+        self.metrics.count("steps")
+        self.metrics.observe("step_tokens", info.tokens)
+        self.metrics.observe("step_tree_tokens", info.tree_tokens)
+        for job, new in info.emitted:
+            self._emit(job, new)
+        for job in info.finished:
+            self._row_finished(job)
+        self.metrics.gauge("active", len(self.decoder.active))
+
+    def _check(self, request: Request, now: float) -> None:
+        if now - request.checked >= CANCEL_CHECK_SECONDS:
+            request.checked = now
+            if self._safe(request, request.sink.cancelled, default=True):
+                self.metrics.count("cancelled", len(request.rows))
+                self._drop(request)
+                self._safe(request, request.sink.close)
+                return
+        if now >= request.deadline:
+            self.metrics.count("deadline_exceeded")
+            limit = min(r.timeout for r in request.rows)
+            self._fail(request, f"deadline exceeded: the request ran past its {limit:g} s limit (timeout_seconds)",
+                       "deadline")
+        elif request.waiting and not request.active and now - request.arrived > self.max_queue_seconds:
+            self.metrics.count("overloaded", len(request.waiting))
+            self._fail(request, f"overloaded: waited {now - request.arrived:.1f}s for a decoding slot "
+                       f"(max_queue_seconds={self.max_queue_seconds:g}); retry later", "unavailable")
+
+    def _admit(self, now: float) -> None:
+        """Free slots go to the waiting row of the request with the fewest active rows (then the oldest)."""
+        while self.decoder.free:
+            candidates = [r for r in self.requests if r.waiting]
+            if not candidates:
+                return
+            request = min(candidates, key=lambda r: r.active)  # stable: the oldest among equals
+            i = request.waiting.pop(0)
+            self.release(1)
+            self.decoder.add(request.rows[i].job)
+            request.active += 1
+            self.metrics.count("admitted")
+            self.metrics.observe("queue_seconds", now - request.arrived)
+
+    def _emit(self, job: Job, new: list[int]) -> None:
+        request, i = job.tag
+        if request.done:
+            return
+        stream, stops = request.streams[i], request.stops[i]
+        before = len(stream.latest)
+        delta = stream.push(new)
+        end = stops.find(stream.latest, before)
+        if end is not None:  # a stop string in the text: the text ends with it, the row is done
+            delta += stream.finish(end)
+            request.cut[i] = True
+        if delta:
+            self._text(request, i, delta, len(new))
+        if end is not None:
+            if job.finish is None:
+                self.decoder.finish(job, "stop")
+                self._row_finished(job)
+            else:  # the decoder ended it in this same step (length, end-of-sequence): the stop string came first
+                job.finish = "stop"
+
+    def _text(self, request: Request, i: int, delta: str, tokens: int) -> None:
+        if request.first_text is None:
+            request.first_text = time.monotonic()
+            self.metrics.observe("ttft", request.first_text - request.arrived)
+        self._safe(request, lambda: request.sink.text(i, delta, tokens))
+
+    def _row_finished(self, job: Job) -> None:
+        request, i = job.tag
+        if request.done or request.ended[i]:
+            return
+        request.ended[i] = True
+        if job.finish == "error":
+            self.metrics.count("failed")
+            self._fail(request, f"spectrt failed: {job.error}", "internal")
+            return
+        if job.finish == "cancelled":  # ended from outside (a drop): nothing to send
+            return
+        request.active -= 1
+        request.remaining -= 1
+        stream, stats = request.streams[i], job.stats
+        rest = "" if request.cut[i] else stream.finish()
+        if rest:
+            self._text(request, i, rest, 0)
+        accepted = sum(stats.accepted) if stats.proposed else 0
+        self.metrics.count("tokens", len(job.out))
+        self.metrics.count("proposed", stats.proposed)
+        self.metrics.count("accepted", accepted)
+        self.metrics.count("target_passes", stats.target_passes)
+        self.metrics.count("requests")
+        for a in stats.accepted:
+            self.metrics.observe("tau", a + 1)
+        result = RowResult(stream.text, job.finish, len(job.out), stats.proposed, accepted, stats.target_passes,
+                           time.monotonic() - request.arrived)
+        last = request.remaining == 0
+        if last:
+            request.done = True
+            self.requests.remove(request)
+        self._safe(request, lambda: request.sink.row_done(i, result, last))
+
+    # ------------------------------------------------------------------------------------ ending requests
+    def _safe(self, request: Request, call, default=None):
+        """Call into the sink; a sink that raises means its client is gone: end that request only."""
+        try:
+            return call()
+        except Exception:
+            self._drop(request)
+            return default
+
+    def _drop(self, request: Request) -> None:
+        """Stop all work on a request (its rows leave the queue and their slots) without answering it."""
+        if request.waiting:
+            self.release(len(request.waiting))
+            request.waiting = []
+        for row in request.rows:
+            if row.job in self.decoder.active:
+                self.decoder.cancel(row.job)
+        request.active = 0
+        request.done = True
+        if request in self.requests:
+            self.requests.remove(request)
+
+    def _fail(self, request: Request, message: str, code: str) -> None:
+        if request.done:
+            return
+        self._drop(request)
+        try:
+            request.sink.fail(message, code)
+        except Exception:  # the client is gone: nothing left to tell it
+            pass

@@ -1,0 +1,98 @@
+"""Tokens to text while decoding: incremental detokenization and stop strings matched on the text.
+
+`TextStream` decodes only the tokens since its last checkpoint (plus one token of context, so a SentencePiece
+token's leading space survives), never the whole output again: a step costs O(new tokens), not O(output length).
+It holds back what a later token could still change (an incomplete UTF-8 sequence, trailing whitespace that a
+space-cleaning tokenizer removes before punctuation), so the streamed deltas always join to exactly
+`tokenizer.decode(all ids)`; `finish` sends what was held back.
+
+`StopStrings` finds stop strings in the text as it grows (a stop word can appear in the text even when its token
+sequence does not, e.g. "\\n" inside a "\\n\\n" token), looking only at the new text and the few characters before.
+"""
+
+from __future__ import annotations
+
+CHECKPOINT_EVERY = 32  # tokens decoded per window before the window start moves up (keeps each decode short)
+CONTEXT_TOKENS = 8  # tokens kept in the window behind a moved checkpoint
+
+
+class TextStream:
+    """Text deltas for token chunks as they are accepted; the deltas join to `tokenizer.decode(ids)`."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.start = 0  # window start: the text of ids[:start] is final and was sent (`settled`)
+        self.settled = ""
+        self.pending = ""  # text sent beyond `settled`, from the window
+        self.latest = ""  # all text decoded so far, held-back characters included (what stop strings search)
+        self.decodes = 0  # tokens decoded in all (what a step costs; tests check it stays linear)
+
+    @property
+    def text(self) -> str:
+        """Everything sent so far."""
+        return self.settled + self.pending
+
+    def _decode(self, ids: list[int]) -> str:
+        self.decodes += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _window(self, start: int, end: int | None = None) -> str | None:
+        """Text of ids[start:end] as it reads after ids[:start] (one token of context), or None if that token's
+        own text is rewritten by what follows (then only a full decode can say)."""
+        ids = self.ids[start:end]
+        if start == 0:
+            return self._decode(ids)
+        base, text = self._decode(self.ids[start - 1:start]), self._decode(self.ids[start - 1:end])
+        return text[len(base):] if text.startswith(base) else None
+
+    def push(self, new_ids: list[int]) -> str:
+        """Append accepted tokens; return the text that is now certain (may be empty)."""
+        self.ids.extend(new_ids)
+        tail = self._window(self.start)
+        if tail is None:  # rare: re-anchor on a full decode
+            full = self._decode(self.ids)
+            if not full.startswith(self.settled):
+                return ""
+            tail = full[len(self.settled):]
+        self.latest = self.settled + tail
+        certain = tail.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD until its last byte
+        certain = certain[:len(certain.rstrip())]  # trailing whitespace: a following "." may remove it
+        if not certain.startswith(self.pending) or len(certain) <= len(self.pending):
+            return ""
+        delta, self.pending = certain[len(self.pending):], certain
+        if len(self.ids) - self.start > CHECKPOINT_EVERY:
+            self._checkpoint()
+        return delta
+
+    def _checkpoint(self) -> None:
+        """Move the window start up to CONTEXT_TOKENS behind the end, if the text before it is what was sent."""
+        at = len(self.ids) - CONTEXT_TOKENS
+        head = self._window(self.start, at)
+        if head is not None and self.pending.startswith(head) and not head.endswith((" ", "\n", "\ufffd")):
+            self.settled += head
+            self.pending = self.pending[len(head):]
+            self.start = at
+
+    def finish(self, end: int | None = None) -> str:
+        """The rest of the text once no token will follow (after it, `text == tokenizer.decode(ids)`), or up to
+        `end` of `latest` when a stop string ends there."""
+        full = self._decode(self.ids) if end is None else self.latest[:end]
+        sent = self.text
+        if not full.startswith(sent):  # cannot happen with held-back whitespace; never send text twice
+            return ""
+        self.settled, self.pending = full, ""
+        return full[len(sent):]
+
+
+class StopStrings:
+    """Stop strings over a growing text: `find(text, new_from)` -> end of the earliest match in the new part."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+
+    def find(self, text: str, new_from: int) -> int | None:
+        """The smallest end index of a stop string that ends at or after `new_from` (the match is kept: the text is
+        cut after it), or None."""
+        ends = [i + len(s) for s in self.stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+        return min(ends) if ends else None

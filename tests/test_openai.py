@@ -1,0 +1,484 @@
+"""The OpenAI-compatible endpoint: its request/response rules on small dicts, then end to end with the real
+tritonserver and the real `openai` Python client.
+
+One server for the module (one instance batching up to 2 requests, queue of 1, the 4-layer slice as draft with tree
+2,1, a short context and max_tokens limit) with the frontend on a free port; the finalizer stops it and checks that
+no process is left. Two more launches check the supervisor's guarantees for the frontend (`spectrt serve
+--openai-port 0` killed outright; the frontend dying). No wall-clock thresholds: texts, counters, metrics, states.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from spectrt.runtime.client import GrpcSession
+from spectrt.runtime.openai_api import (
+    Limits,
+    StopText,
+    bad,
+    chat_messages,
+    parse_chat,
+    parse_completion,
+    speculative_metrics,
+    upstream_error,
+)
+from spectrt.runtime.serve import SHM_DIR, TritonServer, free_port
+
+TREE = "2,1"
+LIMIT = 48
+TIMEOUT = 180.0
+MAX_ACTIVE = 2
+MAX_QUEUE = 1
+LIMITS = Limits(max_tokens=LIMIT, default_max_tokens=16, max_seq_len=256)
+CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name three colors."}]
+
+
+# --------------------------------------------------------------------------- rules (no server)
+
+
+def _chat(**body):
+    return parse_chat({"model": "spectrt", "messages": CHAT, **body}, "spectrt", LIMITS, lambda m: json.dumps(m))
+
+
+def test_stop_text_holds_back_what_may_begin_a_stop_string():
+    stop = StopText(["END", "\n\n"])
+    sent = [stop.feed(d) for d in ("Hello E", "N", "xt wor", "ld\n", "\nmore")]
+    assert sent == ["Hello ", "", "ENxt wor", "ld", ""] and stop.stopped
+    assert "".join(sent) == "Hello ENxt world"
+    stop = StopText(["abab"])
+    assert [stop.feed(d) for d in ("xab", "a", "b tail")] == ["x", "", ""] and stop.stopped
+    stop = StopText(["zz"])
+    assert stop.feed("abz") == "ab" and not stop.stopped and stop.flush() == "z"
+    earliest = StopText(["world", "lo"])
+    assert earliest.feed("hello world") == "hel"
+    assert StopText([]).feed("anything") == "anything"
+
+
+def test_chat_fields_become_model_inputs():
+    call = _chat(max_completion_tokens=20, temperature=0.5, top_p=0.9, top_k=-1, seed=-1, stop="\n",
+                 stream=True, stream_options={"include_usage": True}, ignore_eos=True, tree="none",
+                 user="u1", metadata={"k": "v"}, logit_bias={}, n=1, presence_penalty=0.0, logprobs=False,
+                 tool_choice="none", response_format={"type": "text"}, frequency_penalty=None)
+    assert call.kind == "chat" and call.stream and call.include_usage and call.stop == ["\n"]
+    assert call.fields == {"max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "tree": "none", "top_k": 0,
+                           "seed": (1 << 64) - 1, "min_length": 20, "stop_words": ["\n"],
+                           "text_input": json.dumps(CHAT), "apply_chat_template": False}
+    assert _chat().fields["max_tokens"] == LIMITS.default_max_tokens and not _chat().stream
+    assert _chat(min_tokens=5).fields["min_length"] == 5
+    assert chat_messages({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                          {"type": "text", "text": "b"}]},
+                                       {"role": "assistant", "content": "c", "refusal": None}]}) == [
+        {"role": "system", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+
+
+def test_completion_prompt_is_sent_as_is():
+    call = parse_completion({"model": "spectrt", "prompt": ["Once upon"], "max_tokens": 4, "echo": False},
+                            "spectrt", LIMITS)
+    assert call.kind == "text" and call.fields == {"max_tokens": 4, "text_input": "Once upon",
+                                                   "apply_chat_template": False}
+
+
+REFUSED = [
+    ({"messages": "hi"}, "messages must be a non-empty list"),
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "role must be one of"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "tool_calls is not"),
+    ({"model": "gpt-4o"}, "the model `gpt-4o` does not exist"),
+    ({"model": None}, "model is required"),
+    ({"max_tokens": 0}, r"max_tokens must be in \[1, 48\]"),
+    ({"max_tokens": LIMIT + 1}, r"max_tokens must be in \[1, 48\].*got 49"),
+    ({"max_tokens": 8.5}, "max_tokens must be an integer"),
+    ({"temperature": 2.5}, r"temperature must be in \[0, 2\]"),
+    ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ({"n": 2}, "n=2 is not supported"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias=.* is not supported"),
+    ({"logprobs": True}, "logprobs=true is not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools=.* is not supported"),
+    ({"stop": ["a"] * 17}, "more than 16"),
+    ({"stop": [""]}, "each stop string"),
+    ({"stop": 3}, "stop must be a string"),
+    ({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "include_usage"),
+    ({"min_tokens": LIMIT + 1, "max_tokens": LIMIT}, r"min_tokens must be in \[0, 48\]"),
+    ({"frobnicate": 1}, "unrecognized request argument: frobnicate"),
+]
+
+
+@pytest.mark.parametrize("body, message", REFUSED, ids=[m for _, m in REFUSED])
+def test_bad_chat_bodies_are_refused_with_a_reason(body, message):
+    with pytest.raises(type(bad(""))) as refused:
+        _chat(**body)
+    assert refused.value.status == 400 and re.search(message, refused.value.message), refused.value.message
+    error = refused.value.body()["error"]
+    assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+
+
+def test_completion_bodies_refused():
+    for body, message in (({"prompt": [1, 2, 3]}, "token-id prompts"), ({"prompt": ["a", "b"]}, "batches"),
+                          ({"prompt": "  "}, "non-empty"), ({"prompt": "x", "echo": True}, "echo=true"),
+                          ({"prompt": "x", "messages": []}, "unrecognized request argument: messages")):
+        with pytest.raises(type(bad(""))) as refused:
+            parse_completion({"model": "spectrt", **body}, "spectrt", LIMITS)
+        assert message in refused.value.message
+
+
+def test_speculative_metrics_and_upstream_errors():
+    perf = {"target_passes": 10, "total_accepted_draft_tokens": 8, "total_draft_tokens": 40, "output_tokens": 18}
+    assert speculative_metrics(perf) == {"mean_acceptance_length": 1.8, "draft_acceptance_rate": 0.2,
+                                         "num_spec_steps": 10, "num_accepted_draft_tokens": 8,
+                                         "num_draft_tokens": 40}
+    assert speculative_metrics({}) is None
+    assert upstream_error("overloaded: 64 requests are already queued").status == 503
+    assert upstream_error("spectrt failed: boom").status == 500
+    assert upstream_error("the server is stopping: retry on another instance").status == 503
+    assert upstream_error("deadline exceeded: the request ran past its 5 s limit (timeout_seconds)").status == 504
+    assert upstream_error("tree '2,x' is malformed").status == 400
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def server(target_dir, draft_dir):
+    params = {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": 256,
+              "max_tokens_limit": LIMIT, "default_max_tokens": 16, "threads": 1, "measure_kernels": "false",
+              "max_active": MAX_ACTIVE, "max_queue_size": MAX_QUEUE}
+    srv = TritonServer(params, instances=1, ready_timeout=300, openai_port=0)
+    srv.start()
+    pids = (srv.pid, srv.openai_pid)
+    yield srv
+    srv.stop()
+    assert all(_state(pid) is None for pid in pids), "tritonserver or the frontend is still running"
+    assert _port_free(srv.openai_host, srv.openai_port) and not srv.run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.openai_url, api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+def _stream_chat(client, **kwargs) -> tuple[str, list, dict]:
+    """(joined deltas, finish reasons, the usage chunk as a dict) of one streamed chat completion."""
+    parts, reasons, last = [], [], {}
+    for chunk in client.chat.completions.create(model="spectrt", stream=True, stream_options={"include_usage": True},
+                                                **kwargs):
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+        if not chunk.choices:
+            last = chunk.model_dump()
+    return "".join(parts), reasons, last
+
+
+def test_models_endpoint(client):
+    assert [m.id for m in client.models.list().data] == ["spectrt"]
+    assert client.models.retrieve("spectrt").owned_by == "spectrt"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_greedy_chat_streamed_equals_full_equals_grpc(server, client, tokenizer):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT)
+    text, reasons, last = _stream_chat(client, messages=messages, max_tokens=LIMIT)
+    with GrpcSession(server.grpc_url) as session:  # the model applies the same chat template to a bare prompt
+        grpc = session.generate("Name three colors.", LIMIT, stream=True, timeout=TIMEOUT)
+    content = full.choices[0].message.content
+    assert content and text == content == grpc.text
+    assert full.choices[0].finish_reason == "stop" and reasons == ["stop"]  # ended before max_tokens
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids
+    usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": grpc.tokens,
+             "total_tokens": len(prompt_ids) + grpc.tokens}
+    assert grpc.tokens == len(tokenizer.encode(content, add_special_tokens=False))
+    assert full.usage.model_dump(include=set(usage)) == usage and {k: last["usage"][k] for k in usage} == usage
+    spec = {"num_spec_steps": grpc.perf["target_passes"], "num_draft_tokens": grpc.perf["total_draft_tokens"],
+            "num_accepted_draft_tokens": grpc.perf["total_accepted_draft_tokens"]}
+    for metrics in (full.model_dump()["metrics"]["speculative_decoding"], last["metrics"]["speculative_decoding"]):
+        assert {k: metrics[k] for k in spec} == spec and spec["num_draft_tokens"] == 4 * spec["num_spec_steps"]
+        assert metrics["mean_acceptance_length"] == pytest.approx(
+            1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"])
+
+
+def test_finish_reason_length_and_multi_turn(client, tokenizer):
+    full = client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=5)
+    text, reasons, last = _stream_chat(client, messages=CHAT, max_tokens=5)
+    assert full.choices[0].finish_reason == "length" and reasons == ["length"]
+    assert text == full.choices[0].message.content and full.usage.completion_tokens == 5 == last["usage"][
+        "completion_tokens"]
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    assert full.usage.prompt_tokens == len(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+
+
+def test_stop_strings_end_the_text(client):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    whole = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT)
+    content = whole.choices[0].message.content
+    words = content.split()
+    # a newline (a token of its own: the model can stop on it itself) and a piece inside a word's token (only the
+    # frontend's text matching can see it: the model goes on and is cancelled)
+    for stop in ("\n" if "\n" in content else words[1], words[-1][1:3]):
+        want = content[:content.index(stop)]
+        full = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT, stop=[stop])
+        text, reasons, last = _stream_chat(client, messages=messages, max_tokens=LIMIT, stop=stop)
+        assert full.choices[0].message.content == want == text, stop
+        assert full.choices[0].finish_reason == "stop" and reasons == ["stop"]
+        assert 0 < full.usage.completion_tokens <= whole.usage.completion_tokens
+
+
+def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer):
+    prompt = "The three primary colors are"
+    full = client.completions.create(model="spectrt", prompt=prompt, max_tokens=12)
+    parts, reasons, usage = [], [], None
+    for chunk in client.completions.create(model="spectrt", prompt=prompt, max_tokens=12, stream=True,
+                                           stream_options={"include_usage": True}):
+        parts += [c.text for c in chunk.choices]
+        reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        usage = chunk.usage or usage
+    with GrpcSession(server.grpc_url) as session:
+        grpc = session.generate(prompt, 12, stream=True, timeout=TIMEOUT, chat=False)
+    assert full.choices[0].text == "".join(parts) == grpc.text and full.object == "text_completion"
+    assert full.choices[0].finish_reason == reasons[0] == ("length" if grpc.tokens == 12 else "stop")
+    assert full.usage.prompt_tokens == usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert full.usage.completion_tokens == usage.completion_tokens == grpc.tokens
+
+
+def _post(server, path: str, body: bytes | str) -> tuple[int, dict]:
+    host, port = server.openai_host, server.openai_port
+    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+BAD_HTTP = [
+    ("malformed JSON", "/v1/chat/completions", '{"model": "spectrt", "messages": [', "not valid JSON"),
+    ("not an object", "/v1/chat/completions", "[1, 2]", "must be a JSON object"),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hello"}, "messages must be a non-empty list"),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-4o"}, "does not exist"),
+    ("max_tokens out of range", "/v1/chat/completions", {"max_tokens": 100000}, r"max_tokens must be in \[1, 48\]"),
+    ("refused by the model", "/v1/chat/completions", {"tree": "2,x"}, "malformed"),
+    ("completions without a prompt", "/v1/completions", {"messages": None}, "prompt must be"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, message", BAD_HTTP, ids=[b[0] for b in BAD_HTTP])
+def test_bad_request_gets_400_and_the_server_keeps_serving(server, client, name, path, body, message):
+    if isinstance(body, dict):
+        body = json.dumps({"model": "spectrt", "messages": [{"role": "user", "content": "Hi"}], **body})
+    status, answer = _post(server, path, body)
+    assert status == 400, answer
+    assert set(answer["error"]) == {"message", "type", "param", "code"} and re.search(message,
+                                                                                        answer["error"]["message"])
+    assert client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2).choices[0].message.content
+
+
+def test_unknown_route_and_method_are_error_objects(server):
+    for method, path, status in (("GET", "/v1/embeddings", 404), ("GET", "/v1/chat/completions", 405)):
+        conn = http.client.HTTPConnection(server.openai_host, server.openai_port, timeout=TIMEOUT)
+        conn.request(method, path)
+        response = conn.getresponse()
+        assert response.status == status and "message" in json.loads(response.read())["error"]
+        conn.close()
+
+
+def _scrape(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(spectrt_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m and "_bucket" not in m.group(1):
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout}s (a hang guard)"
+        time.sleep(0.05)
+
+
+def _active(server) -> float:
+    return _scrape(server).get("spectrt_active_requests", 0.0)
+
+
+def _open(server, body: dict, path: str = "/v1/chat/completions") -> socket.socket:
+    """Send a request on a raw socket (so the test can drop the connection whenever it likes)."""
+    sock = socket.create_connection((server.openai_host, server.openai_port), timeout=TIMEOUT)
+    data = json.dumps({"model": "spectrt", "messages": [{"role": "user", "content": "Count from one to fifty."}],
+                       **body}).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_frees_its_slot(server, stream):
+    """A client that goes away mid-generation: its request is cancelled upstream (not completed), its slot freed."""
+    _wait_for(lambda: _active(server) == 0)
+    before = _scrape(server)
+    sock = _open(server, {"max_tokens": LIMIT, "stream": stream, "min_tokens": LIMIT, "tree": "none"})
+    try:
+        if stream:
+            received = b""
+            while b"data: {" not in received:  # the stream has begun
+                received += sock.recv(65536)
+        _wait_for(lambda: _active(server) == 1)
+    finally:
+        sock.close()
+    _wait_for(lambda: _active(server) == 0)
+    after = _scrape(server)
+    assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
+    assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
+    assert after["spectrt_tokens_generated_total"] == before["spectrt_tokens_generated_total"]
+
+
+def test_overloaded_is_503_and_clears(server, client):
+    """Every slot and the queue taken: the next request gets 503 (overloaded) with Retry-After; afterwards the
+    server serves again."""
+    _wait_for(lambda: _active(server) == 0)
+    busy = [_open(server, {"max_tokens": LIMIT, "min_tokens": LIMIT, "stream": True, "tree": "none"})
+            for _ in range(MAX_ACTIVE)]
+    try:
+        _wait_for(lambda: _active(server) == MAX_ACTIVE)
+        busy.append(_open(server, {"max_tokens": LIMIT, "stream": True}))
+        _wait_for(lambda: _scrape(server).get("spectrt_queued_requests") == MAX_QUEUE)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2)
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"] == "1"
+        assert "overloaded" in str(refused.value) and refused.value.code == "overloaded"
+    finally:
+        for sock in busy:
+            sock.close()
+    _wait_for(lambda: _active(server) == 0 and _scrape(server).get("spectrt_queued_requests") == 0)
+    assert client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2).choices[0].message.content
+
+
+def test_deadline_is_504_and_cancels_upstream(server, target_dir):
+    """A frontend run on its own (python -m ...) with a 50 ms deadline against the module's Triton: 48 tokens
+    cannot arrive in time, so the answer is 504 deadline_exceeded and the request is cancelled upstream."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={server.grpc_url}",
+                             f"--tokenizer={target_dir}", f"--port={port}", "--timeout=0.05"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _health(port) == 200 or proc.poll() is not None, TIMEOUT)
+        assert proc.poll() is None, proc.stderr.read()
+        before = _scrape(server)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "spectrt", "messages": CHAT, "max_tokens": LIMIT, "min_tokens": LIMIT}))
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        conn.close()
+        assert response.status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
+        _wait_for(lambda: _active(server) == 0)
+        assert _scrape(server)["spectrt_requests_total"] == before["spectrt_requests_total"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, "the frontend did not stop cleanly on SIGTERM"
+
+
+def _health(port: int) -> int:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+# --------------------------------------------------------------------------- lifecycle under the supervisor
+
+
+def _state(pid: int | None) -> str | None:
+    """The process state letter, None once it is gone (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, TypeError):
+        return None
+    state = stat.rpartition(")")[2].split()[0]
+    return None if state in "ZX" else state
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _launch() -> tuple[subprocess.Popen, dict]:
+    cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--threads", "1", "--max-seq-len", "128",
+           "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+           "--openai-port", "0", "--ready-timeout", "300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, deadline = "", time.monotonic() + 360
+    while "ready:" not in out:
+        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+            proc.kill()
+            pytest.fail(f"spectrt serve printed no 'ready:' line:\n{out}")
+        data = os.read(proc.stdout.fileno(), 65536)
+        if not data:
+            pytest.fail(f"spectrt serve exited ({proc.wait()}):\n{out}\n{proc.stderr.read()}")
+        out += data.decode()
+    info = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    assert f"OpenAI {info['openai']}" in out  # the URL a user copies
+    return proc, info
+
+
+def _assert_all_gone(info: dict) -> None:
+    _wait_for(lambda: _state(info["supervisor_pid"]) is None and not Path(info["run_dir"]).exists(), 120)
+    for name in ("pid", "openai_pid", "supervisor_pid"):
+        assert _state(info[name]) is None, f"{name} {info[name]} is still running"
+    assert not list(SHM_DIR.glob(info["shm_prefix"] + "*")), "shared-memory regions left in /dev/shm"
+    host, port = info["openai"].removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    assert _port_free(host, int(port)), "the OpenAI port is still open"
+
+
+def test_killed_launcher_takes_the_frontend_down():
+    """SIGKILL of `spectrt serve --openai-port 0`: its supervisor stops the frontend and the server."""
+    proc, info = _launch()
+    assert _health(int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))) == 200
+    proc.kill()
+    proc.wait(timeout=60)
+    _assert_all_gone(info)
+
+
+def test_frontend_that_dies_takes_the_deployment_down():
+    """The deployment is up as a whole or not at all: a killed frontend stops the server; the launcher exits 1."""
+    proc, info = _launch()
+    os.kill(info["openai_pid"], signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    assert "tritonserver exited" in proc.stderr.read()
+    _assert_all_gone(info)

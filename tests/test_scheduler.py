@@ -1,0 +1,278 @@
+"""The serving scheduler in process (no tritonserver): exactly one final response per request whatever happens,
+failure isolation, deadlines, cancellation, fairness, overload, drain, text stop strings; asserted on counters and
+state, never on the clock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from spectrt.runtime.decoder import AUTO, Decoder
+from spectrt.runtime.policy import Policy
+from spectrt.runtime.requests import Limits, RequestError, make_row
+from spectrt.runtime.scheduler import CounterMetrics, Overloaded, Request, Scheduler
+
+FLAT = Policy(budget=6, depth=2, width=2, verify_ms=((1, 1.0), (64, 1.0)), draft_ms=((1, 1e-6),))
+
+
+class Sink:
+    """Records every response; `events` in order, `finals` counts final responses (must end at exactly 1)."""
+
+    def __init__(self, rows: int = 1, gone: bool = False):
+        self.events, self.finals, self.gone, self.rows = [], 0, gone, rows
+        self.texts = [""] * rows
+        self.done = threading.Event()
+
+    def cancelled(self) -> bool:
+        return self.gone
+
+    def text(self, row, delta, tokens):
+        self.events.append(("text", row, delta))
+        self.texts[row] += delta
+
+    def row_done(self, row, result, last):
+        self.events.append(("row", row, result))
+        if last:
+            self._final()
+
+    def fail(self, message, code):
+        self.events.append(("fail", code, message))
+        self._final()
+
+    def close(self):
+        self.events.append(("close",))
+        self._final()
+
+    def _final(self):
+        self.finals += 1
+        self.done.set()
+
+    def result(self, row=0):
+        return next(e[2] for e in self.events if e[0] == "row" and e[1] == row)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="module")
+def encode(tokenizer):
+    def encode(prompt: str, chat: bool = True) -> list[int]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"] if chat else \
+            tokenizer.encode(prompt)
+        return list(ids)
+    return encode
+
+
+def _row(encode, tokenizer, limits=None, **fields):
+    fields = {"text_input": b"Name three colors.", **fields}
+    return make_row(fields, limits or Limits(), encode, lambda w: tokenizer.encode(w, add_special_tokens=False))
+
+
+def _scheduler(target, draft, tokenizer, max_active=2, **kw) -> Scheduler:
+    decoder = Decoder(target, draft, {tokenizer.eos_token_id}, max_seq_len=256, max_active=max_active, policy=FLAT)
+    return Scheduler(decoder, tokenizer, CounterMetrics(), **kw)
+
+
+def _drive(scheduler: Scheduler, sinks, limit=2000):
+    """Tick in this thread until every sink got its final response."""
+    for _ in range(limit):
+        if all(s.finals for s in sinks):
+            return
+        scheduler.tick()
+    raise AssertionError("requests did not finish")
+
+
+def _submit(scheduler, rows, sink):
+    scheduler.reserve(len(rows))
+    scheduler.submit(Request(rows, sink))
+
+
+def test_streamed_text_equals_the_tokens_and_every_request_ends_once(target, draft, tokenizer, encode):
+    sched = _scheduler(target, draft, tokenizer, max_active=2)
+    sinks = [Sink(), Sink(2), Sink()]
+    rows = [[_row(encode, tokenizer, max_tokens=24, tree=b"auto")],
+            [_row(encode, tokenizer, text_input=b"Write a haiku about rain.", max_tokens=16),
+             _row(encode, tokenizer, text_input=b"What is 2+2?", max_tokens=12, tree=b"none")],
+            [_row(encode, tokenizer, text_input=b"Count from one to five.", max_tokens=20, tree=b"2,1")]]
+    for r, s in zip(rows, sinks, strict=True):
+        _submit(sched, r, s)
+    _drive(sched, sinks)
+    assert [s.finals for s in sinks] == [1, 1, 1]
+    for r, s in zip(rows, sinks, strict=True):
+        for i, row in enumerate(r):
+            result = s.result(i)
+            assert s.texts[i] == result.text == tokenizer.decode(row.job.out, skip_special_tokens=True)
+            assert result.output_tokens == len(row.job.out) and result.finish_reason in ("stop", "length")
+    assert sched.metrics.counts["requests"] == 4 and sched.reserved == 0
+    assert not sched.decoder.active and len(sched.decoder.free) == 2
+
+
+def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, tokenizer, encode, monkeypatch):
+    """One job's forward raises: its request ends with one error response; the other requests get their normal
+    final responses; the scheduler keeps serving and answers the same request the same way afterwards."""
+    sched = _scheduler(target, draft, tokenizer, max_active=3)
+    good, short, bad = (_row(encode, tokenizer, max_tokens=12), _row(encode, tokenizer, max_tokens=1),
+                        _row(encode, tokenizer, text_input=b"Say something.", max_tokens=12))
+    sinks = [Sink(), Sink(), Sink()]
+    for row, sink in zip((good, short, bad), sinks, strict=True):
+        _submit(sched, [row], sink)
+    real = target.forward_many
+    poisoned = []
+
+    def forward_many(segments):
+        if any(s[3] is sched.decoder.target_caches[bad.job.slot] for s in segments) and bad.job.out:
+            poisoned.append(True)
+            raise RuntimeError("a broken row")
+        return real(segments)
+
+    monkeypatch.setattr(target, "forward_many", forward_many)
+    _drive(sched, sinks)
+    assert poisoned and [s.finals for s in sinks] == [1, 1, 1]
+    assert sinks[2].events[-1][:2] == ("fail", "internal") and "a broken row" in sinks[2].events[-1][2]
+    assert sinks[0].result().finish_reason in ("stop", "length") and sinks[1].result().output_tokens == 1
+    assert sched.metrics.counts["failed"] == 1
+    monkeypatch.setattr(target, "forward_many", real)
+    again = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=12)], again)
+    _drive(sched, [again])
+    assert again.result().text == sinks[0].result().text  # the same request, the same answer afterwards
+
+
+def test_cancelled_and_expired_requests_free_their_slots(target, draft, tokenizer, encode):
+    sched = _scheduler(target, draft, tokenizer, max_active=1)
+    long = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=200, min_length=200, timeout_seconds=60.0)], long)
+    sched.tick()
+    sched.tick()
+    long.gone = True  # the client went away mid-stream
+    sched.requests[0].checked = 0.0  # due for its next cancellation check (no waiting on the clock)
+    sched.tick()
+    assert long.finals == 1 and long.events[-1] == ("close",) and len(sched.decoder.free) == 1
+    expiring = Sink()
+    row = _row(encode, tokenizer, max_tokens=200, min_length=200, timeout_seconds=60.0)
+    _submit(sched, [row], expiring)
+    sched.tick()
+    sched.requests[0].arrived -= 61  # its deadline passed (no waiting on the clock)
+    sched.tick()
+    assert expiring.finals == 1 and expiring.events[-1][:2] == ("fail", "deadline")
+    assert len(sched.decoder.free) == 1 and sched.metrics.counts["deadline_exceeded"] == 1
+    assert sched.metrics.counts["cancelled"] == 1
+
+
+def test_fair_admission_and_overload(target, draft, tokenizer, encode):
+    """A 4-row request and a 1-row request arriving after it share 2 slots: the single row is admitted before the
+    big request's second row. A full queue refuses before any parsing."""
+    sched = _scheduler(target, draft, tokenizer, max_active=2, max_queue=5)
+    big, small = Sink(4), Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=8) for _ in range(4)], big)
+    _submit(sched, [_row(encode, tokenizer, max_tokens=8)], small)
+    sched.tick()
+    assert {req.sink for req in sched.requests if req.active} == {big, small}
+    with pytest.raises(Overloaded, match="max_queue_size=5"):
+        sched.reserve(3)
+    _drive(sched, [big, small])
+    assert big.finals == small.finals == 1 and sched.metrics.counts["overloaded"] == 3
+
+
+def test_text_stop_string_ends_the_row_where_tokens_do_not_match(target, draft, tokenizer, encode):
+    """A stop string found in the detokenized text (here: the answer's own second word) ends the row there, with the
+    stop string included, whether or not its tokens appear as such."""
+    sched = _scheduler(target, draft, tokenizer, max_active=1)
+    free = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=24)], free)
+    _drive(sched, [free])
+    text = free.result().text
+    stop = next(w for w in text.split()[1:] if len(w) >= 4 and w.isalpha())[1:]
+    stopped = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=24, stop_words=[stop.encode()])], stopped)
+    _drive(sched, [stopped])
+    cut = text[:text.index(stop) + len(stop)]
+    assert stopped.result().text == cut == stopped.texts[0] and stopped.result().finish_reason == "stop"
+
+
+def test_drain_finishes_or_ends_in_flight_requests_and_refuses_new_ones(target, draft, tokenizer, encode):
+    sched = _scheduler(target, draft, tokenizer, max_active=2)
+    sched.start()
+    quick, endless = Sink(), Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=4)], quick)
+    _submit(sched, [_row(encode, tokenizer, max_tokens=1000, min_length=1000)], endless)
+    assert quick.done.wait(60)
+    sched.stop(drain_seconds=0.5)
+    assert not sched.alive and quick.finals == endless.finals == 1
+    assert endless.events[-1][:2] == ("fail", "unavailable") and "stopping" in endless.events[-1][2]
+    with pytest.raises(Overloaded, match="stopping"):
+        sched.reserve(1)
+
+
+def test_a_dead_scheduler_thread_is_restarted_and_its_requests_answered(target, draft, tokenizer, encode,
+                                                                       monkeypatch):
+    sched = _scheduler(target, draft, tokenizer, max_active=1)
+    orphan = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=8)], orphan)
+    sched.tick()  # taken in and admitted, then the thread "dies" (start was never called: simulate a dead one)
+    sched.thread = threading.Thread(target=lambda: None)
+    sched.thread.start()
+    sched.thread.join()
+    sched.start()
+    assert sched.alive and sched.restarts == 1 and orphan.finals == 1 and orphan.events[-1][1] == "internal"
+    fresh = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=4)], fresh)
+    assert fresh.done.wait(60) and fresh.finals == 1
+    sched.stop()
+
+
+def test_validator_refuses_costly_inputs_before_any_work(tokenizer, encode):
+    """A 1 MB tree string and a 10,000-entry word list are refused before anything is decoded or tokenized (the
+    tokenizer is never called); token ids past the vocabulary are refused by the decoder's check."""
+    calls = []
+
+    def counting(prompt, chat=True):
+        calls.append(prompt)
+        return encode(prompt, chat)
+
+    def word(w):
+        calls.append(w)
+        return tokenizer.encode(w, add_special_tokens=False)
+
+    limits = Limits()
+    with pytest.raises(RequestError, match="tree is 1048576 bytes long"):
+        make_row({"text_input": b"hi", "tree": b"1," * (1 << 19)}, limits, counting, word)
+    with pytest.raises(RequestError, match="10000 words, more than 64"):
+        make_row({"text_input": b"hi", "stop_words": [b"x"] * 10_000}, limits, counting, word)
+    with pytest.raises(RequestError, match="longer than 32 tokens"):
+        make_row({"text_input": b"hi", "bad_words": [b"y" * 100_000]}, limits, counting, word)
+    with pytest.raises(RequestError, match="more than the context"):
+        make_row({"text_input": b"z" * (limits.max_prompt_bytes + 1)}, limits, counting, word)
+    assert calls == []
+    row = make_row({"text_input": b"hi", "stop_words": [b"\n", b" "], "tree": b"2,1"}, limits, counting, word)
+    assert row.stop_strings == ["\n", " "] and row.job.stop_words == [tokenizer.encode("\n", add_special_tokens=False),
+                                                                       tokenizer.encode(" ", add_special_tokens=False)]
+    decoder = Decoder(_Vocab(10), None, {2})
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        decoder.check(row.job)
+
+
+class _Vocab:
+    """An engine that only has a vocabulary size (the check runs before any forward)."""
+
+    def __init__(self, vocab):
+        from spectrt.runtime.model import ModelConfig
+
+        self.config = ModelConfig(vocab, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, True)
+
+    def new_caches(self, slots, capacity, window):
+        from spectrt.runtime.model import KVCache
+
+        return KVCache.pool(self.config, slots, capacity, window, torch.float32)
+
+
+def test_auto_tree_falls_back_to_the_target_alone_without_speculation(tokenizer, encode):
+    limits = Limits(speculation=False)
+    assert _row(encode, tokenizer, limits, tree=b"auto").job.tree is None
+    assert _row(encode, tokenizer, Limits(), tree=b"auto").job.tree == AUTO

@@ -1,0 +1,57 @@
+"""Incremental detokenization and text stop strings (pure, on the real tokenizer and a space-cleaning variant)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from spectrt.runtime.text import StopStrings, TextStream
+
+SAMPLES = ["Hello , world ! It 's a test . Don't stop : 3.5 % of cafés ( naïve ) – 日本語 ? Yes .",
+           "def f(x):\n    return x ** 2  # squares\n\n\nprint(f(3)) ; end",
+           "  leading spaces , and trailing   ", "emoji 🎉🎉 and ' quotes ' n't ' ve"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "cleanup"])
+def tokenizer(request, target_dir):
+    from transformers import AutoTokenizer
+
+    # clean_up_tokenization_spaces=True: " ." -> ".", " 's" -> "'s" ... (Llama-3-style tokenizers): decoding a
+    # window can differ from decoding the whole text, which naive length-based deltas get wrong
+    return AutoTokenizer.from_pretrained(target_dir, clean_up_tokenization_spaces=request.param)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streamed_deltas_join_to_the_full_decode(tokenizer, seed):
+    rng = random.Random(seed)
+    for text in SAMPLES:
+        ids = tokenizer.encode(text, add_special_tokens=False) * 3
+        stream, sent, i = TextStream(tokenizer), "", 0
+        while i < len(ids):
+            k = rng.randint(1, 5)
+            sent += stream.push(ids[i:i + k])
+            i += k
+            assert tokenizer.decode(ids[:i], skip_special_tokens=True).startswith(sent)  # never text to take back
+        sent += stream.finish()
+        assert sent == stream.text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_decoding_cost_stays_linear_in_the_output(tokenizer):
+    """Each push decodes the tokens since the last checkpoint, never the whole output: 2,000 tokens one at a time
+    decode far fewer than the ~2 million tokens whole-text re-decoding would."""
+    ids = tokenizer.encode(" ".join(SAMPLES) * 20, add_special_tokens=False)[:2000]
+    stream = TextStream(tokenizer)
+    for t in ids:
+        stream.push([t])
+    stream.finish()
+    assert stream.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert stream.decodes < 60 * len(ids)
+
+
+def test_stop_strings_find_the_earliest_match_in_new_text():
+    stops = StopStrings(["\n", "END", ""])
+    assert stops.find("abc", 0) is None
+    assert stops.find("ab\ncd\n", 0) == 3
+    assert stops.find("abcEN", 3) is None and stops.find("abcEND more", 5) == 6  # a match across two pushes
+    assert stops.find("x\nyEND", 2) == 6  # the old newline was already seen: only new matches count
+    assert StopStrings([]).find("anything", 0) is None
