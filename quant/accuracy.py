@@ -95,7 +95,7 @@ def accuracy_report(target: Path, quantized: Path, gate: float = GATE_TOP1, prog
                     log: Callable[[str], None] = print, records: list[dict] | None = None, dtype: str = "fp32") -> dict:
     """The gates of `quantized` (run in `dtype`) against the fp32 `target` on `records` (default: held-out)."""
     records = records if records is not None else heldout_records(target, progress)
-    fp, q = load_engine(Path(target)), load_engine(Path(quantized), dtype=dtype)
+    fp, q = load_engine(Path(target), dtype="fp32"), load_engine(Path(quantized), dtype=dtype)
     report = {"target": str(target), "quantized": str(quantized), "dtype": dtype,
               **engine_agreement(fp, q, records, gate, progress)}
     message = gate_message(report)

@@ -34,14 +34,14 @@ def search_recipes(target: Path, names: list[str] | None = None, out: Path = Pat
 
     names = names or list(RECIPES)
     records = records if records is not None else heldout_records(target, progress)
-    fp = load_engine(Path(target))
+    fp = load_engine(Path(target), dtype="fp32")  # the reference; INT8 checkpoints run fp32 around their GEMMs
     fp_ms = verify_curve(fp)
     rows = []
     for name in names:
         recipe = RECIPES[name]
         checkpoint = quantize_target(target, default_output(target, name), name, progress=progress, log=log,
                                      records=records, **quantize_args)
-        engine = load_engine(checkpoint)
+        engine = load_engine(checkpoint, dtype="fp32")
         report = checkpoint / REPORT_FILE  # quantize's gates, unless computed on other positions
         accuracy = json.loads(report.read_text()) if report.is_file() else {}
         if accuracy.get("heldout_fingerprint") != records_fingerprint(records) or accuracy.get("gate_top1") != gate:
