@@ -92,8 +92,8 @@ $(TUNED_BF16): | draft
 
 artifacts/policy-smollm2-135m-instruct-%-smollm2-135m-instruct-draft-fp32.json: | draft  # an INT8 target's policy
 	$(BIN)/spectrt quantize --qformat $*
-	$(BIN)/spectrt profile --target artifacts/smollm2-135m-instruct-$* --repeats 5
-	$(BIN)/spectrt tune --target artifacts/smollm2-135m-instruct-$*
+	$(BIN)/spectrt profile --target artifacts/smollm2-135m-instruct-$* --dtype fp32 --repeats 5
+	$(BIN)/spectrt tune --target artifacts/smollm2-135m-instruct-$* --dtype fp32
 
 compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/
 	$(BIN)/spectrt quantize --qformat int8_wo $(if $(TARGET),--target $(TARGET))
