@@ -528,6 +528,10 @@ def test_cli_errors_name_the_fix(capsys):
         main(["quantize", "--qformat", "fp4"])
     assert exit_info.value.code == 2
     assert "spectrt: error: --qformat 'fp4' is not supported" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # compare measures every precision: a --dtype would be ignored
+        main(["compare", "--dtype", "bf16"])
+    assert exit_info.value.code == 2
+    assert "compare runs every precision" in capsys.readouterr().err
 
 
 def test_a_quantized_checkpoint_is_not_a_plain_hf_checkpoint(small_quantized):
