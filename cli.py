@@ -178,9 +178,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from spectrt.quant.quantize import default_output
     from spectrt.runtime.bench import PROMPT_SETS, read_prompts
 
-    if args.dtype != "auto" or args.backend != "torch" or args.engines:
+    if args.backend != "torch" or args.engines:
         raise ValueError("compare runs every precision (fp32, bf16, INT8) on the CPU engines in one run: drop "
-                         "--dtype/--backend/--engines (the TensorRT plans are compared by scripts/gpu_check.sh)")
+                         "--backend/--engines (the TensorRT plans are compared by scripts/gpu_check.sh)")
     target, draft = _models(args)
     models = {"fp32": (target, "fp32"), "bf16": (target, "bf16")}
     for qformat in dict.fromkeys((args.qformat, args.weight_only)):
