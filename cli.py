@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "dtype", None) == "auto":  # one precision name from here on (file names, reports)
         from spectrt.runtime.engine import resolve_dtype
 
-        args.dtype = resolve_dtype("auto", getattr(args, "backend", "torch"))
+        args.dtype = resolve_dtype("auto", getattr(args, "backend", "torch"), getattr(args, "target", None))
     try:
         sys.exit(args.func(args))
     except (ValueError, FileNotFoundError) as e:  # CheckpointError, TreeError and input errors

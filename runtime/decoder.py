@@ -227,7 +227,7 @@ class Decoder:
             raise ValueError(f"max_new_tokens must be positive, got {job.max_new_tokens}")
         if len(job.prompt_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(job.prompt_ids)} tokens but max_seq_len is {self.max_seq_len}: "
-                             "shorten the prompt or raise max_seq_len")
+                             "shorten the prompt or raise max_seq_len (--max-seq-len)")
         bad = [t for t in job.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"the prompt holds token ids outside this model's vocabulary [0, {self.vocab_size}) "

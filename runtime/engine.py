@@ -39,7 +39,7 @@ class Engine(Protocol):
 def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", measure_kernels: bool = True) -> Engine:
     """Load one model for the given backend (torch is the reference and the CPU path). `measure_kernels=False`
     fixes the torch reference path's GEMM formulation instead of timing it at load (reproducible numerics)."""
-    dtype = resolve_dtype(dtype, backend)
+    dtype = resolve_dtype(dtype, backend, checkpoint)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not supported: choose auto or one of {sorted(DTYPES)}")
     if backend == "onnxruntime":  # `checkpoint` is a model of an engines dir: engines/<name>/{target,draft}
@@ -57,14 +57,18 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", m
     return Transformer.load(Path(checkpoint), DTYPES[dtype], measure_kernels)
 
 
-def resolve_dtype(dtype: str, backend: str = "torch") -> str:
+def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = None) -> str:
     """`auto` (the default everywhere): bf16 where the native CPU forward runs (bf16 weights, fp32 arithmetic: row
     invariant, so tree decoding equals bf16 AR exactly, and a step streams half the bytes of fp32: 2x faster), fp32
-    elsewhere (the torch reference path is not row invariant in bf16; exported graphs run fp32)."""
+    elsewhere (the torch reference path is not row invariant in bf16; exported graphs run fp32) and for an INT8
+    `checkpoint` (its non-GEMM ops run in fp32)."""
     if dtype != "auto":
         return dtype
+    from spectrt.runtime.int8 import quant_format
     from spectrt.runtime.kernels import native_unavailable
 
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and quant_format(Path(checkpoint)):
+        return "fp32"
     return "bf16" if backend == "torch" and native_unavailable() is None else "fp32"
 
 

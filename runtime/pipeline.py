@@ -53,7 +53,7 @@ class Pipeline:
                  artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True, max_active: int = 1,
                  tree_budget: int | None = None, prefill_budget: int | None = None):
         target = Path(target)
-        self.dtype = dtype = resolve_dtype(dtype, backend)
+        self.dtype = dtype = resolve_dtype(dtype, backend, target)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
         if draft is not None:
             check_draft_matches(target, Path(draft))

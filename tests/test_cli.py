@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from spectrt.build.checkpoint import CheckpointError, resolve_target
+from spectrt.runtime.engine import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +52,7 @@ def test_bad_input_is_a_clear_error(args, message):
 
 def test_prompt_longer_than_context(draft_dir):
     result = spectrt("generate", "--prompt", "word " * 100, "--max-seq-len", "32", "--draft", str(draft_dir))
-    assert result.returncode == 2 and "shorten the prompt or raise --max-seq-len" in result.stderr
+    assert result.returncode == 2 and "shorten the prompt or raise max_seq_len (--max-seq-len)" in result.stderr
 
 
 def test_mismatched_draft_is_refused(draft_dir, tmp_path):
@@ -80,11 +81,11 @@ def test_unusable_model_paths(tmp_path):
 
 
 def test_tune_saves_a_policy_that_generate_uses(target_dir, tmp_path):
-    """Draft-less: `tune` writes the policy for (target, nodraft, fp32); `generate` picks it up by default."""
+    """Draft-less: `tune` writes the policy for (target, nodraft, the default precision); `generate` picks it up."""
     model = ["--target", str(target_dir), "--draft", "none", "--artifacts", str(tmp_path)]
     tuned = spectrt("tune", *model, "--limit", "1", "--max-new-tokens", "12")
     assert tuned.returncode == 0, tuned.stderr
-    saved = json.loads((tmp_path / f"policy-{target_dir.name}-nodraft-fp32.json").read_text())
+    saved = json.loads((tmp_path / f"policy-{target_dir.name}-nodraft-{resolve_dtype('auto')}.json").read_text())
     assert saved["policy"]["draft"] is False and saved["cost_source"].startswith("measured")
     assert [t for t, _ in saved["policy"]["verify_ms"]] == [1, 2, 4, 8, 16, 32, 64]
     prompt = ["generate", "--prompt", "Repeat exactly: red, green, blue, red, green, blue.", "--max-new-tokens", "24"]

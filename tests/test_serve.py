@@ -128,6 +128,53 @@ def test_second_sigint_during_stop_still_cleans_up():
     _assert_nothing_left(info)
 
 
+def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_nothing():
+    """SIGTERM while a request decodes: that request still gets its one final response (all its text, or an error
+    saying the server is stopping), a request sent once the server is no longer ready is refused, and nothing is
+    left behind."""
+    import tritonclient.grpc as grpcclient
+    from spectrt.runtime.client import RequestFailed, grpc_inputs, request_fields
+    from tritonclient.utils import InferenceServerException
+
+    proc, info = _launch("--max-tokens-limit", "100", "--max-seq-len", "256")
+    started, outcome = threading.Event(), {}
+
+    def long_request() -> None:
+        fields = {**request_fields("Name three colors.", 100, True), "min_length": 100}  # no early end
+        with GrpcSession(info["grpc"]) as session:
+            try:
+                outcome["result"] = session.infer(grpc_inputs(fields), on_text=lambda *_: started.set(), timeout=120)
+            except (RequestFailed, ConnectionError) as e:
+                outcome["error"] = str(e)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    assert started.wait(120), "the long request produced no text"
+    proc.send_signal(signal.SIGTERM)
+    client = grpcclient.InferenceServerClient(info["grpc"])
+    try:
+        deadline = time.monotonic() + GONE_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                if not client.is_server_ready():
+                    break
+            except Exception:  # the endpoint already closed: refused as well
+                break
+            time.sleep(0.05)
+        with pytest.raises((RequestFailed, ConnectionError, InferenceServerException)):  # UNAVAILABLE, or refused
+            GrpcSession(info["grpc"]).generate("Say hi.", 2, stream=True, timeout=30)
+    finally:
+        client.close()
+    worker.join(GONE_TIMEOUT)
+    assert not worker.is_alive(), "the in-flight request never got a final response"
+    if "result" in outcome:
+        assert outcome["result"].final and outcome["result"].perf.get("output_tokens") == 100, outcome
+    else:
+        assert "stopping" in outcome["error"].lower() or "unavailable" in outcome["error"].lower(), outcome
+    assert proc.wait(timeout=GONE_TIMEOUT) == 0, proc.stderr.read()
+    _assert_nothing_left(info)
+
+
 def test_run_dir_with_unrelated_files_is_left_untouched(tmp_path):
     """`--run-dir ~` used to delete ~/models: now the launcher writes only into a fresh subdirectory it made."""
     mine = {"models/keep.txt": "model notes", "server.log": "my log", "backends/python/x": "x", "notes.txt": "n"}

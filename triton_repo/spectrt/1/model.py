@@ -240,7 +240,7 @@ class TritonPythonModel:
         from spectrt.runtime.engine import resolve_dtype
 
         backend = params.get("backend") or "torch"
-        dtype = resolve_dtype(params.get("dtype") or "auto", backend)
+        dtype = params.get("dtype") or "auto"
         engine = params.get("engine_dir", "")
         if engine:
             from spectrt.build.engines import engine_models
@@ -255,7 +255,7 @@ class TritonPythonModel:
             max_tree_tokens = int(manifest.get("max_tree_tokens", max_tree_tokens))
             target, draft = engine_models(engine, backend)
             tree = params.get("tree") or manifest.get("tree_defaults", {}).get("tree")
-            return target, draft, backend, dtype, max_seq_len, max_tree_tokens, tree
+            return target, draft, backend, resolve_dtype(dtype, backend), max_seq_len, max_tree_tokens, tree
         artifacts = Path(os.environ.get("SPECTRT_ARTIFACTS", self.base / "artifacts"))
         target = self._path(params.get("target_dir") or str(artifacts / "smollm2-135m-instruct"))
         draft_value = params.get("draft_dir", "")
@@ -269,7 +269,7 @@ class TritonPythonModel:
                     f"{name} {path} is not a checkpoint directory (no config.json): set the model parameter "
                     f"{name} in config.pbtxt (or `spectrt serve --target/--draft`), draft_dir 'none' for no draft"
                 )
-        return target, draft, backend, dtype, max_seq_len, max_tree_tokens, None
+        return target, draft, backend, resolve_dtype(dtype, backend, target), max_seq_len, max_tree_tokens, None
 
     # ------------------------------------------------------------------------------------------ requests in
     def _rows(self, request) -> list[dict]:
