@@ -6,14 +6,16 @@ the compute capabilities asked for (ARCH=sm80,sm86,...). Both parse the same ONN
 
 Precision comes from the graph, never from a builder flag: networks are created strongly typed (the
 only kind TensorRT-RTX builds), so an fp16 graph gives an FP16 plan, a Q/DQ graph an INT8 plan and
-the fp32 graph an exact FP32 plan (TF32 off). One optimization profile per entry of `profiles`
-covers T (new tokens, 1..max_tree_tokens: trees and prompt chunks alike), S (attention columns) and
-C (cache slots). Builds print their phases; `tensorrt` reuses a timing cache file (TensorRT-RTX has
-no autotuning at build time: its timing cache is a no-op and is not written).
+the fp32 graph an exact FP32 plan (TF32 off). One optimization profile per entry of `profiles` covers the
+batched graph's dimensions: N packed rows, B requests, T rows per request (1..max_tree_tokens: trees, draft
+levels and prompt chunks alike), M mask words, S attention columns, P pool slots and C cache capacity.
+Builds print their phases; `tensorrt` reuses a timing cache file (TensorRT-RTX has no autotuning at build
+time: its timing cache is a no-op and is not written).
 
-Measured here (2 CPU cores, tensorrt_rtx 1.7.1): embedded target (30 layers) FP16 plan 289 MB in
-~15 s, FP32 558 MB in ~17 s; 4-layer draft FP16 89 MB in ~1.2 s. A plan built for several compute
-capabilities is the same size and time as for one.
+Measured here (2 CPU cores, quiet, tensorrt_rtx 1.7.1, the batched graph): embedded target (30 layers) FP16 plan
+296 MB in 18.9 s, distilled 4-layer draft FP16 101 MB in 2.0 s, for six compute capabilities (the per-request graph
+of earlier rounds: one capability took the same size and time as several; FP32 target 558 MB in ~17 s, not
+re-measured on the batched graph).
 """
 
 from __future__ import annotations
@@ -69,35 +71,54 @@ def module_name(trt) -> str:
 
 @dataclass(frozen=True)
 class Profile:
-    """min/opt/max for T (new tokens), S (attention columns) and C (cache slots)."""
+    """min/opt/max of the batched graph's dimensions (build/export.py): N packed rows, B requests, T rows per
+    request, M mask words, S attention columns, P pool slots, C cache capacity."""
 
     name: str
+    rows: tuple[int, int, int]
+    batch: tuple[int, int, int]
     tokens: tuple[int, int, int]
+    words: tuple[int, int, int]
     columns: tuple[int, int, int]
     slots: tuple[int, int, int]
+    capacity: tuple[int, int, int]
 
     def shapes(self, config) -> dict[str, list[tuple[int, ...]]]:
-        cache = lambda c: (config.num_layers, config.num_kv_heads, c, config.head_dim)  # noqa: E731
+        c = config
+        per = lambda *dims: [tuple(d[i] for d in dims) for i in range(3)]  # noqa: E731
+        pool = [(p, c.num_layers, c.num_kv_heads, cap, c.head_dim) for p, cap in zip(self.slots, self.capacity,
+                                                                                       strict=True)]
         return {
-            "input_ids": [(t,) for t in self.tokens],
-            "position_ids": [(t,) for t in self.tokens],
-            "attention_mask": [(t, s) for t, s in zip(self.tokens, self.columns, strict=True)],
-            "cache_k": [cache(c) for c in self.slots],
-            "cache_v": [cache(c) for c in self.slots],
+            "input_ids": per(self.rows),
+            "spec_decoding_generation_lengths": per(self.batch),
+            "spec_decoding_position_offsets": per(self.batch, self.tokens),
+            "spec_decoding_packed_mask": per(self.batch, self.tokens, self.words),
+            "past_key_value_lengths": per(self.batch),
+            "window_offsets": per(self.batch),
+            "slot_ids": per(self.batch),
+            "cache_columns": per(self.columns),
+            "pool_k": pool,
+            "pool_v": pool,
         }
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "T": list(self.tokens), "S": list(self.columns), "C": list(self.slots)}
+        return {"name": self.name, "N": list(self.rows), "B": list(self.batch), "T": list(self.tokens),
+                "M": list(self.words), "S": list(self.columns), "P": list(self.slots), "C": list(self.capacity)}
 
 
-def default_profiles(max_tree_tokens: int, capacity: int) -> list[Profile]:
-    """One profile: any tree or chunk up to max_tree_tokens, any span up to the capacity.
+def default_profiles(max_tree_tokens: int, capacity: int, max_batch: int) -> list[Profile]:
+    """One profile: up to `max_batch` requests of up to max_tree_tokens rows each (trees, draft levels and prompt
+    chunks alike) in a pool of up to `max_batch` slots, any span up to the capacity.
 
-    The runtime drives TensorRT with S = C (static span) so that only T varies; opt sits at a small
-    tree (8 nodes), the size this project's trees are tuned to.
+    The runtime drives TensorRT with S = C (static span), so only N, B, T and M vary; opt sits at a full batch of
+    small trees (8 nodes per request at most, 4 on average), the sizes this project's trees are tuned to.
     """
     opt_t = min(8, max_tree_tokens)
-    return [Profile("tree", (1, opt_t, max_tree_tokens), (1, capacity, capacity), (1, capacity, capacity))]
+    words = -(-max_tree_tokens // 32)
+    return [Profile("batched-tree", rows=(1, max_batch * min(4, max_tree_tokens), max_batch * max_tree_tokens),
+                    batch=(1, max_batch, max_batch), tokens=(1, opt_t, max_tree_tokens), words=(1, 1, words),
+                    columns=(1, capacity, capacity), slots=(1, max_batch, max_batch),
+                    capacity=(1, capacity, capacity))]
 
 
 @dataclass

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 from spectrt.build.distill import DistillConfig, atomic_save
+from spectrt.runtime.resources import package_path
 
-PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+PROMPTS_DIR = package_path("build/prompts")
 DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
 HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
 

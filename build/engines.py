@@ -1,10 +1,11 @@
 """`spectrt engines` / `make engines`: draft + target -> engines/<name>/ (graphs, plans, tokenizer, manifest).
 
-    engines/<name>/manifest.json          model configs, precision, profiles, max lengths, tree defaults,
-                                          tool versions, sha256 + size of every file below
+    engines/<name>/manifest.json          model configs, precision, profiles, max lengths and batch, tree
+                                          defaults, tool versions, sha256 + size of every file below
     engines/<name>/<role>/                role = target | draft
         config.json, tokenizer files      (so the runtime and the tokenizer load from here alone)
-        model.fp32.onnx(.data)            tree-verify graph, fp32: the onnxruntime backend and parity tests
+        model.fp32.onnx(.data)            batched tree-verify graph (build/export.py), fp32: the onnxruntime
+                                          backend and parity tests
         model.fp16.onnx(.data)            fp16 graph (PRECISION=fp16): what the FP16 plan is built from
         model.<precision>.plan            TensorRT plan (one file for all ARCH compute capabilities)
 
@@ -13,9 +14,10 @@ version, precision, profiles, archs, TensorRT module/version) and checksum are u
 rebuilds everything. Draft/target pairs whose vocabulary or config do not fit together are refused
 before anything is built.
 
-Measured on this project's 2-core CPU (embedded SmolLM2-135M target + 4-layer draft): export fp32 target
-~32 s (538 MB), fp16 ~20 s (269 MB), draft ~10 s / 4 s; TensorRT-RTX plans: target FP16 ~15 s (289 MB),
-draft FP16 ~1.2 s (89 MB).
+Measured on this project's 2-core CPU (quiet: under the team's CPU lock), `spectrt engines` for the embedded
+SmolLM2-135M target + its distilled draft (4 layers, 8k subset head), batched graphs, plans for the six TensorRT-RTX
+compute capabilities: 47 s in all; export fp32 target 12.8 s (538 MB), fp16 7.2 s, draft 2.4 s / 1.2 s;
+TensorRT-RTX plans: target FP16 18.9 s (296 MB), draft FP16 2.0 s (101 MB).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ ROLES = ("target", "draft")
 DEFAULT_ENGINES = Path("engines")
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_MAX_TREE_TOKENS = 64
+DEFAULT_MAX_BATCH = 8  # requests per batched forward in a TensorRT plan (the Triton model's max_active)
 
 
 class EngineBuildError(ValueError):
@@ -197,7 +200,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
                  max_tree_tokens: int = DEFAULT_MAX_TREE_TOKENS, plans: bool = True, module: str | None = None,
                  force: bool = False, int8_graphs: dict[str, Path] | None = None,
                  profiles: list[Profile] | None = None, qformat: str = "int8_sq",
-                 log: Callable[[str], None] = print) -> Path:
+                 max_batch: int = DEFAULT_MAX_BATCH, log: Callable[[str], None] = print) -> Path:
     """Build (or reuse) engines/<name>/ for a target/draft pair; returns the directory.
 
     precision int8: the target's plan is compiled from the Q/DQ graph of its `spectrt quantize --qformat`
@@ -205,14 +208,14 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
     target, draft = Path(target), Path(draft)
     if precision not in PRECISIONS:
         raise EngineBuildError(f"PRECISION={precision!r} is not supported: choose one of {', '.join(PRECISIONS)}")
-    if max_tree_tokens < 1 or max_seq_len < 1:
-        raise EngineBuildError("max_seq_len and max_tree_tokens must be positive")
+    if max_tree_tokens < 1 or max_seq_len < 1 or max_batch < 1:
+        raise EngineBuildError("max_seq_len, max_tree_tokens and max_batch must be positive")
     t_cfg, d_cfg = check_pair(target, draft, max_seq_len, max_tree_tokens)
     if precision == "int8":
         _check_int8_inputs(target, int8_graphs, qformat)
     out = Path(out) if out else DEFAULT_ENGINES / f"{target.name}-{precision}"
     capacity = max_seq_len + max_tree_tokens
-    profiles = profiles or default_profiles(max_tree_tokens, capacity)
+    profiles = profiles or default_profiles(max_tree_tokens, capacity, max_batch)
     trt = None
     if plans:
         trt = trt_module(module)  # fails here, before any export, with what is needed
@@ -231,7 +234,8 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
     files: dict[str, dict] = {}
     models: dict[str, dict] = {}
     started = time.perf_counter()
-    log(f"engines -> {out} (precision {precision}, max_seq_len {max_seq_len}, max_tree_tokens {max_tree_tokens})")
+    log(f"engines -> {out} (precision {precision}, max_seq_len {max_seq_len}, max_tree_tokens {max_tree_tokens}, "
+        f"max_batch {max_batch})")
 
     for role, src, cfg in (("target", target, t_cfg), ("draft", draft, d_cfg)):
         role_dir = out / role
@@ -310,6 +314,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         "precision": precision,
         "max_seq_len": max_seq_len,
         "max_tree_tokens": max_tree_tokens,
+        "max_batch": max_batch,
         "capacity": capacity,
         "tree_defaults": {"tree": DEFAULT_TREE, "max_tree_tokens": max_tree_tokens},
         "profiles": [p.as_dict() for p in profiles],
@@ -370,6 +375,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"compute capabilities for TensorRT-RTX plans, e.g. sm80,sm86 (default: {','.join(RTX_ARCHS)})")
     p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
     p.add_argument("--max-tree-tokens", type=int, default=DEFAULT_MAX_TREE_TOKENS)
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="requests per batched forward the TensorRT plans take (the server's max_active)")
     p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
     p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
                    help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
@@ -397,7 +404,7 @@ def run(args: argparse.Namespace) -> Path:
     archs = [a.strip().lower() for a in args.arch.split(",") if a.strip()] if args.arch else None
     out = make_engines(target, draft, args.out, args.precision, archs, args.max_seq_len, args.max_tree_tokens,
                        plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8,
-                       qformat=args.qformat)
+                       qformat=args.qformat, max_batch=args.max_batch)
     print(out)
     return out
 

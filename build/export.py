@@ -1,36 +1,44 @@
-"""Export a LLaMA-family checkpoint as a **tree-verify graph** (ONNX), the graph every non-torch backend runs.
+"""Export a LLaMA-family checkpoint as the **batched tree-verify graph** (ONNX) every non-torch backend runs.
 
-Graph contract (the same for draft and target, for ONNX Runtime and for TensorRT):
+One graph run verifies (or drafts, or prefills) B requests at once, each with its own token tree, in TensorRT-LLM's
+speculative-decoding interface; runtime/batch_inputs.py defines the inputs and builds them from segments:
 
-| input            | dtype          | shape            | meaning                                              |
-|------------------|----------------|------------------|------------------------------------------------------|
-| `input_ids`      | int32          | [T]              | the new tokens (a prompt chunk, a tree level, a tree) |
-| `position_ids`   | int32          | [T]              | their positions (siblings share one)                 |
-| `attention_mask` | bool           | [T, S]           | which of the S context columns each new token sees   |
-| `cache_k`        | float32/16     | [L, Hkv, C, D]   | the static K cache (the runtime's `KVCache.k`)       |
-| `cache_v`        | float32/16     | [L, Hkv, C, D]   | the static V cache                                   |
+| input                              | dtype      | shape                  |                                           |
+|------------------------------------|------------|------------------------|-------------------------------------------|
+| `input_ids`                        | int32      | [N]                    | the new tokens of all requests, packed    |
+| `spec_decoding_generation_lengths` | int32      | [B]                    | T_b: request b's rows are the next T_b    |
+| `spec_decoding_position_offsets`   | int32      | [B, T]                 | RoPE position = past length + offset      |
+| `spec_decoding_packed_mask`        | int32      | [B, T, M]              | bit j of row i: node i sees window slot j |
+| `past_key_value_lengths`           | int32      | [B]                    | committed prefix (always visible)         |
+| `window_offsets`                   | int32      | [B]                    | window slots already cached (draft levels)|
+| `slot_ids`                         | int32      | [B]                    | request b's slot of the pool              |
+| `cache_columns`                    | int32      | [S]                    | 0..S-1: the span attention covers         |
+| `pool_k`, `pool_v`                 | float32/16 | [P, L, Hkv, C, D]      | the runtime's KV pool (P slots), read only|
 
-| output   | dtype      | shape           |                                                    |
-|----------|------------|-----------------|----------------------------------------------------|
-| `logits` | float32    | [T, V]          |                                                    |
-| `new_k`  | float32/16 | [L, Hkv, T, D]  | the new tokens' K (RoPE applied); the runtime writes them into its cache |
-| `new_v`  | float32/16 | [L, Hkv, T, D]  |                                                    |
+| output   | dtype      | shape          |                                                            |
+|----------|------------|----------------|------------------------------------------------------------|
+| `logits` | float32    | [N, V]         | packed like input_ids: no padding row is ever returned     |
+| `new_k`  | float32/16 | [L, Hkv, N, D] | the new tokens' K (RoPE applied); the runtime writes them into the pool |
+| `new_v`  | float32/16 | [L, Hkv, N, D] |                                                            |
 
-The attention context of a layer is `cache[:, :S-T]` followed by the new tokens' own K/V, so column j < S-T of
-the mask is cache slot j and the last T columns are the new tokens. Both ways of driving it are exact:
+Inside, every projection, norm and the LM head run on the N packed rows (no padding in the GEMMs, which are the
+cost); only attention uses the padded [B, T] layout. Request b's context is its own pool slot's columns [0, S) in
+slot order, with the batch's new tokens of request b put at their own slots (past + window offset + i): a column is
+visible if committed, or if its window slot's bit is set in the row's mask; stale slots and padding never are.
+Padded query rows are computed and dropped: they never reach an output. Requests never see each other: each reads
+only its own slot and its own new tokens. Because a row's context is the same columns in the same places whatever
+the batch (a bigger batch only adds masked columns after them), and ONNX Runtime's GEMMs are row invariant, a
+request's logits are bitwise the same alone or batched, and a verified tree row the same as that token decoded
+alone (tested in tests/test_batch_graph.py).
 
-- **dynamic span** (ONNX Runtime): S = committed length + window, the columns are exactly the used slots;
-- **static span** (TensorRT + CUDA graphs): S = C, every shape except T is fixed, so one CUDA graph per T
-  can be captured; stale slots are simply masked out.
-
-Why the whole static cache is an input rather than a growing past K/V (chosen by measurement): with the
-cache as an input the runtime binds `KVCache.k/.v` once by address (no copy, no allocation per step, shapes
-static except T and S); a past-K/V graph needs `cache[:, :, :P]` made contiguous every step (the cache is
-[L, Hkv, capacity, D], so that slice is strided) and its shape changes every step, which defeats CUDA
-graphs. Measured with ONNX Runtime on the embedded target (1 thread, busy 2-core machine, medians):
-past 200: 87 vs 76 ms (T=1, within noise); past 1000: 66 vs 76 ms (T=1), 123 vs 129 ms (T=8);
-past 2000: 114 vs 167 ms (T=1), 178 vs 263 ms (T=8) for static cache vs copied past K/V. The graph returns
-only the T new K/V rows; copying them into their cache slots is a few KB.
+Cached K/V are read with one gather per layer of exactly the B requests' [0, S) rows of the pool (a flat row index
+(slot, layer, head, column)), so a step reads B x S rows whatever the pool's size; the runtime binds the pool by
+address (ONNX Runtime on a CPU: the `KVCache.pool_k/pool_v` tensors themselves; TensorRT: device memory), so no
+cache is copied per step. New K/V are returned rather than written in place: ONNX has no in-place update of an
+input (opset 17), and the copy into the pool is small (each new token's K and V: L x Hkv x D values) next to the
+forward (measured in runtime/onnx_engine.py). S is an input dimension (`cache_columns`): ONNX Runtime passes the
+batch's longest span (attention cost follows the real context), TensorRT the whole capacity (only B, T and N vary,
+as its optimization profiles and CUDA graphs want).
 
 FP16 graphs (for TensorRT, whose RTX edition builds strongly typed networks only: precision comes from the
 graph, not from a builder flag) keep the residual stream, RMSNorm, softmax and logits in fp32 and run the
@@ -49,31 +57,28 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
 from spectrt.runtime.model import ModelConfig, rope_frequencies, subset_head
 from torch import nn
 
-INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "cache_k", "cache_v")
-OUTPUT_NAMES = ("logits", "new_k", "new_v")
 GRAPH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-OPSET = 17  # what the legacy exporter, ModelOpt's Q/DQ export and TensorRT's ONNX parser all accept
-EXPORT_VERSION = 1  # bump when the graph changes: engines built by an older exporter are rebuilt
+OPSET = 17  # what the legacy exporter, ModelOpt's Q/DQ export and TensorRT's parser all accept
+EXPORT_VERSION = 2  # bump when the graph changes: engines built by an older exporter are rebuilt
 
 
 def io_spec(config: ModelConfig, precision: str) -> dict:
     """Names, dtypes and (symbolic) shapes of the graph's inputs and outputs, as recorded in manifest.json."""
     kv = "float16" if precision == "fp16" else "float32"
-    cache = [config.num_layers, config.num_kv_heads, "C", config.head_dim]
-    new = [config.num_layers, config.num_kv_heads, "T", config.head_dim]
+    pool = ["P", config.num_layers, config.num_kv_heads, "C", config.head_dim]
+    new = [config.num_layers, config.num_kv_heads, "N", config.head_dim]
+    shapes = {"input_ids": ["N"], "spec_decoding_generation_lengths": ["B"],
+              "spec_decoding_position_offsets": ["B", "T"], "spec_decoding_packed_mask": ["B", "T", "M"],
+              "past_key_value_lengths": ["B"], "window_offsets": ["B"], "slot_ids": ["B"], "cache_columns": ["S"]}
     return {
-        "inputs": {
-            "input_ids": {"dtype": "int32", "shape": ["T"]},
-            "position_ids": {"dtype": "int32", "shape": ["T"]},
-            "attention_mask": {"dtype": "bool", "shape": ["T", "S"]},
-            "cache_k": {"dtype": kv, "shape": cache},
-            "cache_v": {"dtype": kv, "shape": cache},
-        },
+        "inputs": {**{name: {"dtype": "int32", "shape": shape} for name, shape in shapes.items()},
+                   "pool_k": {"dtype": kv, "shape": pool}, "pool_v": {"dtype": kv, "shape": pool}},
         "outputs": {
-            "logits": {"dtype": "float32", "shape": ["T", config.vocab_size]},
+            "logits": {"dtype": "float32", "shape": ["N", config.vocab_size]},
             "new_k": {"dtype": kv, "shape": new},
             "new_v": {"dtype": kv, "shape": new},
         },
@@ -206,77 +211,145 @@ class TreeVerifyModel(nn.Module):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, input_ids, position_ids, attention_mask, cache_k, cache_v):
+    def forward(self, input_ids, generation_lengths, position_offsets, packed_mask, past_lengths, window_offsets,
+                slot_ids, cache_columns, pool_k, pool_v):
         c, dt = self.config, self.dtype
-        t = input_ids.shape[0]
-        past = attention_mask.shape[1] - t  # context columns taken from the cache
-        group = c.num_heads // c.num_kv_heads
-        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        scale = 1.0 / math.sqrt(c.head_dim)
+        n = input_ids.shape[0]
+        b, t = position_offsets.shape
+        s = cache_columns.shape[0]
+        hkv, d = c.num_kv_heads, c.head_dim
+        group = c.num_heads // hkv
+        q_dim, kv_dim = c.num_heads * d, hkv * d
+        scale = 1.0 / math.sqrt(d)
 
-        freqs = position_ids.float()[:, None] * self.inv_freq[None, :]
+        # packed row r belongs to request req[r] at index col[r]; padded (b, i) reads packed row pad[b, i]
+        lengths = generation_lengths.long()
+        ends = torch.cumsum(lengths, 0)
+        starts = ends - lengths
+        rows = torch.arange(n)
+        req = (rows[:, None] >= ends[None, :]).long().sum(1)
+        col = rows - starts[req]
+        flat = req * t + col  # packed row -> padded position b * T + i
+        steps = torch.arange(t)
+        pad = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).reshape(-1)  # [B*T]
+
+        # request b's context is its pool slot's columns [0, S) in slot order, the new tokens placed at their own
+        # slots (past + window offset + i) before attention: column s of row i is visible iff s is committed
+        # (s < past) or window slot s - past has row i's bit set (earlier draft levels, the new tokens), so stale
+        # slots and padding columns never are. A row's context is the same columns whatever the batch (only more
+        # masked columns after it), so with row-invariant GEMMs (MLAS) its result does not depend on the batch.
+        bits = unpack_mask(packed_mask)  # [B, T, 32 M]
+        past, window = past_lengths.long(), window_offsets.long()
+        rel = cache_columns.long()[None, :] - past[:, None]  # [B, S]: window slot of each column
+        width = (window + lengths)[:, None]
+        window_bit = torch.gather(bits, 2, rel.clamp(0, bits.shape[2] - 1)[:, None, :].expand(b, t, s)) > 0
+        visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < width))[:, None, :] & window_bit)
+        hidden = ~visible[:, None, None]  # [B, 1, 1, T, S]
+        neg = torch.finfo(torch.float32).min
+        positions = past[req] + position_offsets.long().reshape(-1)[flat]
+
+        # cached K/V of the B requests' slots, columns [0, S): one gather of rows (slot, layer, head, column); the
+        # new tokens' rows are then put at their columns of that copy (their slots in the pool are written by the
+        # runtime after the forward)
+        capacity = pool_k.shape[3]
+        heads = torch.arange(hkv)
+        kv_rows = ((slot_ids.long()[:, None, None] * c.num_layers * hkv + heads[None, :, None]) * capacity
+                   + cache_columns.long()[None, None, :]).reshape(-1)  # layer 0; layer l adds l * Hkv * C
+        new_rows = ((req[None, :] * hkv + heads[:, None]) * s + (past + window)[req][None, :]
+                    + col[None, :]).reshape(-1)  # [Hkv * N]: head-major, as k.reshape(-1, D)
+        flat_k, flat_v = pool_k.reshape(-1, d), pool_v.reshape(-1, d)
+
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * self.rope_scale).to(dt), (emb.sin() * self.rope_scale).to(dt)
-        # [T, S] -> [1, 1, T, S], broadcast over kv heads and the query heads sharing each
-        visible = attention_mask[None, None]
-        hidden = ~visible
-        neg = torch.finfo(torch.float32).min
 
-        x = self.embed(input_ids).float()  # residual stream in fp32
+        x = self.embed(input_ids).float()  # residual stream in fp32, [N, H]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm).to(dt)
             qkv = layer.wqkv(h)
-            q = qkv[:, :q_dim].reshape(-1, c.num_heads, c.head_dim).transpose(0, 1)
-            k = qkv[:, q_dim:q_dim + kv_dim].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            v = qkv[:, q_dim + kv_dim:].reshape(-1, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q = qkv[:, :q_dim].reshape(n, c.num_heads, d).transpose(0, 1)
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(n, hkv, d).transpose(0, 1)
+            v = qkv[:, q_dim + kv_dim:].reshape(n, hkv, d).transpose(0, 1)
             if c.qk_norm:
                 q = self._rms_norm(q.float(), layer.q_norm).to(dt)
                 k = self._rms_norm(k.float(), layer.k_norm).to(dt)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)  # [heads, N, D]
             new_k.append(k)
             new_v.append(v)
-            keys = torch.cat([cache_k[i, :, :past], k], dim=1)  # [Hkv, S, D]
-            values = torch.cat([cache_v[i, :, :past], v], dim=1)
-            # grouped-query attention without repeating K/V: [Hkv, G, T, D] x [Hkv, 1, D, S]
-            qg = q.reshape(c.num_kv_heads, group, -1, c.head_dim)
-            scores = torch.matmul(qg, keys.transpose(1, 2)[:, None]).float() * scale
+            layer_rows = kv_rows + i * hkv * capacity
+            keys = flat_k[layer_rows].index_put((new_rows,), k.reshape(-1, d)).reshape(b, hkv, s, d)
+            values = flat_v[layer_rows].index_put((new_rows,), v.reshape(-1, d)).reshape(b, hkv, s, d)
+            # grouped-query attention without repeating K/V: [B, Hkv, G, T, D] x [B, Hkv, 1, D, S]
+            qg = q[:, pad].reshape(hkv, group, b, t, d).permute(2, 0, 1, 3, 4)
+            scores = torch.matmul(qg, keys.transpose(2, 3)[:, :, None]).float() * scale
             probs = torch.softmax(scores.masked_fill(hidden, neg), dim=-1).to(dt)
-            o = torch.matmul(probs, values[:, None])  # [Hkv, G, T, D]
-            o = o.reshape(c.num_heads, -1, c.head_dim).transpose(0, 1).reshape(-1, q_dim)
+            o = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
+            o = o.permute(0, 3, 1, 2, 4).reshape(b * t, q_dim)[flat]  # back to the packed rows
             x = x + layer.wo(o).float()
             h = self._rms_norm(x, layer.mlp_norm).to(dt)
             gate, up = layer.w13(h).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up).float()
         logits = self.head(self._rms_norm(x, self.norm).to(dt)).float()
         if self.head_ids is not None:
-            logits = self.neg_row.expand(t, -1).scatter(1, self.head_ids.expand(t, -1), logits)
+            logits = self.neg_row.expand(n, -1).scatter(1, self.head_ids.expand(n, -1), logits)
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
+def pool_for(config: ModelConfig, dtype: torch.dtype, slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random K/V pool [slots, layers, kv_heads, capacity, head_dim] (tracing, tests)."""
+    shape = (slots, config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+    return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+def sequence_inputs(config: ModelConfig, dtype: torch.dtype, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The graph's inputs for one causal sequence with an empty cache (calibration: a batch of one, past 0)."""
+    t = ids.shape[0]
+    mask = torch.ones(t, t, dtype=torch.bool).tril()
+    empty = torch.zeros(1, config.num_layers, config.num_kv_heads, t, config.head_dim, dtype=dtype)
+    zero = torch.zeros(1, dtype=torch.int32)
+    return (ids.to(torch.int32), torch.tensor([t], dtype=torch.int32), torch.arange(t, dtype=torch.int32)[None],
+            pack_mask(mask)[None], zero, zero, zero, torch.arange(t, dtype=torch.int32), empty, empty)
+
+
 def example_inputs(config: ModelConfig, dtype: torch.dtype, t: int = 3, past: int = 5, capacity: int = 16):
-    """Small inputs for tracing: a causal chunk of t tokens after `past` cached ones."""
-    mask = torch.ones(t, past + t, dtype=torch.bool)
-    mask[:, past:] = torch.ones(t, t, dtype=torch.bool).tril()
-    shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+    """Small inputs for tracing and tests: two requests in a pool of three slots, the first a causal chunk of t
+    tokens after `past` cached ones (slot 2), the second a 3-node tree (slot 0) after past - 2 cached ones."""
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    chunk_mask = torch.ones(t, t, dtype=torch.bool).tril()
+    offsets = torch.zeros(2, max(t, 3), dtype=torch.int32)
+    offsets[0, :t] = torch.arange(t)
+    offsets[1, :3] = torch.tensor([0, 1, 1])
+    packed = torch.zeros(2, max(t, 3), 1, dtype=torch.int32)
+    packed[0, :t] = pack_mask(chunk_mask)
+    packed[1, :3] = pack_mask(tree_mask)
     return (
-        torch.arange(t, dtype=torch.int32) + 7,
-        torch.arange(past, past + t, dtype=torch.int32),
-        mask,
-        torch.randn(shape).to(dtype),
-        torch.randn(shape).to(dtype),
+        torch.arange(t + 3, dtype=torch.int32) + 7,
+        torch.tensor([t, 3], dtype=torch.int32),
+        offsets,
+        packed,
+        torch.tensor([past, past - 2], dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.tensor([2, 0], dtype=torch.int32),
+        torch.arange(past + t, dtype=torch.int32),
+        *pool_for(config, dtype, 3, capacity),
     )
 
 
 DYNAMIC_AXES = {
-    "input_ids": {0: "T"},
-    "position_ids": {0: "T"},
-    "attention_mask": {0: "T", 1: "S"},
-    "cache_k": {2: "C"},
-    "cache_v": {2: "C"},
-    "logits": {0: "T"},
-    "new_k": {2: "T"},
-    "new_v": {2: "T"},
+    "input_ids": {0: "N"},
+    "spec_decoding_generation_lengths": {0: "B"},
+    "spec_decoding_position_offsets": {0: "B", 1: "T"},
+    "spec_decoding_packed_mask": {0: "B", 1: "T", 2: "M"},
+    "past_key_value_lengths": {0: "B"},
+    "window_offsets": {0: "B"},
+    "slot_ids": {0: "B"},
+    "cache_columns": {0: "S"},
+    "pool_k": {0: "P", 3: "C"},
+    "pool_v": {0: "P", 3: "C"},
+    "logits": {0: "N"},
+    "new_k": {2: "N"},
+    "new_v": {2: "N"},
 }
 
 
@@ -358,9 +431,7 @@ def _name_output_dims(proto, config: ModelConfig) -> None:
     """Give the outputs the contract's shapes (the exporter leaves generated names for static dims)."""
     from onnx import TensorShapeProto
 
-    want = {"logits": ["T", config.vocab_size],
-            "new_k": [config.num_layers, config.num_kv_heads, "T", config.head_dim],
-            "new_v": [config.num_layers, config.num_kv_heads, "T", config.head_dim]}
+    want = {name: spec["shape"] for name, spec in io_spec(config, "fp32")["outputs"].items()}
     for out in proto.graph.output:
         dims = out.type.tensor_type.shape.dim
         del dims[:]

@@ -37,7 +37,7 @@ from spectrt.build.corpus import (
     target_fingerprint,
 )
 from spectrt.build.distill import DistillConfig
-from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module
+from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module, sequence_inputs
 from spectrt.build.slice import TOKENIZER_FILES
 from spectrt.quant.recipes import DEFAULT_QFORMAT, PROJECTIONS, get_recipe
 from spectrt.runtime.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
@@ -121,10 +121,7 @@ def calibration_samples(target: Path, prompts: Sequence[Conversation], samples: 
 
 def forward_sequence(model: TreeVerifyModel, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a whole sequence through the tree-verify module (causal mask, empty cache)."""
-    c, t = model.config, ids.shape[0]
-    empty = torch.zeros(c.num_layers, c.num_kv_heads, 1, c.head_dim, dtype=model.dtype)
-    mask = torch.ones(t, t, dtype=torch.bool).tril()
-    return model(ids.int(), torch.arange(t, dtype=torch.int32), mask, empty, empty)[0]
+    return model(*sequence_inputs(model.config, model.dtype, ids))[0]
 
 
 def calibrate(model: TreeVerifyModel, qformat: str, samples: Sequence[torch.Tensor], progress: bool = True):

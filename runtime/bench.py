@@ -19,11 +19,12 @@ import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
 from spectrt.runtime.policy import Policy
+from spectrt.runtime.resources import package_path
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 from tqdm import tqdm
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+BENCH_DIR = package_path("bench")
 DEFAULT_PROMPTS = BENCH_DIR / "prompts.txt"
 PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt"}
 DEFAULT_CHAIN = "1,1,1"

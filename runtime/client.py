@@ -28,10 +28,12 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from spectrt.runtime.resources import package_path
+
 DEFAULT_MODEL = "spectrt"
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "target_passes",
                 "output_tokens", "generation_seconds")
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.txt"
+DEFAULT_PROMPTS = package_path("bench/prompts.txt")
 
 
 class RequestFailed(RuntimeError):

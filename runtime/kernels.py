@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from spectrt.runtime.resources import package_path
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = package_path("runtime/cpu_kernels.cpp")
 PANEL = 64  # output columns per packed weight panel (NR in cpu_kernels.cpp)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _failure: str | None = None
@@ -48,14 +49,24 @@ def load_kernels():
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512bw"} <= _cpu_flags():
         _failure = "this CPU has no AVX-512 (the native kernels need avx512f and avx512bw)"
         return None
+    if not SOURCE.is_file():
+        _failure = f"the kernel source {SOURCE} is missing from this install: reinstall spectrt (the wheel ships it)"
+        return None
     source = SOURCE.read_text()
     key = hashlib.sha256((source + " ".join(CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
     build_dir = Path(os.environ.get("SPECTRT_CACHE", Path.home() / ".cache" / "spectrt")) / f"kernels-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    # Compiled from a copy in the cache: the build depends on the source's content only, not on where the package
+    # lives (ninja rebuilds when a source path changes, so a checkout and a wheel install would rebuild in turn).
+    copy = build_dir / SOURCE.name
+    if not copy.is_file() or copy.read_text() != source:
+        partial = build_dir / f".{SOURCE.name}.{os.getpid()}"
+        partial.write_text(source)
+        partial.replace(copy)
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"spectrt_cpu_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        return load(name=f"spectrt_cpu_{key}", sources=[str(copy)], extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # a missing compiler or ninja: the reference path still works
         _failure = f"building the native kernels failed ({type(exc).__name__}: {str(exc).strip()[-300:]})"

@@ -1,10 +1,11 @@
 """The `onnxruntime` backend, and reading of an engines directory (manifest + checksums).
 
-It runs the exported tree-verify graph itself (build/export.py), so CI checks the very graph that
-TensorRT compiles. The static KV cache is the runtime's `KVCache` (so compaction stays in one
-place); its buffers are bound to the graph's `cache_k`/`cache_v` inputs by address, and the outputs
-land in static buffers bound by address too: a forward allocates nothing. The graph returns only the
-new tokens' K/V, which are copied into their cache slots.
+It runs the exported batched tree-verify graph itself (build/export.py), so CI checks the very graph that
+TensorRT compiles. `forward_many` is ONE session run for all segments (B requests, each its own tree; see
+runtime/batch_inputs.py). The KV pool is the runtime's (`KVCache.pool`, so compaction stays in one place); its
+`pool_k`/`pool_v` tensors are bound to the graph's inputs by address, so no cache is copied per step, and the
+outputs land in static buffers bound by address too. The graph returns only the new tokens' K/V, which are
+copied into their pool slots; each segment's logits are copied out of the static buffer (a tensor of its own).
 
 An engines directory (written by `spectrt engines`, build/engines.py):
 
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from spectrt.runtime.batch_inputs import INPUT_NAMES, batch_inputs
 from spectrt.runtime.model import KVCache, ModelConfig
 
 MANIFEST = "manifest.json"
@@ -116,34 +118,21 @@ class EngineDir:
         return self.path(g["file"]), [g["file"], g["data"]]
 
 
-def fill_mask(out: torch.Tensor, tree_mask: torch.Tensor, length: int, columns: int | None = None) -> None:
-    """Write the graph's attention mask into `out` [T, S] for new tokens after a committed prefix of `length`.
-
-    The graph's context is cache slots [0, S-T) followed by the T new tokens. With `columns=None`
-    (dynamic span) S = length + W: columns are the used slots. With a fixed S (static span, TensorRT
-    and CUDA graphs) the stale slots between the window and the last T columns are masked out.
-    """
-    t, window = tree_mask.shape
-    s = out.shape[1]
-    out[:, :length] = True
-    if columns is None:
-        out[:, length:] = tree_mask
-        return
-    drafted = window - t  # window slots already in the cache (earlier tree levels)
-    out[:, length:length + drafted] = tree_mask[:, :drafted]
-    out[:, length + drafted:s - t] = False
-    out[:, s - t:] = tree_mask[:, drafted:]
+def group_by_pool(segments: list[tuple]) -> list[list[int]]:
+    """Indices of the segments per KV pool, in order of first appearance: one graph run per pool (normally one)."""
+    groups: dict[int, list[int]] = {}
+    for i, seg in enumerate(segments):
+        groups.setdefault(id(seg[3].pool_k), []).append(i)
+    return list(groups.values())
 
 
 class OnnxEngine:
-    """Engine interface over an ONNX Runtime session of the tree-verify graph (fp32, CPU by default)."""
+    """Engine interface over an ONNX Runtime session of the batched tree-verify graph (fp32, CPU by default)."""
 
     def __init__(self, graph: Path, config: ModelConfig, threads: int | None = None, optimization: str = "all",
-                 span: str = "dynamic", providers: list[str] | None = None):
+                 providers: list[str] | None = None):
         import onnxruntime as ort
 
-        if span not in ("dynamic", "static"):
-            raise ValueError(f"span must be 'dynamic' or 'static', got {span!r}")
         levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
                   "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
@@ -154,14 +143,14 @@ class OnnxEngine:
         options.log_severity_level = 3
         self.session = ort.InferenceSession(str(graph), options, providers=providers or ["CPUExecutionProvider"])
         self.config = config
-        self.span = span
         self.dtype = torch.float32
-        names = [i.name for i in self.session.get_inputs()]
-        if names != ["input_ids", "position_ids", "attention_mask", "cache_k", "cache_v"]:
-            raise EngineDirError(f"{graph} is not a spectrt tree-verify graph (inputs {names})")
+        names = tuple(i.name for i in self.session.get_inputs())
+        if names != INPUT_NAMES:
+            raise EngineDirError(f"{graph} is not a spectrt batched tree-verify graph (inputs {list(names)}): rebuild "
+                                 "it with `spectrt engines --force`")
         self.binding = self.session.io_binding()
+        self.runs = 0  # session runs (one per forward_many and pool)
         self._rows = 0
-        self._columns = 0
 
     @classmethod
     def load(cls, role_dir: Path, **kwargs) -> OnnxEngine:
@@ -170,64 +159,66 @@ class OnnxEngine:
         d.verify(files + d.support_files())
         return cls(graph, d.config, **kwargs)
 
-    def _ensure_buffers(self, rows: int, columns: int) -> None:
-        """Static scratch for the largest cache created so far (allocated in new_cache, never in forward)."""
-        if rows <= self._rows and columns <= self._columns:
+    def _ensure_buffers(self, rows: int) -> None:
+        """Static outputs for `rows` packed rows (sized in new_caches for a whole pool's windows, never in forward)."""
+        if rows <= self._rows:
             return
         c = self.config
-        self._rows, self._columns = max(rows, self._rows), max(columns, self._columns)
-        self.ids = torch.zeros(self._rows, dtype=torch.int32)
-        self.pos = torch.zeros(self._rows, dtype=torch.int32)
-        self.mask = torch.zeros(self._rows * self._columns, dtype=torch.bool)
-        self.logits = torch.zeros(self._rows, c.vocab_size, dtype=torch.float32)
-        kv = c.num_layers * c.num_kv_heads * self._rows * c.head_dim
+        self._rows = rows
+        self.logits = torch.zeros(rows, c.vocab_size, dtype=torch.float32)
+        kv = c.num_layers * c.num_kv_heads * rows * c.head_dim
         self.new_k = torch.zeros(kv, dtype=self.dtype)
         self.new_v = torch.zeros(kv, dtype=self.dtype)
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         caches = KVCache.pool(self.config, slots, capacity, max_window, self.dtype)
-        self._ensure_buffers(max_window, capacity)
+        self._ensure_buffers(slots * max_window)
         return caches
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
         return self.new_caches(1, capacity, max_window)[0]
 
-    def _bind(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], output: bool = False) -> None:
-        dtype = {torch.float32: np.float32, torch.int32: np.int32, torch.bool: np.bool_,
-                 torch.float16: np.float16}[tensor.dtype]
+    def _bind(self, name: str, tensor: torch.Tensor, output: bool = False, shape: tuple[int, ...] | None = None):
+        dtype = {torch.float32: np.float32, torch.int32: np.int32, torch.float16: np.float16}[tensor.dtype]
         bind = self.binding.bind_output if output else self.binding.bind_input
-        bind(name, "cpu", 0, dtype, shape, tensor.data_ptr())
+        bind(name, "cpu", 0, dtype, shape or tuple(tensor.shape), tensor.data_ptr())
+
+    def _run(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """One session run for segments whose caches share one pool."""
+        c = self.config
+        pool = segments[0][3]
+        if not (pool.pool_k.is_contiguous() and pool.pool_k.dtype == self.dtype and pool.pool_k.device.type == "cpu"):
+            raise ValueError("the onnxruntime engine needs caches it made with new_caches (contiguous fp32, CPU)")
+        x = batch_inputs(segments, max_rows=self._rows)
+        n = x.input_ids.shape[0]
+        if n > self._rows:
+            raise ValueError(f"{n} rows in one batched forward exceed the engine's buffers ({self._rows} rows, "
+                             "sized by new_caches: slots x max_window)")
+        for name, tensor in zip(INPUT_NAMES, (*x.tensors(), pool.pool_k, pool.pool_v), strict=True):
+            self._bind(name, tensor)
+        new_shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
+        self._bind("logits", self.logits, output=True, shape=(n, c.vocab_size))
+        self._bind("new_k", self.new_k, output=True, shape=new_shape)
+        self._bind("new_v", self.new_v, output=True, shape=new_shape)
+        self.session.run_with_iobinding(self.binding)
+        self.runs += 1
+        numel = c.num_layers * c.num_kv_heads * n * c.head_dim
+        new_k, new_v = self.new_k[:numel].view(new_shape), self.new_v[:numel].view(new_shape)
+        for (r0, r1), (slot, first, end) in zip(x.rows, x.kv_writes, strict=True):
+            pool.pool_k[slot, :, :, first:end] = new_k[:, :, r0:r1]
+            pool.pool_v[slot, :, :, first:end] = new_v[:, :, r0:r1]
+        return [self.logits[r0:r1].clone() for r0, r1 in x.rows]
+
+    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment, each a tensor of its own: one graph run
+        for all segments (per KV pool); their K/V go into their caches."""
+        out: list[torch.Tensor | None] = [None] * len(segments)
+        for group in group_by_pool(segments):
+            for i, logits in zip(group, self._run([segments[i] for i in group]), strict=True):
+                out[i] = logits
+        return out
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
-        """Logits [T, V] (a fresh tensor: callers keep several forwards' logits); K/V go into `cache`."""
-        c = self.config
-        t = tree_mask.shape[0]
-        n = cache.length
-        start, end = cache.new_slots(tokens, tree_mask, self._rows)
-        if not (cache.k.is_contiguous() and cache.k.dtype == self.dtype and cache.k.device.type == "cpu"):
-            raise ValueError("the onnxruntime engine needs the cache it made with new_cache (contiguous fp32, CPU)")
-        s = end if self.span == "dynamic" else cache.capacity
-        self.ids[:t] = tokens
-        self.pos[:t] = positions
-        mask = self.mask[:t * s].view(t, s)
-        fill_mask(mask, tree_mask, n, None if self.span == "dynamic" else s)
-        cache_shape = tuple(cache.k.shape)
-        new_shape = (c.num_layers, c.num_kv_heads, t, c.head_dim)
-        self._bind("input_ids", self.ids, (t,))
-        self._bind("position_ids", self.pos, (t,))
-        self._bind("attention_mask", self.mask, (t, s))
-        self._bind("cache_k", cache.k, cache_shape)
-        self._bind("cache_v", cache.v, cache_shape)
-        self._bind("logits", self.logits, (t, c.vocab_size), output=True)
-        self._bind("new_k", self.new_k, new_shape, output=True)
-        self._bind("new_v", self.new_v, new_shape, output=True)
-        self.session.run_with_iobinding(self.binding)
-        numel = c.num_layers * c.num_kv_heads * t * c.head_dim
-        cache.k[:, :, start:end] = self.new_k[:numel].view(new_shape)
-        cache.v[:, :, start:end] = self.new_v[:numel].view(new_shape)
-        return self.logits[:t].clone()
-
-    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
-        """Logits per (tokens, positions, tree_mask, cache) segment: one graph run per segment (each its own)."""
-        return [self.forward(*segment) for segment in segments]
+        """Logits [T, V] (a fresh tensor); K/V go into `cache`."""
+        return self.forward_many([(tokens, positions, tree_mask, cache)])[0]

@@ -50,14 +50,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from spectrt.runtime.resources import package_path
 from spectrt.runtime.supervise import sweep_shm
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_REPOSITORY = REPO_ROOT / "triton_repo"
+DEFAULT_REPOSITORY = package_path("triton_repo")  # shipped inside the package (a checkout's own in an editable install)
 DEFAULT_MODEL = "spectrt"
 SHM_DIR = Path("/dev/shm")
 SHM_GENERIC_PREFIX = "triton_python_backend_shm_region_"
-SUPERVISOR = Path(__file__).resolve().with_name("supervise.py")
+SUPERVISOR = package_path("runtime/supervise.py")
 ADMIN_HEADER = "spectrt-admin-key"  # the HTTP header the restricted APIs require
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the gRPC metadata key (Triton adds this prefix)
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")

@@ -1,21 +1,22 @@
-"""The `tensorrt` backend: a TensorRT plan of the tree-verify graph behind the one engine interface.
+"""The `tensorrt` backend: a TensorRT plan of the batched tree-verify graph behind the one engine interface.
 
-- The plan (build/compile.py) is loaded with the module that built it (`tensorrt` or `tensorrt_rtx`),
-  after its sha256 is checked against the engines manifest and its compute capability against this GPU.
-- Static device buffers (torch CUDA tensors) are bound once: token ids, positions, the attention mask,
-  the logits and the new K/V; the KV cache is the runtime's `KVCache` allocated on the GPU in the plan's
-  K/V dtype, bound by address. Nothing is allocated per forward.
-- The graph runs in **static span** mode (S = cache capacity, see runtime/onnx_engine.fill_mask): every
-  input shape except T is fixed, so each tree size T gets its own execution context and CUDA graph
-  (captured the second time a T is seen; prompt-chunk remainders that occur once run eagerly).
-  Contexts share one scratch buffer (they run one after another on one stream).
-- `execute_async_v3` runs on a private stream ordered after the caller's stream; logits come back to
-  pinned host memory (so the decoder, greedy or sampling, works unchanged), K/V stay on the GPU.
+- The plan (build/compile.py) is loaded with the module that built it (`tensorrt` or `tensorrt_rtx`: one code path,
+  the same Python API), after its sha256 is checked against the engines manifest and its compute capability
+  against this GPU.
+- `forward_many` is ONE plan execution for all segments (B requests, each its own tree; runtime/batch_inputs.py).
+  The KV pool (`KVCache.pool`, [slots, layers, kv_heads, capacity, head_dim]) lives in device memory in the plan's
+  K/V dtype and is bound by address: no cache crosses the bus. The small per-step inputs go through pinned host
+  buffers into static device buffers; the new K/V are written into the pool slots on the GPU; only the logits come
+  back to (pinned) host memory, so the decoder, greedy or sampling, works unchanged.
+- **Static span**: `cache_columns` is the whole capacity (S = C), so only N, B, T and M vary between calls. Each
+  shape seen twice gets its own execution context and CUDA graph (captured on the second sighting; shapes that
+  occur once run eagerly); contexts share one scratch buffer (they run one after another on one stream).
+- `execute_async_v3` runs on a private stream ordered after the caller's stream.
 
-Nothing here runs without an NVIDIA GPU (no GPU was lent to the session that wrote it; the CPU tests
-drive this class with `device="cpu"` and a stand-in TensorRT module that executes the same graph with
-ONNX Runtime, which checks buffers, shapes, addresses, masks and cache writes, not TensorRT itself).
-`scripts/gpu_check.sh` is the prepared check for a GPU machine.
+Nothing here runs without an NVIDIA GPU (no GPU with TensorRT was lent to the sessions that wrote it; the CPU tests
+drive this class with `device="cpu"` and a stand-in TensorRT module that executes the same graph with ONNX Runtime,
+which checks buffers, shapes, addresses, inputs and pool writes, not TensorRT itself). `scripts/gpu_check.sh` is the
+prepared check for a GPU machine.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import sys
 from pathlib import Path
 
 import torch
+from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
 from spectrt.runtime.model import KVCache, ModelConfig
-from spectrt.runtime.onnx_engine import EngineDir, EngineDirError, fill_mask
+from spectrt.runtime.onnx_engine import EngineDir, EngineDirError, group_by_pool
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}
-INPUTS = ("input_ids", "position_ids", "attention_mask", "cache_k", "cache_v")
-OUTPUTS = ("logits", "new_k", "new_v")
+STEP_INPUTS = INPUT_NAMES[:7]  # copied host -> device every step; cache_columns and the pool are bound as they are
 _LOGGERS: dict[str, object] = {}
 
 
@@ -73,20 +74,23 @@ class TensorRTEngine:
                                  "rebuild the plan for this GPU (`spectrt engines --arch ...`, or with `tensorrt` "
                                  "on this machine)")
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        if names != set(INPUTS) | set(OUTPUTS):
-            raise EngineDirError(f"{plan} has tensors {sorted(names)}, not the tree-verify graph's "
-                                 f"{sorted(INPUTS + OUTPUTS)}: rebuild with `spectrt engines --force`")
-        self.kv_dtype = TORCH_DTYPES[io["inputs"]["cache_k"]["dtype"]]
+        if names != set(INPUT_NAMES) | set(OUTPUT_NAMES):
+            raise EngineDirError(f"{plan} has tensors {sorted(names)}, not the batched tree-verify graph's "
+                                 f"{sorted(INPUT_NAMES + OUTPUT_NAMES)}: rebuild with `spectrt engines --force`")
+        self.kv_dtype = TORCH_DTYPES[io["inputs"]["pool_k"]["dtype"]]
         self.logits_dtype = TORCH_DTYPES[io["outputs"]["logits"]["dtype"]]
-        self.max_tokens = profile["input_ids"][2][0]
-        self.max_slots = profile["cache_k"][2][2]
+        top = {k: v[2] for k, v in profile.items() if k != "name"}  # the profile's max shapes
+        self.max_rows, self.max_batch = top["input_ids"][0], top["slot_ids"][0]
+        self.max_tokens, self.max_words = top["spec_decoding_packed_mask"][1:]
+        self.max_slots, self.max_capacity = top["pool_k"][0], top["pool_k"][3]
         self.cuda_graphs = cuda_graphs and self.cuda
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._eager = self.engine.create_execution_context()
-        self._graphs: dict[tuple[int, int], tuple] = {}  # (T, cache address) -> (context, CUDAGraph)
-        self._seen: dict[tuple[int, int], int] = {}
+        self._graphs: dict[tuple, tuple] = {}  # (shapes, pool address) -> (context, CUDAGraph)
+        self._seen: dict[tuple, int] = {}
         self._scratch = None
-        self._rows = self._columns = 0
+        self._capacity = 0
+        self.runs = 0  # plan executions (one per forward_many and pool)
 
     @classmethod
     def load(cls, role_dir: Path, **kwargs) -> TensorRTEngine:
@@ -114,51 +118,49 @@ class TensorRTEngine:
     # -- buffers -------------------------------------------------------------------------------------
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
-        if capacity > self.max_slots or max_window > self.max_tokens:
+        if capacity > self.max_capacity or max_window > self.max_tokens or slots > self.max_slots:
             raise ValueError(
-                f"a cache of {capacity} slots / {max_window}-token window exceeds the plan's profile "
-                f"({self.max_slots} slots, {self.max_tokens} tokens): rebuild with `spectrt engines "
-                "--max-seq-len/--max-tree-tokens`"
+                f"{slots} caches of {capacity} slots / {max_window}-token window exceed the plan's profile "
+                f"({self.max_slots} caches of {self.max_capacity} slots, {self.max_tokens} tokens): rebuild with "
+                "`spectrt engines --max-batch/--max-seq-len/--max-tree-tokens`"
             )
         with torch.device(self.device):
             caches = KVCache.pool(self.config, slots, capacity, max_window, self.kv_dtype)
-        self._ensure_buffers(max_window, capacity)
+        self._ensure_buffers(capacity)
         return caches
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
         return self.new_caches(1, capacity, max_window)[0]
 
-    def _ensure_buffers(self, rows: int, columns: int) -> None:
-        if rows <= self._rows and columns <= self._columns:
+    def _ensure_buffers(self, capacity: int) -> None:
+        """Static host and device buffers for the profile's largest batch (allocated once per capacity)."""
+        if capacity == self._capacity:
             return
-        c = self.config
-        self._rows, self._columns = max(rows, self._rows), max(columns, self._columns)
-        dev, pin = self.device, self.cuda
-        host = lambda n, dt: torch.zeros(n, dtype=dt, pin_memory=pin)  # noqa: E731
-        self.h_ids, self.h_pos = host(self._rows, torch.int32), host(self._rows, torch.int32)
-        self.h_mask = host(self._rows * self._columns, torch.bool)
-        self.h_logits = host(self._rows * c.vocab_size, torch.float32).view(self._rows, c.vocab_size)
-        self.ids = torch.zeros(self._rows, dtype=torch.int32, device=dev)
-        self.pos = torch.zeros(self._rows, dtype=torch.int32, device=dev)
-        self.mask = torch.zeros(self._rows * self._columns, dtype=torch.bool, device=dev)
-        self.logits = torch.zeros(self._rows * c.vocab_size, dtype=self.logits_dtype, device=dev)
-        kv = c.num_layers * c.num_kv_heads * self._rows * c.head_dim
+        c, dev, pin = self.config, self.device, self.cuda
+        b, t, m, n = self.max_batch, self.max_tokens, self.max_words, self.max_rows
+        sizes = {"input_ids": n, "spec_decoding_generation_lengths": b, "spec_decoding_position_offsets": b * t,
+                 "spec_decoding_packed_mask": b * t * m, "past_key_value_lengths": b, "window_offsets": b,
+                 "slot_ids": b}
+        self.host = {k: torch.zeros(size, dtype=torch.int32, pin_memory=pin) for k, size in sizes.items()}
+        self.inputs = {k: torch.zeros(size, dtype=torch.int32, device=dev) for k, size in sizes.items()}
+        self.columns = torch.arange(capacity, dtype=torch.int32, device=dev)  # static span: S = C
+        self.h_logits = torch.zeros(n * c.vocab_size, dtype=torch.float32, pin_memory=pin)
+        self.logits = torch.zeros(n * c.vocab_size, dtype=self.logits_dtype, device=dev)
+        kv = c.num_layers * c.num_kv_heads * n * c.head_dim
         self.new_k = torch.zeros(kv, dtype=self.kv_dtype, device=dev)
         self.new_v = torch.zeros(kv, dtype=self.kv_dtype, device=dev)
+        self._capacity = capacity
         self._graphs.clear()  # captured graphs point at the old buffers
         self._seen.clear()
 
     # -- execution -----------------------------------------------------------------------------------
 
-    def _bind(self, ctx, t: int, s: int, cache: KVCache) -> None:
-        shapes = {"input_ids": (t,), "position_ids": (t,), "attention_mask": (t, s),
-                  "cache_k": tuple(cache.k.shape), "cache_v": tuple(cache.v.shape)}
-        for name, shape in shapes.items():
-            if not ctx.set_input_shape(name, shape):
-                raise RuntimeError(f"TensorRT refused shape {shape} for {name} (outside the plan's profile)")
-        addresses = {"input_ids": self.ids, "position_ids": self.pos, "attention_mask": self.mask,
-                     "cache_k": cache.k, "cache_v": cache.v, "logits": self.logits, "new_k": self.new_k,
-                     "new_v": self.new_v}
+    def _bind(self, ctx, shapes: dict[str, tuple[int, ...]], pool: KVCache) -> None:
+        for name in INPUT_NAMES:
+            if not ctx.set_input_shape(name, shapes[name]):
+                raise RuntimeError(f"TensorRT refused shape {shapes[name]} for {name} (outside the plan's profile)")
+        addresses = {**self.inputs, "cache_columns": self.columns, "pool_k": pool.pool_k, "pool_v": pool.pool_v,
+                     "logits": self.logits, "new_k": self.new_k, "new_v": self.new_v}
         for name, tensor in addresses.items():
             ctx.set_tensor_address(name, tensor.data_ptr())
 
@@ -170,7 +172,7 @@ class TensorRTEngine:
             raise RuntimeError("TensorRT execute_async_v3 failed (see TensorRT's error above)")
 
     def _new_context(self):
-        """A context for one captured T; all share one scratch buffer where TensorRT allows it."""
+        """A context for one captured shape; all share one scratch buffer where TensorRT allows it."""
         strategy = getattr(self.trt, "ExecutionContextAllocationStrategy", None)
         size = getattr(self.engine, "device_memory_size_v2", None) or getattr(self.engine, "device_memory_size", 0)
         if strategy is None or not size:
@@ -184,8 +186,8 @@ class TensorRTEngine:
             ctx.device_memory = self._scratch.data_ptr()
         return ctx
 
-    def _run(self, t: int, s: int, cache: KVCache) -> None:
-        key = (t, cache.k.data_ptr())
+    def _execute_shapes(self, shapes: dict[str, tuple[int, ...]], pool: KVCache) -> None:
+        key = (tuple(shapes[name] for name in STEP_INPUTS), tuple(pool.pool_k.shape), pool.pool_k.data_ptr())
         if self.cuda_graphs:
             entry = self._graphs.get(key)
             if entry is not None:
@@ -195,7 +197,7 @@ class TensorRTEngine:
             if self._seen[key] >= 2:
                 try:
                     ctx = self._new_context()
-                    self._bind(ctx, t, s, cache)
+                    self._bind(ctx, shapes, pool)
                     self._execute(ctx)  # warm-up outside capture (lazy initialisation, JIT kernels)
                     self.stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
@@ -205,47 +207,67 @@ class TensorRTEngine:
                     graph.replay()
                     return
                 except Exception as e:  # capture is an optimisation: fall back to eager execution
-                    self.log(f"CUDA graph capture failed for T={t} ({e}); running without CUDA graphs")
+                    self.log(f"CUDA graph capture failed for shapes {key[0]} ({e}); running without CUDA graphs")
                     self.cuda_graphs = False
-        self._bind(self._eager, t, s, cache)
+        self._bind(self._eager, shapes, pool)
         self._execute(self._eager)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
-        """Logits [T, V] on the host, a fresh tensor (callers keep several forwards' logits at once)."""
+    def _run(self, segments: list[tuple]) -> list[torch.Tensor]:
+        """One plan execution for segments whose caches share one pool; logits on the host, one tensor each."""
         c = self.config
-        t = tree_mask.shape[0]
-        n = cache.length
-        start, end = cache.new_slots(tokens, tree_mask, self._rows)
-        if cache.k.device != self.device or cache.k.dtype != self.kv_dtype:
-            raise ValueError("the tensorrt engine needs the cache it made with new_cache (device, K/V dtype)")
-        s = cache.capacity  # static span: only T varies between calls
-        self.h_ids[:t] = tokens
-        self.h_pos[:t] = positions
-        fill_mask(self.h_mask[:t * s].view(t, s), tree_mask.cpu(), n, s)
-        new_shape = (c.num_layers, c.num_kv_heads, t, c.head_dim)
-        numel = c.num_layers * c.num_kv_heads * t * c.head_dim
+        pool = segments[0][3]
+        if pool.pool_k.device != self.device or pool.pool_k.dtype != self.kv_dtype:
+            raise ValueError("the tensorrt engine needs caches it made with new_caches (device, K/V dtype)")
+        if pool.capacity != self._capacity:
+            self._ensure_buffers(pool.capacity)
+        x = batch_inputs(segments, columns=pool.capacity, max_rows=self.max_tokens)
+        n, b = x.input_ids.shape[0], len(segments)
+        t, m = x.packed_mask.shape[1:]
+        if n > self.max_rows or b > self.max_batch or m > self.max_words:
+            raise ValueError(f"a batch of {b} requests / {n} rows / {m} mask words exceeds the plan's profile "
+                             f"({self.max_batch} / {self.max_rows} / {self.max_words}): rebuild with "
+                             "`spectrt engines --max-batch/--max-tree-tokens`")
+        step = dict(zip(STEP_INPUTS, x.tensors()[:len(STEP_INPUTS)], strict=True))
+        shapes = {name: tuple(tensor.shape) for name, tensor in step.items()}
+        shapes |= {"cache_columns": (pool.capacity,), "pool_k": tuple(pool.pool_k.shape),
+                   "pool_v": tuple(pool.pool_v.shape)}
+        for name, tensor in step.items():
+            self.host[name][:tensor.numel()] = tensor.reshape(-1)
+        new_shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
+        numel = c.num_layers * c.num_kv_heads * n * c.head_dim
+        rows = n * c.vocab_size
+
+        def execute_and_write() -> None:
+            for name, tensor in step.items():
+                self.inputs[name][:tensor.numel()].copy_(self.host[name][:tensor.numel()], non_blocking=self.cuda)
+            self._execute_shapes(shapes, pool)
+            self.runs += 1
+            new_k, new_v = self.new_k[:numel].view(new_shape), self.new_v[:numel].view(new_shape)
+            for (r0, r1), (slot, first, end) in zip(x.rows, x.kv_writes, strict=True):
+                pool.pool_k[slot, :, :, first:end] = new_k[:, :, r0:r1]
+                pool.pool_v[slot, :, :, first:end] = new_v[:, :, r0:r1]
+            self.h_logits[:rows].copy_(self.logits[:rows], non_blocking=self.cuda)
+
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                self.ids[:t].copy_(self.h_ids[:t], non_blocking=True)
-                self.pos[:t].copy_(self.h_pos[:t], non_blocking=True)
-                self.mask[:t * s].copy_(self.h_mask[:t * s], non_blocking=True)
-                self._run(t, s, cache)
-                cache.k[:, :, start:end] = self.new_k[:numel].view(new_shape)
-                cache.v[:, :, start:end] = self.new_v[:numel].view(new_shape)
-                self.h_logits[:t].copy_(self.logits[:t * c.vocab_size].view(t, -1), non_blocking=True)
+                execute_and_write()
             self.stream.synchronize()
         else:
-            self.ids[:t] = self.h_ids[:t]
-            self.pos[:t] = self.h_pos[:t]
-            self.mask[:t * s] = self.h_mask[:t * s]
-            self._run(t, s, cache)
-            cache.k[:, :, start:end] = self.new_k[:numel].view(new_shape)
-            cache.v[:, :, start:end] = self.new_v[:numel].view(new_shape)
-            self.h_logits[:t] = self.logits[:t * c.vocab_size].view(t, -1)
-        return self.h_logits[:t].clone()
+            execute_and_write()
+        logits = self.h_logits[:rows].view(n, c.vocab_size)
+        return [logits[r0:r1].clone() for r0, r1 in x.rows]
 
     def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
-        """Logits per (tokens, positions, tree_mask, cache) segment: one plan run per segment (each its own)."""
-        return [self.forward(*segment) for segment in segments]
+        """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment on the host, each a tensor of its own:
+        one plan execution for all segments (per KV pool); their K/V go into their caches on the device."""
+        out: list[torch.Tensor | None] = [None] * len(segments)
+        for group in group_by_pool(segments):
+            for i, logits in zip(group, self._run([segments[i] for i in group]), strict=True):
+                out[i] = logits
+        return out
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """Logits [T, V] on the host, a fresh tensor; K/V go into `cache`."""
+        return self.forward_many([(tokens, positions, tree_mask, cache)])[0]

@@ -6,9 +6,12 @@ On a machine with an NVIDIA GPU:
 2. if a TensorRT module is importable (`tensorrt`, or `tensorrt_rtx` on a GPU it supports): build (or load,
    --engines DIR) FP32 and FP16 plans, run greedy tree decoding with the `tensorrt` backend and assert the
    FP32 plan's output (AR and trees) equals the torch backend's greedy AR output (FP16: agreement with AR
-   and with torch reported as rates: near-ties flip in half precision);
-3. always: the torch engine on CUDA (fp32, bf16): tree == AR asserted in fp32, verify cost vs T (1..64)
-   and tokens/s for AR and trees; with TensorRT the same numbers for the plans.
+   and with torch reported as rates: near-ties flip in half precision); **batched verification**: one plan
+   execution over a batch mixing a prompt chunk, a chain, a tree, a single token and a draft level, against
+   ONNX Runtime running the same batched graph (the engines dir's fp32 ONNX); and tokens/s of the batched decode
+   loop at batch 1 and batch 8;
+3. always: the torch engine on CUDA (fp32, bf16): tree == AR asserted in fp32, verify cost vs T (1..64),
+   tokens/s for AR and trees, and at batch 1 and 8; with TensorRT the same numbers for the plans.
 Without TensorRT it says so in the JSON (`tensorrt.available: false` + the reason) and measures the torch
 engine alone. `--device cpu` runs the same code on a CPU (a smoke test of this script; with --engines also
 the onnxruntime backend). Results: one JSON file (--out). Exit status 0 = all assertions held.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -105,15 +109,21 @@ class TorchOn:
         self.model.inv_freq = self.model.inv_freq.to(device)
         self.config = config
 
-    def new_cache(self, capacity: int, max_window: int):
+    def new_caches(self, slots: int, capacity: int, max_window: int):
         from spectrt.runtime.model import KVCache
 
         with torch.device(self.device):
-            return KVCache.pool(self.config, 1, capacity, max_window, self.model.dtype)[0]
+            return KVCache.pool(self.config, slots, capacity, max_window, self.model.dtype)
+
+    def new_cache(self, capacity: int, max_window: int):
+        return self.new_caches(1, capacity, max_window)[0]
 
     def forward(self, tokens, positions, tree_mask, cache):
         d = self.device
         return self.model.forward(tokens.to(d), positions.to(d), tree_mask.to(d), cache).cpu()
+
+    def forward_many(self, segments):  # the torch reference path runs one segment at a time
+        return [self.forward(*segment) for segment in segments]
 
 
 def smollm2_config(layers: int | None = None):
@@ -239,6 +249,77 @@ def bench_engine(ck: Check, label: str, target, draft, device, ids_list, new_tok
     return res, ar
 
 
+def mixed_batch(engine, vocab: int, seed: int = 5) -> list[torch.Tensor]:
+    """Logits of one forward_many over five requests: a prompt chunk at past 0, a chain after 30 tokens, a 3,2,1
+    tree after 17, one token after 40, a draft's second level of a 2,2 tree (W = 6 > T = 4) after 12 + its first."""
+    from spectrt.runtime.tree import Tree
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g)  # noqa: E731
+    causal = lambda n: torch.ones(n, n, dtype=torch.bool).tril()  # noqa: E731
+    caches = engine.new_caches(5, 256, 48)
+    tree, level = Tree.parse("3,2,1"), Tree.parse("2,2")
+    for cache, n in zip(caches[1:], (30, 17, 40, 12), strict=True):
+        engine.forward(ids(n), torch.arange(n), causal(n), cache)
+        cache.commit(n)
+    engine.forward(ids(2), level.positions(12)[1:3], level.mask[1:3, 1:3], caches[4])
+    return engine.forward_many([(ids(24), torch.arange(24), causal(24), caches[0]),
+                                (ids(4), torch.arange(30, 34), causal(4), caches[1]),
+                                (ids(len(tree)), tree.positions(17), tree.mask, caches[2]),
+                                (ids(1), torch.tensor([40]), causal(1), caches[3]),
+                                (ids(4), level.positions(12)[3:], level.mask[3:, 1:], caches[4])])
+
+
+def batched_parity(ck: Check, label: str, engine, reference, exact: bool) -> dict:
+    """`engine`'s batched forward against `reference`'s (the same batch): max |diff| / max |logit| and top-1
+    agreement; asserted tight for fp32, a floor for half precision."""
+    got, want = mixed_batch(engine, engine.config.vocab_size), mixed_batch(reference, reference.config.vocab_size)
+    rel = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+              for a, b in zip(got, want, strict=True))
+    agree = float(torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(got, want, strict=True)]).mean())
+    res = {"max_rel_diff": round(rel, 6), "top1_agreement": round(agree, 4)}
+    if exact:
+        ck.check(f"{label} batched verification == reference", rel <= 1e-3 and agree >= 0.99, str(res))
+    else:
+        ck.check(f"{label} batched verification ~ reference", agree >= 0.9, str(res))
+    return res
+
+
+def batch_throughput(ck: Check, label: str, target, draft, ids_list, new_tokens: int, tree: str | None,
+                     batches=(1, 8), invariant: bool = False) -> dict:
+    """Decode tokens/s of the batched decode loop (runtime/decoder.py) at each batch size over the same 8 requests
+    (the prompts cycled), wall time of the whole run; greedy outputs at every batch size compared with batch 1's
+    (asserted equal for a batch-invariant engine: ONNX Runtime's fp32 graph, the per-segment torch path)."""
+    from spectrt.runtime.decoder import Decoder, Job
+    from spectrt.runtime.tree import Tree
+
+    jobs = lambda: [Job(ids_list[i % len(ids_list)], new_tokens, Tree.parse(tree) if tree else None)  # noqa: E731
+                    for i in range(max(batches))]
+    res, first = {"tree": tree or "none (target alone)", "requests": max(batches)}, None
+    for b in batches:
+        decoder = Decoder(target, draft if tree else None, {2}, max_seq_len=512, max_tree_tokens=64,
+                          max_active=b)
+        decoder.run(jobs()[:2])  # warm-up (first forwards, CUDA graph capture)
+        start = time.perf_counter()
+        done = decoder.run(jobs())
+        wall = time.perf_counter() - start
+        tokens = sum(len(j.out) for j in done)
+        res[f"batch {b}"] = {"tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 2), "tokens": tokens}
+        outs = [j.out for j in done]
+        if first is None:
+            first = outs
+        else:
+            same = sum(a == o for a, o in zip(first, outs, strict=True))
+            res[f"batch {b}"]["equal_to_batch_1"] = f"{same}/{len(outs)}"
+            if invariant:
+                ck.check(f"{label} batch {b} == batch 1 (greedy)", same == len(outs), f"{same}/{len(outs)}")
+        ck.log(f"{label} batch {b}: {res[f'batch {b}']}")
+    if len(batches) > 1:
+        res["speedup"] = round(res[f"batch {batches[-1]}"]["tokens_per_s"] / res[f"batch {batches[0]}"]["tokens_per_s"],
+                               2)
+    return res
+
+
 # --------------------------------------------------------------------------------------------------
 # TensorRT
 
@@ -299,6 +380,13 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
         draft = TensorRTEngine.load(engines / "draft")
         res, _ = bench_engine(ck, f"tensorrt {precision}", target, draft, device, ids_list, args.new_tokens,
                               exact=precision == "fp32", reference=reference, trees=trees, tokens=tokens)
+        res["batched_verification_vs_onnxruntime"] = {
+            role: batched_parity(ck, f"tensorrt {precision} {role}", engine, ort_reference(engines, role),
+                                 exact=precision == "fp32")
+            for role, engine in (("target", target), ("draft", draft))}
+        res["batched_decoding"] = {tree or "AR": batch_throughput(ck, f"tensorrt {precision}", target, draft, ids_list,
+                                                                  args.new_tokens, tree)
+                                   for tree in (None, trees[0])}
         res["build_or_load_seconds"] = round(build_s, 1)
         res["plan_bytes"] = {p.relative_to(engines).as_posix(): p.stat().st_size for p in engines.glob("*/*.plan")}
         out[precision] = res
@@ -307,15 +395,41 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
     return out
 
 
-def ort_section(ck: Check, args, device, ids_list, reference, trees, tokens) -> dict:
-    """CPU only: the onnxruntime backend from an engines dir, same measurements (the CPU benchmark)."""
+def ort_reference(engines: Path, role: str):
+    """ONNX Runtime on this machine's CPU running the engines dir's fp32 batched graph (the reference for plans)."""
     from spectrt.runtime.engine import load_engine
 
-    target = load_engine(args.engines / "target", "onnxruntime")
-    draft = load_engine(args.engines / "draft", "onnxruntime")
+    return load_engine(engines / role, "onnxruntime")
+
+
+def ort_section(ck: Check, args, device, ids_list, reference, trees, tokens) -> dict:
+    """CPU only: the onnxruntime backend from an engines dir, same measurements (the CPU benchmark), and the batched
+    graph: one run over a mixed batch = each request alone, tokens/s at batch 1 and 8."""
+    target, draft = ort_reference(args.engines, "target"), ort_reference(args.engines, "draft")
     res, _ = bench_engine(ck, "onnxruntime fp32", target, draft, device, ids_list, args.new_tokens, exact=True,
                           reference=reference, trees=trees, tokens=tokens)
+    res["batched_verification_vs_one_at_a_time"] = batched_parity(ck, "onnxruntime fp32", target, OneAtATime(target),
+                                                                  exact=True)
+    res["batched_decoding"] = {tree or "AR": batch_throughput(ck, "onnxruntime fp32", target, draft, ids_list,
+                                                              args.new_tokens, tree, invariant=True)
+                               for tree in (None, trees[0])}
     return res
+
+
+class OneAtATime:
+    """An engine whose forward_many runs each segment alone (the reference for a batched forward)."""
+
+    def __init__(self, engine):
+        self.engine, self.config = engine, engine.config
+
+    def new_caches(self, slots: int, capacity: int, max_window: int):
+        return self.engine.new_caches(slots, capacity, max_window)
+
+    def forward(self, *segment):
+        return self.engine.forward(*segment)
+
+    def forward_many(self, segments):
+        return [self.engine.forward(*segment) for segment in segments]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,7 +439,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--target", type=Path, default=REPO / "artifacts" / "smollm2-135m-instruct")
+    p.add_argument("--target", type=Path,  # the checkout's artifacts/ (this script runs from a checkout)
+                   default=Path(os.environ.get("SPECTRT_ARTIFACTS", REPO / "artifacts")) / "smollm2-135m-instruct")
     p.add_argument("--draft", type=Path, default=None, help="default: <target>-draft if present, else a 4-layer slice")
     p.add_argument("--engines", type=Path, default=None,
                    help="an engines dir (manifest.json) to load plans from / run onnxruntime on (--device cpu), "
@@ -375,6 +490,12 @@ def main(argv=None) -> int:
         target, draft, weights = load_pair(device, torch.float32, target_dir, draft_dir)
         res, reference = bench_engine(ck, "torch fp32", target, draft, device, ids_list, args.new_tokens, exact=True,
                                       trees=trees, tokens=tokens)
+        if ck.left() > 120:
+            res["batched_decoding"] = {tree or "AR": batch_throughput(ck, "torch fp32", target, draft, ids_list,
+                                                                      args.new_tokens, tree, invariant=True)
+                                       for tree in (None, trees[0])}
+        else:
+            r["skipped"].append("torch fp32 batched decoding (time)")
         r["torch"] = {"fp32": res}
         del target, draft
         if args.no_bf16:

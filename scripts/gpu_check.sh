@@ -4,8 +4,10 @@
 #   bash scripts/gpu_check.sh [OUT_JSON] [extra args for scripts/gpu_check.py]
 #
 # Builds (or loads, --engines DIR) TensorRT plans for the embedded pair, runs greedy tree decoding with the
-# `tensorrt` backend, asserts the FP32 plan's output equals the torch backend's, and prints verify cost vs T
-# (1..64) and tokens/s; all results go to OUT_JSON (default: $OUT/gpu_check.json, else ./gpu_check.json).
+# `tensorrt` backend, asserts the FP32 plan's output equals the torch backend's, checks one batched plan execution
+# (prompt chunk, chain, tree, single token, draft level) against ONNX Runtime on the same batched graph, and prints
+# verify cost vs T (1..64) and tokens/s, also of the batched decode loop at batch 1 and 8; all results go to
+# OUT_JSON (default: $OUT/gpu_check.json, else ./gpu_check.json).
 # Without a TensorRT module (e.g. a GPU machine with no registry access: the TensorRT-RTX wheel is 89 MB) it
 # says so in the JSON and measures the torch engine on CUDA; without the checkpoint (artifacts/ is not
 # shipped) it uses random weights of SmolLM2-135M's real shapes and says so. Finishes in < 8 minutes
@@ -55,6 +57,11 @@ for engine, parts in (("torch", r.get("torch", {})), ("tensorrt", {k: v for k, v
         for name, v in res.items():
             if isinstance(v, dict) and "tokens_per_s" in v:
                 print(f"  {engine} {precision} {name}: {v}")
+        for tree, b in res.get("batched_decoding", {}).items():
+            print(f"  {engine} {precision} batched decoding ({tree}): batch 1 {b['batch 1']['tokens_per_s']} tok/s, "
+                  f"batch 8 {b['batch 8']['tokens_per_s']} tok/s ({b.get('speedup')}x)")
+        for role, v in res.get("batched_verification_vs_onnxruntime", {}).items():
+            print(f"  {engine} {precision} batched verification vs onnxruntime ({role}): {v}")
 for c in r.get("checks", []):
     if not c["ok"]:
         print(f"  FAIL {c['name']} {c['detail']}")

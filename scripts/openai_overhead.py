@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from spectrt.runtime.client import DEFAULT_PROMPTS
+
 STACKS = ("asyncio-streams", "aiohttp", "starlette-uvicorn-h11", "starlette-uvicorn-httptools-uvloop")
 EVENT = re.compile(rb"data: (\{[^\n]*\})\n\n")
 
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("served")
     s.add_argument("--requests", type=int, default=16)
     s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--prompts", default=str(Path(__file__).resolve().parent.parent / "bench" / "prompts.txt"))
+    s.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     s.add_argument("serve_args", nargs="*", help="flags of `spectrt serve` after --, e.g. -- --draft none")
     for s in sub.choices.values():
         s.add_argument("--out", type=Path, default=Path("bench/results/openai"))

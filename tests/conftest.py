@@ -1,4 +1,5 @@
-"""Shared fixtures: the real embedded target (converted once into artifacts/) and drafts sliced from it."""
+"""Shared fixtures and helpers: the real embedded target (converted once into artifacts/), drafts sliced from it,
+its tokenizer and chat prompts, and the families' tiny random checkpoints (test_families, test_reference)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,41 @@ from pathlib import Path
 import pytest
 import torch
 from spectrt.build.checkpoint import resolve_target
-from spectrt.build.slice import slice_target
+from spectrt.build.slice import TOKENIZER_FILES, slice_target
 from spectrt.runtime.model import Transformer
 
 torch.manual_seed(0)
+
+PROMPTS = [  # chat prompts of the decoding tests
+    "Write a Python function that checks whether a number is prime.",
+    "List five animals that live in the ocean.",
+    "What is 12 times 15? Explain briefly.",
+    "Explain what photosynthesis is to a child.",
+    "Write a short poem about the moon.",
+    "Give three tips for learning a new language.",
+    "What is the capital of France and what is it famous for?",
+    "Write a SQL query that counts rows in a table named users.",
+]
+EOS = {2}  # the embedded target's end of sequence (<|im_end|>)
+
+
+def chat_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Token ids of a user prompt (or a list of messages) with the chat template and the generation prompt."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
 
 
 @pytest.fixture(scope="session")
 def target_dir() -> Path:
     return resolve_target()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +73,69 @@ def engines(target_dir, draft_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("engines") / "smollm2"
     yield make_engines(target_dir, draft_dir, out, precision="fp16", archs=ARCHS)
     shutil.rmtree(out, ignore_errors=True)  # ~1.7 GB of graphs and plans
+
+
+# ---- the families' tiny random checkpoints (2 layers, hidden 64, the embedded tokenizer's vocabulary and files)
+
+VOCAB = 49152  # the embedded tokenizer's
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1, bos_token_id=1,
+              eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+FAMILIES = ["llama3", "mistral", "qwen2", "qwen3"]
+
+
+def hf_config(family: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if family == "llama3":
+        return LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None, head_dim=16)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON, tie_word_embeddings=True)
+    if family == "qwen3":  # head_dim 24 != 64 / 4
+        return Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False)
+    # RoPE scalings and biases beyond the four families' defaults (engine parity only)
+    if family == "llama-linear":
+        return LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+    if family == "llama-yarn-bias":
+        return LlamaConfig(**COMMON, attention_bias=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024})
+    if family == "qwen3-bias":
+        return Qwen3Config(**COMMON, head_dim=24, attention_bias=True)
+    raise KeyError(family)
+
+
+def make_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A random checkpoint saved with transformers; norms and biases randomized (transformers initialises them to 1
+    and 0, which would hide a missing bias or norm)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(target_dir, tmp_path_factory):
+    """family -> its tiny checkpoint directory, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_checkpoint(family, tmp_path_factory.mktemp(family) / family, Path(target_dir))
+        return made[family]
+
+    return get

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import COMMON, FAMILIES, VOCAB
 from spectrt.build.checkpoint import CheckpointError, resolve_target
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
-from spectrt.build.slice import TOKENIZER_FILES, load_state_dict, slice_target
+from spectrt.build.slice import load_state_dict, slice_target
 from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.engine import check_draft_matches, load_engine
 from spectrt.runtime.families import rope_frequencies
@@ -30,67 +30,10 @@ from spectrt.runtime.model import ModelConfig, Transformer
 from spectrt.runtime.tree import Tree
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB = 49152  # the embedded tokenizer's
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1, bos_token_id=1,
-              eos_token_id=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def hf_config(family: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    if family == "llama3":
-        return LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False)
-    if family == "mistral":
-        return MistralConfig(**COMMON, sliding_window=None, head_dim=16)
-    if family == "qwen2":
-        return Qwen2Config(**COMMON, tie_word_embeddings=True)
-    if family == "qwen3":  # head_dim 24 != 64 / 4
-        return Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=False)
-    # RoPE scalings and biases beyond the four families' defaults (engine parity only)
-    if family == "llama-linear":
-        return LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
-    if family == "llama-yarn-bias":
-        return LlamaConfig(**COMMON, attention_bias=True, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024})
-    if family == "qwen3-bias":
-        return Qwen3Config(**COMMON, head_dim=24, attention_bias=True)
-    raise KeyError(family)
-
-
-def make_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, out / name)
-    return out
-
-
-FAMILIES = ["llama3", "mistral", "qwen2", "qwen3"]
-
 
 @pytest.fixture(scope="module")
-def checkpoints(target_dir, tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = make_checkpoint(family, tmp_path_factory.mktemp(family) / family, Path(target_dir))
-        return made[family]
-
-    return get
+def checkpoints(family_checkpoints):
+    return family_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +117,7 @@ def test_onnx_graph_matches_torch(checkpoints, family, tmp_path):
     path = checkpoints(family)
     graph = export_graph(path, tmp_path / "model.fp32.onnx", "fp32", log=lambda _: None)
     reference = Transformer.load(path)
-    ort = OnnxEngine(graph, reference.config, optimization="basic", span="dynamic")
+    ort = OnnxEngine(graph, reference.config, optimization="basic")
     caches = reference.new_cache(64, 32), ort.new_cache(64, 32)
     tree = Tree.parse("3,2,1")
     outs = []
@@ -270,7 +213,7 @@ def test_engines_build_and_run(checkpoints, drafts, family, tmp_path):
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})[0]
     with torch.no_grad():
-        want = TreeVerifyModel.load(target)(*inputs[:3], inputs[3].float(), inputs[4].float())[0].numpy()
+        want = TreeVerifyModel.load(target)(*inputs[:-2], inputs[-2].float(), inputs[-1].float())[0].numpy()
     assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
     reference = Transformer.load(target)
     prompt = _ids(10, seed=4).tolist()

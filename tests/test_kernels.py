@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EOS, PROMPTS, chat_ids
 from spectrt.runtime import kernels
 from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
-from test_decoder import EOS, PROMPTS  # the decoder tests' prompts
 
 
 def test_native_kernels_build_here():
@@ -122,12 +122,8 @@ def test_forward_many_equals_separate_forwards(target):
 
 
 @pytest.fixture(scope="module")
-def bf16_prompts(target_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]) for p in PROMPTS]
+def bf16_prompts(tokenizer):
+    return [chat_ids(tokenizer, p) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("spec", ["2,2,1", "1,1,1,1"])

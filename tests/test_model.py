@@ -2,13 +2,15 @@
 
 import pytest
 import torch
+from conftest import EOS, PROMPTS, chat_ids
+from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
 from transformers import AutoModelForCausalLM
 
 
 def causal_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
-    cache = model.new_cache(256, 64)
+    cache = model.new_cache(256, max(64, len(ids)))
     t = len(ids)
     return model.forward(torch.tensor(ids), torch.arange(t), torch.ones(t, t, dtype=torch.bool).tril(), cache)
 
@@ -79,12 +81,50 @@ def test_compaction_keeps_exactly_the_accepted_path(target):
     assert (cache.k.data_ptr(), cache.v.data_ptr()) == (k_ptr, v_ptr)
 
 
-def test_bf16_agrees_with_fp32(target_dir, target):
+@pytest.fixture(scope="module")
+def answer(target, tokenizer) -> list[int]:
+    """Real text to teacher-force: a chat prompt and the fp32 target's greedy answer to it."""
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    return ids + Decoder(target, None, EOS, max_seq_len=256).generate(ids, 32).token_ids
+
+
+@pytest.fixture(scope="module")
+def hf_bf16_logits(target_dir, answer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's logits of `answer`: (fp32 arithmetic on the weights rounded to bf16, bf16 throughout)."""
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        rounded = hf(torch.tensor([answer])).logits[0]
+        bf16 = hf.to(torch.bfloat16)(torch.tensor([answer])).logits[0].float()
+    return rounded, bf16
+
+
+def test_bf16_native_forward_matches_hugging_face_on_bf16_weights(target_dir, target, answer, hf_bf16_logits):
+    """The native bf16 engine keeps bf16 weights and computes in fp32, which is exactly Hugging Face in fp32 on the
+    weights rounded to bf16: the fp32 parity bound applies, 70x tighter than what the rounding itself moves."""
+    rounded, _ = hf_bf16_logits
     bf16 = Transformer.load(target_dir, torch.bfloat16)
-    ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411]
-    a, b = causal_logits(target, ids), causal_logits(bf16, ids)
-    assert b.dtype == torch.float32 and bf16.embed.dtype == torch.bfloat16
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
+    assert bf16.native is not None and bf16.embed.dtype == torch.bfloat16
+    got = causal_logits(bf16, answer)
+    assert got.dtype == torch.float32
+    scale = float(rounded.abs().max())
+    assert float((got - rounded).abs().max()) <= 1e-4 * scale
+    # the bf16 rounding of the weights is what the reference captures: the fp32 engine is far outside the bound
+    assert float((causal_logits(target, answer) - rounded).abs().max()) > 10 * 1e-4 * scale
+
+
+def test_bf16_reference_path_matches_hugging_face_bf16(target_dir, answer, hf_bf16_logits):
+    """The torch path computes in bf16 as transformers does, so kernels round differently; the tolerance comes
+    from bf16's own precision: no further from exact arithmetic (fp32 on bf16 weights) than twice transformers'
+    bf16 forward is (3.8% of the largest logit here), and as close to transformers' bf16 as that."""
+    rounded, hf_bf16 = hf_bf16_logits
+    bf16 = Transformer.load(target_dir, torch.bfloat16, native=False)
+    got = causal_logits(bf16, answer)
+    hf_error = float((hf_bf16 - rounded).abs().max())
+    assert 0 < hf_error < 0.1 * float(rounded.abs().max())  # bf16 arithmetic: a few percent, not a broken model
+    assert float((got - rounded).abs().max()) <= 2 * hf_error
+    assert float((got - hf_bf16).abs().max()) <= 2 * hf_error
 
 
 def test_window_overflow_is_refused(target):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ARCHS
+from conftest import ARCHS, EOS, PROMPTS, chat_ids
 from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
 from spectrt.build.export import TreeVerifyModel, example_inputs
 from spectrt.build.slice import slice_target
@@ -36,8 +36,6 @@ from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.int8 import Int8Linear
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
-
-EOS = {2}
 
 
 def _quantize(src: Path, out: Path, qformat: str, samples: list[torch.Tensor]) -> Path:
@@ -89,17 +87,12 @@ def small_quantized(tiny_llama, target_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def int8_target(target_dir, tmp_path_factory) -> tuple[Path, Path]:
+def int8_target(target_dir, tokenizer, tmp_path_factory) -> tuple[Path, Path]:
     """(target link, its INT8 SmoothQuant checkpoint as `<target>-int8_sq`), calibrated on 8 real prompts."""
-    from transformers import AutoTokenizer
-
     root = tmp_path_factory.mktemp("int8_target")
     link = root / "smollm2"
     link.symlink_to(Path(target_dir).resolve())
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    samples = [torch.tensor(tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"])
-               for conv in read_prompts(CALIBRATION_PROMPTS)[:8]]
+    samples = [torch.tensor(chat_ids(tokenizer, conv)) for conv in read_prompts(CALIBRATION_PROMPTS)[:8]]
     return link, _quantize(link, root / "smollm2-int8_sq", "int8_sq", samples)
 
 
@@ -264,15 +257,8 @@ def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(target_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    prompts = ["Write a Python function that checks whether a number is prime.",
-               "List five animals that live in the ocean.", "Explain what photosynthesis is to a child.",
-               "Give three tips for learning a new language."]
-    return [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=True)["input_ids"]) for p in prompts]
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [chat_ids(tokenizer, p) for p in (PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[5])]
 
 
 def test_int8_verify_rows_match_single_token_steps(int8_target, prompt_ids):
@@ -349,7 +335,7 @@ def test_accuracy_metrics_on_small_tensors():
     assert "passed" in gate_message(summarize(same, gate=0.97))
 
 
-def test_accuracy_report_on_the_int8_target(int8_target, prompt_ids):
+def test_accuracy_report_on_the_int8_target(int8_target, prompt_ids, tmp_path, capsys):
     target, int8 = int8_target
     fp = Transformer.load(target)
     records = []
@@ -357,8 +343,15 @@ def test_accuracy_report_on_the_int8_target(int8_target, prompt_ids):
         answer = Decoder(fp, None, EOS, max_seq_len=512).generate(ids, 24).token_ids
         records.append({"input_ids": torch.tensor(ids + answer), "prompt_len": len(ids)})
     positions = sum(len(r["input_ids"]) - r["prompt_len"] for r in records)
-    itself = accuracy_report(target, target, progress=False, log=lambda _: None, records=records)
+    logged: list[str] = []
+    itself = accuracy_report(target, target, progress=False, log=logged.append, records=records)
     assert itself["positions"] == positions and itself["top1_agreement"] == 1.0 and itself["mean_kl"] < 1e-6
+    assert itself["gate_passed"] and "passed" in logged[0] and not capsys.readouterr().err
+    # a model that really differs (the target without its last 4 of 30 layers) fails the gate, loudly
+    perturbed = accuracy_report(target, slice_target(target, 26, tmp_path / "slice26"), progress=False,
+                                log=logged.append, records=records)
+    assert not perturbed["gate_passed"] and perturbed["mean_kl"] > 0.1 and len(logged) == 1
+    assert "ACCURACY GATE MISSED" in capsys.readouterr().err
     report = accuracy_report(target, int8, progress=False, log=lambda _: None, records=records)
     assert report["mean_kl"] > 1e-4  # quantization changes the distribution ...
     assert report["gate_passed"] == (report["top1_agreement"] >= 0.97)

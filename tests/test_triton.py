@@ -24,6 +24,7 @@ TREE = "2,1"
 MAX_SEQ_LEN = 256
 LIMIT = 48
 TIMEOUT = 180.0
+WAIT = 60.0  # hang guard for state the server reaches on its own (asserted through counters, never a clock)
 MAX_ACTIVE = 4
 MAX_COST = 1000
 MAX_QUEUE = 16
@@ -252,9 +253,9 @@ def _released(server) -> float:
 
 
 def test_cancelled_stream_stops_decoding(server, session):
-    """A client that closes its stream mid-generation frees its instance within a decoder step or two."""
+    """A client that closes its stream mid-generation: its request is dropped, not run to completion, and decoding
+    stops (no slot held, no further batch steps)."""
     import queue
-    import time
 
     before, released = _scrape(server), _released(server)
     responses: queue.Queue = queue.Queue()
@@ -265,13 +266,12 @@ def test_cancelled_stream_stops_decoding(server, session):
         assert error is None and result.as_numpy("text_output") is not None
     finally:
         session.client.stop_stream(cancel_requests=True)
-    cancelled_at = time.monotonic()
-    while _released(server) <= released and time.monotonic() - cancelled_at < TIMEOUT:
-        time.sleep(0.05)
-    stopped_after = time.monotonic() - cancelled_at
-    # 48 tokens take several seconds at this size; a cancelled request ends at the next check (0.25 s) + a step
-    assert stopped_after < 2.0, f"the cancelled request ran on for {stopped_after:.1f}s"
-    assert _scrape(server)["spectrt_requests_total"] == before["spectrt_requests_total"], "it completed"
+    _wait_for(lambda: _released(server) > released and _gauge(server, "spectrt_active_requests") == 0)
+    after = _scrape(server)
+    assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
+    assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
+    assert 0 < after["spectrt_batch_steps_total"] - before["spectrt_batch_steps_total"]
+    assert _scrape(server)["spectrt_batch_steps_total"] == after["spectrt_batch_steps_total"], "still decoding"
     _good(session)
 
 
@@ -393,16 +393,15 @@ def _gauge(server, name: str) -> float:
     return _scrape(server).get(name, 0.0)
 
 
-def _wait_for(predicate, timeout: float) -> float:
-    """Seconds until predicate() held (polling), or raise AssertionError after `timeout`."""
+def _wait_for(predicate, timeout: float = WAIT) -> None:
+    """Poll until predicate() holds; `timeout` only guards against a hang (it is never what a test asserts)."""
     import time
 
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout}s")
+            raise AssertionError(f"still not the case after {timeout}s")
         time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, pipe):
@@ -458,7 +457,7 @@ def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, p
         assert not r.errors, (s, k, r.errors)
         assert r.text == pipe.tokenizer.decode(want, skip_special_tokens=True), f"stream {s} request {k}"
         assert r.n_out == len([t for t in want if t not in pipe.decoder.eos_ids]), (s, k)
-    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0)
 
 
 def _batch_reference(pipe, prompt: str, max_tokens: int, **constraints):
@@ -535,12 +534,12 @@ def test_queued_request_cancelled_never_prefills_and_slots_free(server, session)
 
 
 def test_non_streaming_request_cancelled_midway_stops(server, session):
-    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0)
     before = _scrape(server)
     st = _stream(server, session, request_fields(PROMPTS[6], LIMIT, False, tree="0"))
-    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 1, 30)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 1)
     st.close(cancel=True)
-    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 2.0)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0)
     after = _scrape(server)
     assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
     assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
