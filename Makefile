@@ -18,7 +18,7 @@ INSTANCES   ?= 1
 CONCURRENCY ?=
 OPENAI_PORT ?= 9000
 
-.PHONY: setup demo test bench profile tune draft quantize compare engines gpu-check serve client perf lint clean
+.PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -74,11 +74,31 @@ profile: draft  ## this machine's cost curve (ms per forward vs tree size, targe
 	$(BIN)/spectrt profile --dtype fp32
 	$(BIN)/spectrt profile --dtype bf16
 
-quantize: setup  ## INT8 target with ModelOpt (QFORMAT=int8_sq|int8_wo) + accuracy gates -> artifacts/<target>-$(QFORMAT)
+quantize: setup  ## INT8 target with ModelOpt (QFORMAT: a recipe of quant/recipes.py) + accuracy gates -> artifacts/<target>-$(QFORMAT)
 	$(BIN)/spectrt quantize --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET))
 
-compare: draft quantize  ## FP32 vs INT8 target, AR and tree, one run -> bench/results/compare/ (md, json, png)
-	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT))
+recipes: setup  ## every INT8 recipe on the same held-out positions + verify cost -> bench/results/compare/recipes.md
+	$(BIN)/spectrt quantize --search $(if $(TARGET),--target $(TARGET))
+
+# fp32, bf16, INT8 W8A8 ($(QFORMAT)) and INT8 weight-only targets, each AR and with the default speculation (each
+# precision's policy tuned on this machine, as generate runs it), single stream and batched, in one interleaved run
+COMPARE_LIMIT ?=
+TUNED_BF16 := artifacts/policy-smollm2-135m-instruct-smollm2-135m-instruct-draft-bf16.json
+TUNED_INT8 := $(foreach q,$(QFORMAT) int8_wo,artifacts/policy-smollm2-135m-instruct-$(q)-smollm2-135m-instruct-draft-fp32.json)
+
+$(TUNED_BF16): | draft
+	$(BIN)/spectrt profile --dtype bf16 --repeats 5
+	$(BIN)/spectrt tune --dtype bf16
+
+artifacts/policy-smollm2-135m-instruct-%-smollm2-135m-instruct-draft-fp32.json: | draft  # an INT8 target's policy
+	$(BIN)/spectrt quantize --qformat $*
+	$(BIN)/spectrt profile --target artifacts/smollm2-135m-instruct-$* --dtype fp32 --repeats 5
+	$(BIN)/spectrt tune --target artifacts/smollm2-135m-instruct-$* --dtype fp32
+
+compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/
+	$(BIN)/spectrt quantize --qformat int8_wo $(if $(TARGET),--target $(TARGET))
+	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
+		$(if $(COMPARE_LIMIT),--limit $(COMPARE_LIMIT))
 
 engines: draft $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (PRECISION=int8: INT8 target)
 	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \

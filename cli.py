@@ -189,6 +189,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from spectrt.quant.quantize import quantize_target
 
     target = resolve_target(args.target, args.artifacts)
+    if args.search:
+        from spectrt.quant.search import search_recipes
+
+        search_recipes(target, out=args.search_out, calib_prompts=args.calib_prompts, samples=args.calib_samples,
+                       force=args.force)
+        return 0
     quantize_target(target, args.out, args.qformat, args.calib_prompts, args.calib_samples, force=args.force)
     return 0
 
@@ -196,12 +202,23 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from spectrt.quant.compare import run_compare
     from spectrt.quant.quantize import default_output
+    from spectrt.runtime.bench import PROMPT_SETS, read_prompts
 
+    if args.backend != "torch" or args.engines:
+        raise ValueError("compare runs every precision (fp32, bf16, INT8) on the CPU engines in one run: drop "
+                         "--backend/--engines (the TensorRT plans are compared by scripts/gpu_check.sh)")
     target, draft = _models(args)
-    int8 = Path(args.int8) if args.int8 else default_output(target, args.qformat)
-    if not (int8 / "config.json").is_file():
-        raise CheckpointError(f"INT8 target {int8} does not exist: run `spectrt quantize` (make quantize) first")
-    run_compare(target, int8, draft, args.prompts, args.limit, args.max_new_tokens, args.tree_spec, args.out)
+    models = {"fp32": (target, "fp32"), "bf16": (target, "bf16")}
+    for qformat in dict.fromkeys((args.qformat, args.weight_only)):
+        path = default_output(target, qformat)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"INT8 target {path} does not exist: run `spectrt quantize --qformat {qformat}` "
+                                  f"(make quantize QFORMAT={qformat}) first")
+        models[qformat] = (path, "fp32")
+    sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
+    prompt_sets = {name: read_prompts(path)[:args.limit] for name, path in sets.items()}
+    run_compare(target, draft, models, prompt_sets, args.max_new_tokens, args.out, args.batch, args.max_seq_len,
+                artifacts=args.artifacts)
     return 0
 
 
@@ -287,26 +304,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_draft)
 
     from spectrt.quant.quantize import CALIBRATION_PROMPTS, DEFAULT_SAMPLES
+    from spectrt.quant.recipes import DEFAULT_QFORMAT, RECIPES
 
     q = sub.add_parser("quantize", help="calibrate + quantize the target to INT8 with ModelOpt (+ accuracy gates)")
     q.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
     q.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
-    q.add_argument("--qformat", default="int8_sq", help="int8_sq (SmoothQuant W8A8, default) or int8_wo (weight-only)")
+    q.add_argument("--qformat", default=DEFAULT_QFORMAT,
+                   help=f"the recipe (quant/recipes.py): {', '.join(RECIPES)}; default {DEFAULT_QFORMAT}")
     q.add_argument("--calib-prompts", type=Path, default=CALIBRATION_PROMPTS,
                    help="calibration prompts, one per line; must not overlap the evaluation prompts")
     q.add_argument("--calib-samples", type=int, default=DEFAULT_SAMPLES, help="calibration conversations to use")
     q.add_argument("--out", type=Path, help="output dir (default: <target>-<qformat> next to the target)")
     q.add_argument("--force", action="store_true", help="re-quantize even if an up-to-date result exists")
+    q.add_argument("--search", action="store_true", help="quantize with every recipe and measure each on the same "
+                   "held-out positions -> which pass the gate, which is fastest (written to --search-out)")
+    q.add_argument("--search-out", type=Path, default=Path("bench/results/compare"))
     q.set_defaults(func=cmd_quantize)
 
-    cmp = sub.add_parser("compare", help="FP32 vs INT8 target, with and without tree speculation, in one run")
+    cmp = sub.add_parser("compare", help="fp32 vs bf16 vs INT8 W8A8 vs INT8 weight-only targets, each alone and with "
+                         "the default speculation, single and batched, in one interleaved run")
     _add_model_args(cmp)
-    cmp.add_argument("--qformat", default="int8_sq", help="the `spectrt quantize` output to compare: int8_sq|int8_wo")
-    cmp.add_argument("--int8", help="INT8 checkpoint dir (default: <target>-<qformat> from `spectrt quantize`)")
-    cmp.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
-    cmp.add_argument("--limit", type=_positive, help="use only the first N prompts")
+    cmp.add_argument("--qformat", default=DEFAULT_QFORMAT, help="the INT8 W8A8 recipe (`spectrt quantize` output)")
+    cmp.add_argument("--weight-only", default="int8_wo", help="the INT8 weight-only recipe compared")
+    cmp.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt and "
+                     "bench/prompts_repetitive.txt)")
+    cmp.add_argument("--limit", type=_positive, help="use only the first N prompts of each set")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128)
-    cmp.add_argument("--tree", dest="tree_spec", default=None, help="tree for the speculative rows (default 2,1)")
+    cmp.add_argument("--batch", type=_positive, default=8, help="requests of the batched runs (1 and N concurrent)")
     cmp.add_argument("--out", type=Path, default=Path("bench/results/compare"))
     cmp.set_defaults(func=cmd_compare)
 

@@ -5,12 +5,14 @@ tokens it would serve. At every answer position both engines see the same contex
 - top-1 agreement: the INT8 argmax equals the FP argmax (greedy decoding diverges where it does not);
 - mean KL(FP || INT8) over the full vocabulary, in nats;
 - perplexity of the answers under each model, and the relative delta.
-The gate (default top-1 >= 0.97) is reported loudly when missed; both engines are the torch engines
-that serve (runtime/int8.py for INT8), not the fake-quantized module.
+The gate (default top-1 >= 0.97) is reported loudly when missed; both engines are the engines that serve
+(the native forward, runtime/int8.py for INT8), not the fake-quantized module. Every recipe and precision is
+judged on the same records (their fingerprint is in the report).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Callable
@@ -19,8 +21,7 @@ from pathlib import Path
 import torch
 from spectrt.build.corpus import HELDOUT_PROMPTS, generate_distill_data, read_prompts
 from spectrt.build.distill import DistillConfig
-from spectrt.runtime.engine import Engine
-from spectrt.runtime.model import Transformer
+from spectrt.runtime.engine import Engine, load_engine
 
 GATE_TOP1 = 0.97
 
@@ -56,6 +57,15 @@ def summarize(sums: dict, gate: float) -> dict:
             "gate_top1": gate, "gate_passed": top1 >= gate}
 
 
+def records_fingerprint(records: list[dict]) -> str:
+    """Identifies the exact held-out positions a report was computed on (the same for every recipe compared)."""
+    h = hashlib.sha1()
+    for rec in records:
+        h.update(rec["input_ids"].long().numpy().tobytes())
+        h.update(int(rec["prompt_len"]).to_bytes(8, "little"))
+    return h.hexdigest()[:16]
+
+
 def heldout_records(target: Path, progress: bool = True) -> list[dict]:
     """The FP target's greedy answers to the held-out prompts (generated once, cached with the quant work)."""
     from spectrt.quant.quantize import work_dir
@@ -65,21 +75,29 @@ def heldout_records(target: Path, progress: bool = True) -> list[dict]:
     return records
 
 
-def accuracy_report(target: Path, quantized: Path, gate: float = GATE_TOP1, progress: bool = True,
-                    log: Callable[[str], None] = print, records: list[dict] | None = None) -> dict:
-    """The gates on `records` (dicts with `input_ids` = prompt + answer and `prompt_len`; default: held-out)."""
+def engine_agreement(reference: Engine, candidate: Engine, records: list[dict], gate: float = GATE_TOP1,
+                     progress: bool = True) -> dict:
+    """The gates of `candidate` against `reference` on `records` (dicts with `input_ids` = prompt + answer and
+    `prompt_len`), with the records' fingerprint."""
     from tqdm.auto import tqdm
 
-    records = records if records is not None else heldout_records(target, progress)
-    fp, q = Transformer.load(Path(target)), Transformer.load(Path(quantized))
     sums = {"positions": 0, "top1_matches": 0, "kl_sum": 0.0, "nll_reference": 0.0, "nll_candidate": 0.0}
     for rec in tqdm(records, desc="accuracy gates", unit="answer", disable=not progress):
         ids, start = rec["input_ids"].long(), rec["prompt_len"]
-        part = agreement(answer_logits(fp, ids, start), answer_logits(q, ids, start), ids[start:])
+        part = agreement(answer_logits(reference, ids, start), answer_logits(candidate, ids, start), ids[start:])
         for k, v in part.items():
             sums[k] += v
-    report = {"target": str(target), "quantized": str(quantized), "heldout_answers": len(records),
-              **summarize(sums, gate)}
+    return {"heldout_answers": len(records), "heldout_fingerprint": records_fingerprint(records),
+            **summarize(sums, gate)}
+
+
+def accuracy_report(target: Path, quantized: Path, gate: float = GATE_TOP1, progress: bool = True,
+                    log: Callable[[str], None] = print, records: list[dict] | None = None, dtype: str = "fp32") -> dict:
+    """The gates of `quantized` (run in `dtype`) against the fp32 `target` on `records` (default: held-out)."""
+    records = records if records is not None else heldout_records(target, progress)
+    fp, q = load_engine(Path(target), dtype="fp32"), load_engine(Path(quantized), dtype=dtype)
+    report = {"target": str(target), "quantized": str(quantized), "dtype": dtype,
+              **engine_agreement(fp, q, records, gate, progress)}
     message = gate_message(report)
     if report["gate_passed"]:
         log(message)

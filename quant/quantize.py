@@ -39,11 +39,11 @@ from spectrt.build.corpus import (
 from spectrt.build.distill import DistillConfig
 from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module, sequence_inputs
 from spectrt.build.slice import TOKENIZER_FILES
+from spectrt.quant.recipes import DEFAULT_QFORMAT, PROJECTIONS, get_recipe
 from spectrt.runtime.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
-from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format, quantize, scale_of
+from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format, quant_spec, quantize, scale_of
 from spectrt.runtime.model import ModelConfig
 
-MODELOPT_CONFIGS = {"int8_sq": "INT8_SMOOTHQUANT_CFG", "int8_wo": "INT8_WEIGHT_ONLY_CFG"}
 CALIBRATION_PROMPTS = DISTILL_PROMPTS  # the draft's training prompts: shipped, disjoint from every eval set
 EVAL_PROMPTS = (HELDOUT_PROMPTS, BENCH_PROMPTS)
 DEFAULT_SAMPLES = 64
@@ -75,26 +75,19 @@ def work_dir(target: Path) -> Path:
     return Path(target).parent / f"{Path(target).name}-quant.work"
 
 
-# Held-out top-1 agreement with the FP target (16 answers, 1.3k positions, 32 calibration samples) by recipe:
-# SmoothQuant alpha 1.0 (ModelOpt's default) 0.818, 0.9 0.868, 0.8 0.885, 0.7 0.869, 0.5 0.744, no smoothing
-# 0.549; leaving one projection type unquantized at alpha 0.8: down-projection 0.953, q/k/v 0.879, gate/up
-# 0.889, o 0.881; the down-projection's first or last 15 layers alone 0.915 / 0.910 (its input, silu(gate)*up,
-# carries the outlier channels). INT8 weight-only: 0.966.
-SMOOTHQUANT_ALPHA = 0.8
-W8A8_HIGH_PRECISION = ("*w2*",)  # the MLP down-projection stays fp32 (fp16 in the plan)
-
-
 def modelopt_config(qformat: str) -> dict:
-    """ModelOpt's recipe for `qformat`, with our LM head (`head`) kept in high precision like `*lm_head*`;
-    W8A8 uses the measured alpha and keeps the down-projection in high precision (numbers above)."""
-    if qformat not in MODELOPT_CONFIGS:
-        raise QuantizeError(f"--qformat {qformat!r} is not supported: choose one of {sorted(MODELOPT_CONFIGS)} "
-                            "(int8_sq = SmoothQuant W8A8, int8_wo = INT8 weight-only)")
-    config = copy.deepcopy(getattr(_modelopt()[0], MODELOPT_CONFIGS[qformat]))
+    """ModelOpt's config for the recipe `qformat` (quant/recipes.py): INT8 SmoothQuant at the recipe's alpha or INT8
+    weight-only, our LM head (`head`) kept in high precision like `*lm_head*`, the recipe's kept projections too."""
+    try:
+        recipe = get_recipe(qformat)
+    except ValueError as e:
+        raise QuantizeError(str(e)) from None
+    mtq = _modelopt()[0]
+    config = copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG if recipe.weights_only else mtq.INT8_SMOOTHQUANT_CFG)
     config["quant_cfg"].append({"quantizer_name": "head.*", "enable": False})
-    if qformat == "int8_sq":
-        config["algorithm"] = {"method": "smoothquant", "alpha": SMOOTHQUANT_ALPHA}
-        config["quant_cfg"] += [{"quantizer_name": name, "enable": False} for name in W8A8_HIGH_PRECISION]
+    if not recipe.weights_only:
+        config["algorithm"] = {"method": "smoothquant", "alpha": recipe.alpha}
+    config["quant_cfg"] += [{"quantizer_name": f"*{name}*", "enable": False} for name in recipe.keep]
     return config
 
 
@@ -167,9 +160,14 @@ def save_quantized(model: TreeVerifyModel, target: Path, out: Path, meta: dict) 
     return out
 
 
-def load_quantized_module(checkpoint: Path, dtype: torch.dtype = torch.float32) -> TreeVerifyModel:
+def load_quantized_module(checkpoint: Path, dtype: torch.dtype = torch.float32, run_time: bool = False
+                          ) -> TreeVerifyModel:
     """The fake-quantized tree-verify module of a quantized checkpoint (ModelOpt quantizers restored);
-    `dtype` is that of its unquantized GEMMs and K/V (fp16 for TensorRT, see build/export.py)."""
+    `dtype` is that of its unquantized GEMMs and K/V (fp16 for TensorRT, see build/export.py).
+
+    By default it is ModelOpt's calibrated module (static activation scales) with the recipe's `tensorrt_keep`
+    projections unquantized: what the Q/DQ graph is traced from. `run_time=True` gives the numerics the CPU engines
+    run instead (runtime/int8.py, `_to_run_time_numerics`)."""
     from safetensors.torch import load_file
 
     _, mto = _modelopt()
@@ -193,10 +191,53 @@ def load_quantized_module(checkpoint: Path, dtype: torch.dtype = torch.float32) 
         for module in model.modules():
             if hasattr(module, "trt_high_precision_dtype"):
                 module.trt_high_precision_dtype = "Half"
+    spec = quant_spec(checkpoint)
+    if run_time:
+        _to_run_time_numerics(model, spec)
+        return model
+    for name, module in model.named_modules():  # fp16 in the plan; the smoothing multiply stays, exact
+        if name.split(".")[-1] in spec.get("tensorrt_keep", []):
+            module.input_quantizer.disable()
+            module.weight_quantizer.disable()
     return model
 
 
-def quantized_checkpoint(target: Path, qformat: str = "int8_sq") -> Path:
+def _to_run_time_numerics(model: TreeVerifyModel, spec: dict) -> None:
+    """The recipe's run-time numerics (runtime/int8.py) in the module: per-token input quantizers (ModelOpt's dynamic
+    per-token INT8; with a `group`, a fake quantizer per (row, group) after the smoothing, and the weights fake
+    quantized per (channel, group)) and the kept weights in `kept_dtype` values."""
+    group = spec.get("group")
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.split(".")[-1] not in PROJECTIONS:  # the embeddings and the head have quantizers too (disabled)
+                continue
+            quantizer, weight_quantizer = module.input_quantizer, module.weight_quantizer
+            if not weight_quantizer.is_enabled:  # a kept projection
+                if spec.get("kept_dtype") == "bf16":
+                    module.weight.copy_(module.weight.to(torch.bfloat16))
+            elif group and quantizer.is_enabled:  # ModelOpt has no INT8 group quantizers: fake-quantize here
+                module.weight.copy_(group_fake_quant(module.weight, group))
+                weight_quantizer.disable()
+                quantizer.disable()  # still applies pre_quant_scale; the hook quantizes what it returns
+                quantizer.register_forward_hook(lambda _m, _inp, out, g=group: group_fake_quant(out, g))
+            elif spec.get("activations") == "per_token" and quantizer.is_enabled:
+                quantizer.reset_amax()  # an amax buffer would be used as a static one
+                quantizer.set_from_attribute_config({"type": "dynamic", "block_sizes": {-1: None}})
+        if spec.get("kept_dtype") == "bf16":  # untied: the embeddings stay exact, as in the engine
+            model.head.weight = torch.nn.Parameter(model.head.weight.detach().to(torch.bfloat16).float())
+
+
+def group_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x quantized to INT8 and back with one scale 127/max|x| per `group` consecutive values of its last dimension."""
+    out = torch.empty_like(x)
+    for k0 in range(0, x.shape[-1], group):
+        part = x[..., k0:k0 + group].float()
+        scale = scale_of(part.abs().amax(-1, keepdim=True))
+        out[..., k0:k0 + group] = quantize(part, scale).float() / torch.where(scale == 0, torch.ones_like(scale), scale)
+    return out
+
+
+def quantized_checkpoint(target: Path, qformat: str = DEFAULT_QFORMAT) -> Path:
     """`target` itself if it is quantized, else its default INT8 checkpoint (which must exist)."""
     target = Path(target)
     if quant_format(target) is not None:
@@ -211,6 +252,11 @@ def quantized_checkpoint(target: Path, qformat: str = "int8_sq") -> Path:
 def export_qdq_graph(checkpoint: Path, out: Path, precision: str = "fp16", log: Callable[[str], None] = print) -> Path:
     """Trace a quantized checkpoint to a Q/DQ tree-verify ONNX: every quantized projection becomes
     QuantizeLinear/DequantizeLinear pairs on its input and weight (TensorRT fuses them into INT8 GEMMs).
+
+    TensorRT's INT8 Q/DQ scales are build-time constants (its dynamic quantization is FP8/FP4 only), so the graph
+    carries the calibrated static per-tensor activation scales and ModelOpt's per-channel weight scales even for a
+    recipe whose CPU engine runs per-token or per-group scales, and leaves the recipe's `tensorrt_keep` projections
+    unquantized (where static scales lose too much): the plan computes what the static recipe computes.
 
     `precision` is that of everything left unquantized: fp16 for TensorRT plans (an fp32 remainder made the
     INT8 plan larger than the FP16 one: 316 vs 289 MB), fp32 for ONNX Runtime parity checks."""
@@ -278,16 +324,17 @@ def fold_weight_quantizers(proto, weights: dict[str, torch.Tensor]) -> int:
 
 
 def _calibration_key(target: Path, qformat: str, prompts: Path, samples: int) -> dict:
-    return {"qformat": qformat, "target": str(target), "target_fingerprint": target_fingerprint(target),
+    return {**get_recipe(qformat).meta(), "target": str(target), "target_fingerprint": target_fingerprint(target),
             "calibration_prompts": str(prompts), "calibration_samples": samples,
             "calibration_sha1": hashlib.sha1(Path(prompts).read_bytes()).hexdigest()}
 
 
-def quantize_target(target: Path, out: Path | None = None, qformat: str = "int8_sq",
+def quantize_target(target: Path, out: Path | None = None, qformat: str = DEFAULT_QFORMAT,
                     calib_prompts: Path = CALIBRATION_PROMPTS, samples: int = DEFAULT_SAMPLES,
                     eval_prompts: Sequence[Path] = EVAL_PROMPTS, force: bool = False, progress: bool = True,
-                    log: Callable[[str], None] = print) -> Path:
-    """Calibrate + quantize `target` into `out` (reused when target, recipe and calibration are unchanged)."""
+                    log: Callable[[str], None] = print, records: list[dict] | None = None) -> Path:
+    """Calibrate + quantize `target` into `out` (reused when target, recipe and calibration are unchanged); the
+    accuracy gates run on `records` (default: the held-out answers)."""
     from spectrt.quant.accuracy import accuracy_report
 
     target = Path(target)
@@ -312,7 +359,7 @@ def quantize_target(target: Path, out: Path | None = None, qformat: str = "int8_
             "modelopt_version": _modelopt_version(), "seconds": round(time.perf_counter() - start, 1)}
     save_quantized(model, target, out, meta)
     log(f"wrote {out} ({qformat}) in {meta['seconds']} s from {len(data)} samples, {meta['calibration_tokens']} tokens")
-    report = accuracy_report(target, out, progress=progress, log=log)
+    report = accuracy_report(target, out, progress=progress, log=log, records=records)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     return out
 

@@ -259,17 +259,23 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
   });
 }
 
-// W8A8 projection (SmoothQuant, runtime/int8.py): x * pre_quant_scale -> round-half-even(x * in_scale) clamped to
-// [-128, 127] -> int32 dot products with the int8 weights -> float(acc) * out_scale[n]. Integer sums are exact in any
-// order, so these rows are invariant by construction. VNNI's dpbusd multiplies unsigned by signed bytes: activations
-// are stored + 128 and `colsum` (128 * sum_k w[n, k]) is subtracted again. Weights packed [P, K/4, NR, 4].
+// W8A8 projection (SmoothQuant, runtime/int8.py): x * pre_quant_scale -> round-half-even(x * s) clamped to
+// [-128, 127] -> int32 dot products with the int8 weights -> float(acc) * out_scale[n] (* 1/s_m per token). The
+// activation scale s is either one calibrated constant (static per-tensor) or each row's own 127 / max|x_m| (dynamic
+// per-token: a row's scale depends on that row alone). With `group` < K, input channels come in groups of `group`
+// with one activation scale per (row, group) and one weight scale per (group, column): per group an exact int32 sum,
+// then accf += float(acc - colsum_g) * out_scale_g (* 1/s_mg), groups in order. Either way a row is computed by the
+// same operations whatever the other rows: invariant by construction. VNNI's dpbusd multiplies unsigned by signed
+// bytes: activations are stored + 128 and `colsum` (128 * sum_k w[n, k] per group) is subtracted again. Weights
+// packed [P, K/4, NR, 4]; colsum and out_scale [groups, P * NR].
 struct QuantProj {
   const int8_t* w;
   const float* pre;  // may be null
-  float in_scale;
+  float in_scale;    // static per-tensor scale; unused when per_token
+  bool per_token;
   const float* out_scale;
   const int32_t* colsum;
-  int64_t panels, k4;
+  int64_t panels, k4, group;  // group: input channels per scale group (a multiple of 4; K4 * 4 = one group)
 };
 
 template <int M>
@@ -299,38 +305,86 @@ inline void int8_block(const uint8_t* xq, int64_t ldx, const int8_t* panel, int6
     for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc_out + m * NR + 16 * j, acc[m][j]);
 }
 
+inline __mmask16 tail_mask(int64_t left);  // defined with the other vector helpers below
+
+// xq[0:ldx] = the quantized row (+ 128), K values of x (* pre) at `scale`; padded k hold 128 (zero weights there).
+// Vector and scalar lanes round alike: x * pre, * scale, round half to even (as torch.round), clamp.
+inline void quantize_row(const float* x, const float* pre, int64_t K, int64_t ldx, float scale, uint8_t* xq) {
+  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    if (pre) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, pre + k));
+    v = _mm512_roundscale_ps(_mm512_mul_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm512_mask_cvtepi32_storeu_epi8(xq + k, m, _mm512_add_epi32(_mm512_cvtps_epi32(v), offset));
+  }
+  for (int64_t k = K; k < ldx; ++k) xq[k] = 128;
+}
+
+// max_k |x[k] * pre[k]|: a max is exact in any order.
+inline float row_amax(const float* x, const float* pre, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail_mask(K - k);
+    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    if (pre) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, pre + k));
+    acc = _mm512_max_ps(acc, _mm512_abs_ps(v));
+  }
+  return _mm512_reduce_max_ps(acc);
+}
+
 void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int64_t n_out, float* out,
                const float* bias, float* residual, uint8_t* xq) {
-  const int64_t ldx = q.k4 * 4;
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t k = 0; k < K; ++k) {
-      float v = x[m * K + k];
-      if (q.pre) v = v * q.pre[k];
-      v = std::nearbyint(v * q.in_scale);  // the default rounding mode: half to even, as torch.round
-      v = std::min(127.0f, std::max(-128.0f, v));
-      xq[m * ldx + k] = static_cast<uint8_t>(static_cast<int32_t>(v) + 128);
+  const int64_t ldx = q.k4 * 4, groups = (K + q.group - 1) / q.group, g4 = q.group / 4, np = q.panels * NR;
+  std::vector<float> row_dequant(q.per_token ? rows * groups : 0);  // 1 / s_mg; 0 for an all-zero group
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * q.group, len = std::min(q.group, K - k0);
+      const float* pre = q.pre ? q.pre + k0 : nullptr;
+      float scale = q.in_scale;
+      if (q.per_token) {  // as runtime/int8.scale_of: 127 / amax, 0 where amax <= 2^-24
+        const float amax = row_amax(x + m * K + k0, pre, len);
+        scale = amax <= 1.0f / (1 << 24) ? 0.0f : 127.0f / amax;
+        row_dequant[m * groups + g] = scale == 0.0f ? 0.0f : 1.0f / scale;
+      }
+      quantize_row(x + m * K + k0, pre, len, g == groups - 1 ? ldx - k0 : len, scale, xq + m * ldx + k0);
     }
-    for (int64_t k = K; k < ldx; ++k) xq[m * ldx + k] = 128;  // padded k: the weights there are 0
-  }
   at::parallel_for(0, q.panels, 1, [&](int64_t p0, int64_t p1) {
     int32_t acc[MR * NR];
+    float accf[MR * NR];
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
       const int8_t* panel = q.w + p * q.k4 * NR * 4;
       for (int64_t m0 = 0; m0 < rows; m0 += MR) {
         const int64_t mr = std::min(MR, rows - m0);
-        const uint8_t* xr = xq + m0 * ldx;
-        switch (mr) {
-          case 1: int8_block<1>(xr, ldx, panel, q.k4, acc); break;
-          case 2: int8_block<2>(xr, ldx, panel, q.k4, acc); break;
-          case 3: int8_block<3>(xr, ldx, panel, q.k4, acc); break;
-          case 4: int8_block<4>(xr, ldx, panel, q.k4, acc); break;
-          case 5: int8_block<5>(xr, ldx, panel, q.k4, acc); break;
-          default: int8_block<6>(xr, ldx, panel, q.k4, acc); break;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t k40 = g * g4, k4n = std::min(g4, q.k4 - k40);
+          const uint8_t* xr = xq + m0 * ldx + 4 * k40;
+          const int8_t* pg = panel + k40 * NR * 4;
+          switch (mr) {
+            case 1: int8_block<1>(xr, ldx, pg, k4n, acc); break;
+            case 2: int8_block<2>(xr, ldx, pg, k4n, acc); break;
+            case 3: int8_block<3>(xr, ldx, pg, k4n, acc); break;
+            case 4: int8_block<4>(xr, ldx, pg, k4n, acc); break;
+            case 5: int8_block<5>(xr, ldx, pg, k4n, acc); break;
+            default: int8_block<6>(xr, ldx, pg, k4n, acc); break;
+          }
+          const int32_t* cs = q.colsum + g * np + c0;
+          const float* os = q.out_scale + g * np + c0;
+          for (int64_t m = 0; m < mr; ++m)
+            for (int64_t j = 0; j < NR; j += 16) {  // float(acc - colsum) * out_scale (* 1/s_mg), summed over groups
+              __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + m * NR + j),
+                                                             _mm512_loadu_si512(cs + j)));
+              v = _mm512_mul_ps(v, _mm512_loadu_ps(os + j));
+              if (q.per_token) v = _mm512_mul_ps(v, _mm512_set1_ps(row_dequant[(m0 + m) * groups + g]));
+              _mm512_storeu_ps(accf + m * NR + j, g == 0 ? v : _mm512_add_ps(_mm512_loadu_ps(accf + m * NR + j), v));
+            }
         }
         for (int64_t m = 0; m < mr; ++m)
           for (int64_t c = 0; c < cols; ++c) {
-            float v = static_cast<float>(acc[m * NR + c] - q.colsum[c0 + c]) * q.out_scale[c0 + c];
+            float v = accf[m * NR + c];
             if (bias) v = v + bias[c0 + c];
             const int64_t o = (m0 + m) * n_out + c0 + c;
             out[o] = v;
@@ -494,8 +548,8 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
   });
 }
 
-// One projection: a packed fp weight ([packed]) or a W8A8 one ([packed int8, pre_quant_scale or empty, in_scale [1],
-// out_scale [N], colsum [N]]).
+// One projection: a packed fp weight ([packed]) or a W8A8 one ([packed int8, pre_quant_scale or empty, in_scale [1]
+// or empty (per-token), out_scale [groups, P * NR], colsum [groups, P * NR], group [1] int64]).
 template <typename W>
 void project(const float* x, int64_t rows, int64_t K, const std::vector<torch::Tensor>& p, int64_t n_out, float* out,
              const float* bias, float* residual, uint8_t* xq, uint16_t* xs) {
@@ -503,8 +557,10 @@ void project(const float* x, int64_t rows, int64_t K, const std::vector<torch::T
     gemm<W>(x, rows, K, p[0], n_out, out, bias, residual, xs);
     return;
   }
-  QuantProj q{p[0].data_ptr<int8_t>(), p[1].numel() ? p[1].data_ptr<float>() : nullptr, p[2].data_ptr<float>()[0],
-              p[3].data_ptr<float>(), p[4].data_ptr<int32_t>(), p[0].size(0), p[0].size(1)};
+  const bool per_token = p[2].numel() == 0;  // no static input scale: each row's own
+  QuantProj q{p[0].data_ptr<int8_t>(), p[1].numel() ? p[1].data_ptr<float>() : nullptr,
+              per_token ? 0.0f : p[2].data_ptr<float>()[0], per_token, p[3].data_ptr<float>(),
+              p[4].data_ptr<int32_t>(), p[0].size(0), p[0].size(1), p[5].data_ptr<int64_t>()[0]};
   gemm_int8(x, rows, K, q, n_out, out, bias, residual, xq);
 }
 

@@ -123,19 +123,23 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None) -> t
 
 def pack_int8(proj) -> list[torch.Tensor]:
     """A W8A8 projection (runtime/int8.Int8Linear) as the int8 GEMM reads it: weights [P, K/4, PANEL, 4] (4
-    consecutive k of one column per 32-bit lane, for VNNI), pre_quant_scale (or empty), input scale,
-    per-column output scales and 128 * sum_k w (the unsigned-activation correction)."""
+    consecutive k of one column per 32-bit lane, for VNNI), pre_quant_scale (or empty), the static input scale
+    (empty: per-token scales), per (group, column) output scales and 128 * sum_k w over the group (the
+    unsigned-activation correction), both [groups, P * PANEL], and the group size."""
     w = proj.weight
     n, k = w.shape
     padded = F.pad(w, (0, -k % 4, 0, -n % PANEL))
     packed = padded.view(-1, PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
     pre = proj.pre_quant_scale if proj.pre_quant_scale is not None else torch.empty(0)
-    colsum = (128 * w.to(torch.int32).sum(1)).to(torch.int32)
-    return [packed, pre.float().contiguous(), proj.input_scale.float().reshape(1), proj.output_scale.float(), colsum]
+    colsum = torch.stack([128 * w[:, a:b].to(torch.int32).sum(1) for a, b in proj.bounds]).to(torch.int32)
+    in_scale = torch.empty(0) if proj.per_token else proj.input_scale.float().reshape(1)
+    group = torch.tensor([proj.group if len(proj.bounds) > 1 else packed.shape[1] * 4], dtype=torch.int64)
+    return [packed, pre.float().contiguous(), in_scale, F.pad(proj.output_scale.float(), (0, -n % PANEL)).contiguous(),
+            F.pad(colsum, (0, -n % PANEL)).contiguous(), group]
 
 
 def pack_projection(w, dtype: torch.dtype) -> list[torch.Tensor]:
-    """[packed] for an fp weight, the five W8A8 tensors for an INT8 projection."""
+    """[packed] for an fp weight, the six W8A8 tensors for an INT8 projection."""
     return [pack(w, dtype)] if isinstance(w, torch.Tensor) else pack_int8(w)
 
 

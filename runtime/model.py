@@ -206,11 +206,13 @@ class Transformer:
     """LLaMA forward over new tokens with explicit positions and a tree mask, writing into a KVCache."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 measure_kernels: bool = True, projections: list[dict] | None = None, native: bool | None = None):
+                 measure_kernels: bool = True, projections: list[dict] | None = None, native: bool | None = None,
+                 packed_dtype: torch.dtype | None = None):
         """`projections`: per layer, replacements for the fused projections (an INT8 target's).
 
         `native`: run the native CPU forward (runtime/kernels.py; None = whenever it can run here). It is row
         invariant and several times cheaper per verified row; the torch path stays the reference and the INT8 path.
+        `packed_dtype`: the native forward's fp weights (default `dtype`; an INT8 recipe's bf16 kept weights).
         """
         self.config = config
         self.dtype = dtype
@@ -248,7 +250,7 @@ class Transformer:
             reason = native_unavailable() or f"it runs fp32/bf16 weights (and W8A8 with VNNI), not {dtype}"
             raise ValueError(f"the native CPU forward cannot run this engine: {reason}")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
-                                  self.rope_scale, dtype, self.head_ids) if native else None
+                                  self.rope_scale, packed_dtype or dtype, self.head_ids) if native else None
         if self.native is None and measure_kernels:  # the reference path's kernel choice, timed at load
             self.linear.prepare([self.head] + [w for layer in self.layers for k, w in layer.items()
                                                if k in ("wqkv", "wo", "w13", "w2")])
@@ -260,8 +262,8 @@ class Transformer:
         if quant_format(checkpoint):
             if dtype != torch.float32:
                 raise ValueError(f"{checkpoint} is an INT8 checkpoint: its non-GEMM ops run in fp32, use --dtype fp32")
-            weights, projections = load_quantized(checkpoint, config)
-            return cls(config, weights, dtype, measure_kernels, projections, native=native)
+            weights, projections, packed = load_quantized(checkpoint, config)
+            return cls(config, weights, dtype, measure_kernels, projections, native=native, packed_dtype=packed)
         weights = {}
         for shard in sorted(Path(checkpoint).glob("*.safetensors")):
             with safe_open(shard, "pt") as f:
