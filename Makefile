@@ -40,15 +40,17 @@ setup: $(STAMP)  ## virtual environment + embedded model converted to a HF check
 draft: setup  ## distilled draft for the embedded target (built once, then reused)
 	$(BIN)/spectrt draft
 
-TUNED := artifacts/policy-smollm2-135m-instruct-smollm2-135m-instruct-draft-fp32.json
+TUNED := artifacts/.tuned-default
 
-$(TUNED): | draft  # this machine's fp32 cost curve (short) and the policy tuned on it, once
-	$(BIN)/spectrt profile --dtype fp32 --repeats 5
-	$(BIN)/spectrt tune --dtype fp32
+$(TUNED): | draft  # this machine's cost curve (short) and the policy tuned on it, once, in the default precision
+	$(BIN)/spectrt profile --repeats 5
+	$(BIN)/spectrt tune
+	touch $@
 
-tune: draft  ## re-measure the fp32 cost curve and re-tune the speculation policy (generate/bench/Triton use it)
-	$(BIN)/spectrt profile --dtype fp32
-	$(BIN)/spectrt tune --dtype fp32
+tune: draft  ## re-measure the cost curve and re-tune the speculation policy, default precision (auto: bf16 on the native forward)
+	$(BIN)/spectrt profile
+	$(BIN)/spectrt tune
+	touch $(TUNED)
 
 demo: draft $(TUNED)  ## the main job on the embedded default: tree speculative decoding vs the target alone
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" $(TREE_ARG)
@@ -59,9 +61,9 @@ test: setup  ## the test suite (CPU)
 
 bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
 ifeq ($(BACKEND),torch)
+	$(BIN)/spectrt bench --trees 1,1,1
+	$(BIN)/spectrt profile --dtype fp32 && $(BIN)/spectrt tune --dtype fp32
 	$(BIN)/spectrt bench --dtype fp32 --trees 1,1,1
-	$(BIN)/spectrt profile --dtype bf16 && $(BIN)/spectrt tune --dtype bf16
-	$(BIN)/spectrt bench --dtype bf16 --trees 1,1,1
 	$(BIN)/spectrt bench --dtype fp32 --temperatures 0.7,1.0 --limit 12 --out bench/results/sampling
 else
 	$(MAKE) engines

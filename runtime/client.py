@@ -80,8 +80,9 @@ def request_fields(prompt: str, max_tokens: int, stream: bool, temperature: floa
 
 _GRPC_TYPES = {"text_input": "BYTES", "tree": "BYTES", "children": "BYTES", "max_tokens": "INT32", "top_k": "INT32",
                "end_id": "INT32", "min_length": "INT32", "temperature": "FP32", "top_p": "FP32", "seed": "UINT64",
-               "stream": "BOOL", "return_perf_metrics": "BOOL", "return_num_input_tokens": "BOOL",
-               "return_num_output_tokens": "BOOL", "exclude_input_in_output": "BOOL", "apply_chat_template": "BOOL"}
+               "timeout_seconds": "FP32", "stream": "BOOL", "return_perf_metrics": "BOOL",
+               "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL", "exclude_input_in_output": "BOOL",
+               "apply_chat_template": "BOOL"}
 
 
 def grpc_inputs(fields: dict, types: dict[str, str] | None = None) -> list:

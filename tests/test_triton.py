@@ -21,8 +21,9 @@ from spectrt.runtime.client import GrpcSession, RequestFailed, grpc_inputs, http
 from spectrt.runtime.serve import SHM_DIR, ServeError, TritonServer, write_config
 
 TREE = "2,1"
-MAX_SEQ_LEN = 256
-LIMIT = 48
+MAX_SEQ_LEN = 512
+LIMIT = 48  # what most requests ask for
+MAX_TOKENS_LIMIT = 400  # the server's cap: room for requests that stay busy until cancelled
 TIMEOUT = 180.0
 WAIT = 60.0  # hang guard for state the server reaches on its own (asserted through counters, never a clock)
 MAX_ACTIVE = 4
@@ -69,7 +70,7 @@ def _params(target_dir, draft_dir, **extra) -> dict:
     # measure_kernels=false: the engine's GEMM formulation is fixed instead of timed at load, so the served
     # instances and the in-process reference run bitwise the same arithmetic (timing could pick differently)
     return {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": MAX_SEQ_LEN,
-            "max_tokens_limit": LIMIT, "threads": 1, "measure_kernels": "false", "max_active": MAX_ACTIVE,
+            "max_tokens_limit": MAX_TOKENS_LIMIT, "threads": 1, "measure_kernels": "false", "max_active": MAX_ACTIVE,
             "max_request_cost": MAX_COST, "max_queue_size": MAX_QUEUE, **extra}
 
 
@@ -191,9 +192,12 @@ def _good(session) -> None:
 BAD = [
     ("missing text_input", lambda f: grpc_inputs({k: v for k, v in f.items() if k != "text_input"}), "text_input"),
     ("wrong dtype", lambda f: grpc_inputs(f, {"max_tokens": "FP32"}), r"max_tokens.*FP32.*INT32"),
-    ("max_tokens 0", lambda f: grpc_inputs({**f, "max_tokens": 0}), r"max_tokens must be in \[1, 48\]"),
-    ("max_tokens over the limit", lambda f: grpc_inputs({**f, "max_tokens": LIMIT + 1}), r"max_tokens.*got 49"),
-    ("prompt longer than the context", lambda f: grpc_inputs({**f, "text_input": "word " * 300}), "max_seq_len=256"),
+    ("max_tokens 0", lambda f: grpc_inputs({**f, "max_tokens": 0}),
+     rf"max_tokens must be in \[1, {MAX_TOKENS_LIMIT}\]"),
+    ("max_tokens over the limit", lambda f: grpc_inputs({**f, "max_tokens": MAX_TOKENS_LIMIT + 1}),
+     rf"max_tokens.*got {MAX_TOKENS_LIMIT + 1}"),
+    ("prompt longer than the context", lambda f: grpc_inputs({**f, "text_input": "word " * (MAX_SEQ_LEN + 50)}),
+     f"max_seq_len={MAX_SEQ_LEN}"),
     ("negative temperature", lambda f: grpc_inputs({**f, "temperature": -1.0}), "temperature"),
     ("top_p above 1", lambda f: grpc_inputs({**f, "top_p": 1.5}), "top_p"),
     ("negative top_k", lambda f: grpc_inputs({**f, "top_k": -2}), "top_k"),
@@ -425,7 +429,7 @@ def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, p
                 prompt, m, tree = job(s, k)
                 fields = {**request_fields(prompt, m, True, tree=tree, chat=False), "return_num_output_tokens": True}
                 if k == 7:  # a bad request in the middle of the load
-                    fields["max_tokens"] = LIMIT + 1 + s
+                    fields["max_tokens"] = MAX_TOKENS_LIMIT + 1 + s
                 if s == 5 and k == 11:  # cancelled mid-way: its stream closes after the first chunk
                     st = Stream(server.grpc_url, session.model).send(_inputs({**fields, "max_tokens": LIMIT}))
                     st.next()
@@ -504,9 +508,12 @@ def test_min_length_stop_and_bad_words_and_token_counts(server, session, pipe):
 def test_queued_request_cancelled_never_prefills_and_slots_free(server, session):
     """Every slot busy: a queued request that is cancelled never takes a slot (the admitted counter does not
     move) and leaves the queue; a full queue refuses with "overloaded"; cancelling a running request frees its
-    slot within a second."""
+    slot within a second. The busy requests cannot end early (end-of-sequence masked for all their tokens), so
+    every slot stays taken however fast the engine runs."""
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
-    busy = [_stream(server, session, request_fields(PROMPTS[i], LIMIT, True, tree="0")) for i in range(MAX_ACTIVE)]
+    hold = {"min_length": MAX_TOKENS_LIMIT}
+    busy = [_stream(server, session, {**request_fields(PROMPTS[i], MAX_TOKENS_LIMIT, True, tree="0"), **hold})
+            for i in range(MAX_ACTIVE)]
     try:
         _wait_for(lambda: _gauge(server, "spectrt_active_requests") == MAX_ACTIVE, 60)
         admitted = _gauge(server, "spectrt_requests_admitted_total")
@@ -529,6 +536,38 @@ def test_queued_request_cancelled_never_prefills_and_slots_free(server, session)
     finally:
         for st in busy[1:]:
             st.close(cancel=True)
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 5)
+    _good(session)
+
+
+def test_newline_stop_word_oversized_fields_and_deadline(server, session, pipe):
+    """Over the wire: stop_words ["\\n"] stops at the first newline (a whitespace word is kept, not stripped); a
+    1 MB tree string and a 10,000-entry word list are refused before any work (no request admitted); a request
+    past its timeout_seconds ends with one deadline error and frees its slot; then a default request is served."""
+    tok = pipe.tokenizer
+    prompt = "List three fruits, one per line."
+    plain = tok.decode(_batch_reference(pipe, prompt, LIMIT).out, skip_special_tokens=True)
+    assert "\n" in plain, f"the reference answer has no newline to stop at: {plain!r}"
+    r = _stream(server, session, {**request_fields(prompt, LIMIT, True), "stop_words": ["\n"]}).wait()
+    r.close()
+    assert not r.errors and r.only_one_final(), r.errors
+    assert r.text == plain[:plain.index("\n") + 1]
+
+    _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 30)
+    admitted = _gauge(server, "spectrt_requests_admitted_total")
+    for fields, message in (({"tree": "1," * (1 << 19)}, "tree"), ({"stop_words": ["a"] * 10_000}, "stop_words"),
+                            ({"bad_words": ["b"] * 10_000}, "bad_words")):
+        refused = _stream(server, session, {**request_fields(PROMPTS[0], 8, True), **fields}).wait()
+        refused.close()
+        assert refused.errors and message in refused.errors[0], (list(fields), refused.errors)
+        assert len(refused.errors[0]) < 1000, "the error echoes the oversized input back"
+    assert _gauge(server, "spectrt_requests_admitted_total") == admitted, "an oversized request was admitted"
+
+    slow = {**request_fields(PROMPTS[1], MAX_TOKENS_LIMIT, True, tree="0"), "min_length": MAX_TOKENS_LIMIT,
+            "timeout_seconds": 0.5}
+    late = _stream(server, session, slow).wait()
+    late.close()
+    assert late.finals == 1 and late.errors and "deadline exceeded" in late.errors[0], late.errors
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0, 5)
     _good(session)
 
