@@ -47,6 +47,8 @@ class Candidates:
     policy: Policy | None = None
     budget: int = 1  # most nodes this request may verify (root included)
     chosen: int = 1  # nodes the budget rule chose to verify (dynamic trees)
+    drafted: bool = False  # a dynamic tree the draft expands this step
+    expected: float = 0.0  # expected accepted tokens of the chosen nodes (their scores' sum)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: dict[int, list] = field(default_factory=dict)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from spectrt.build.slice import slice_target
-from spectrt.runtime.decoder import Decoder
+from spectrt.runtime.decoder import AUTO, Decoder, Job
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
@@ -223,6 +223,49 @@ def test_no_speculation_when_it_cannot_pay(target, draft, prompt_ids, ar_outputs
     result = Decoder(target, draft, EOS, max_seq_len=512).generate(prompt_ids[1], 128, policy=steep)
     assert result.token_ids == ar_outputs[1]
     assert set(result.stats.verified) == {1} and result.stats.draft_passes == 0
+
+
+class Contrary:
+    """The target as a draft whose every distribution is rolled by one token: as confident as the target, and its
+    top token never the target's (greedy accepts none of its nodes)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, *segment):
+        return self.forward_many([segment])[0]
+
+    def forward_many(self, segments):
+        return [logits.roll(1, dims=-1) for logits in self.engine.forward_many(segments)]
+
+
+@pytest.mark.parametrize("max_active", [1, 4])
+def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, max_active):
+    """The draft's expected gain is learned per request from the tokens only it got accepted: a confident draft
+    that is always wrong soon drafts on few steps (retried now and then), the target as its own draft on nearly
+    every step; the decoder's score scale (accepted over expected tokens) falls for the wrong draft; outputs
+    equal AR either way, alone and in a batch."""
+    costs = Policy(budget=8, depth=2, width=2, suffix=False, verify_ms=((1, 1.0), (4, 1.2), (16, 1.8), (64, 4.0)),
+                   draft_ms=((1, 0.2), (64, 2.0)))
+    jobs_of, scales = {}, {}
+    for name, draft in (("contrary", Contrary(target)), ("self", target)):
+        decoder = Decoder(target, draft, EOS, max_seq_len=512, max_active=max_active, policy=costs)
+        jobs = [Job(list(ids), 64, AUTO) for ids in prompt_ids[:4]]
+        decoder.run(jobs)
+        for job, expected in zip(jobs, ar_outputs[:4], strict=True):
+            assert job.out == expected[:64], name
+        jobs_of[name] = jobs
+        scales[name] = decoder._score_scale()
+    share = {name: sum(j.stats.draft_passes for j in jobs) / sum(j.stats.target_passes for j in jobs)
+             for name, jobs in jobs_of.items()}
+    accepted = sum(a for j in jobs_of["self"] for a in j.stats.accepted)
+    assert accepted > sum(j.stats.target_passes for j in jobs_of["self"])  # the self-draft is accepted
+    assert share["contrary"] < 0.5 * share["self"], share
+    assert max(j.draft_gain for j in jobs_of["contrary"]) < min(j.draft_gain for j in jobs_of["self"])
+    assert scales["contrary"] < min(1.0, scales["self"]), scales  # the wrong draft's promises were not kept
 
 
 @pytest.mark.parametrize("tree", [None, Tree.parse("2,1")])
