@@ -233,8 +233,8 @@ class Scheduler:
             return
         info = self.decoder.step()
         self.metrics.count("steps")
-        self.metrics.observe("step_tokens", info.tokens)
-        self.metrics.observe("step_tree_tokens", info.tree_tokens)
+        self.metrics.count("step_tokens", info.tokens)
+        self.metrics.count("step_tree_tokens", info.tree_tokens)
         for job, new in info.emitted:
             self._emit(job, new)
         for job in info.finished:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import locale
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +48,12 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "failed": ("spectrt_requests_failed_total", "Rows whose own step failed (the batch went on)"),
     "steps": ("spectrt_batch_steps_total", "Batched decoder steps (one target forward each)"),
     "scheduler_restarts": ("spectrt_scheduler_restarts_total", "Scheduler threads restarted after a crash"),
+    "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
+    "step_tree_tokens": ("spectrt_step_tree_tokens_total", "Target rows spent on trees, roots included (per step: "
+                         "/ batch_steps_total)"),
 }
+PER_STEP = {"steps", "step_tokens", "step_tree_tokens"}  # counted every step: sent to Triton in batches
+FLUSH_SECONDS = 0.5
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
 HISTOGRAMS = {
@@ -57,9 +63,6 @@ HISTOGRAMS = {
              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]),
     "queue_seconds": ("spectrt_queue_seconds", "Request arrival to its decoding slot",
                       [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]),
-    "step_tokens": ("spectrt_step_tokens", "Tokens emitted per batched step", [1, 2, 4, 8, 16, 32, 64, 128, 256]),
-    "step_tree_tokens": ("spectrt_step_tree_tokens", "Target rows spent on trees per step (roots included)",
-                         [1, 2, 4, 8, 16, 32, 64, 128, 256]),
 }
 
 
@@ -68,7 +71,13 @@ def _truthy(value: str) -> bool:
 
 
 class TritonMetrics:
-    """The scheduler's metrics as Triton custom metrics (Prometheus, port 8002)."""
+    """The scheduler's metrics as Triton custom metrics (Prometheus, port 8002).
+
+    Each metric call is a round trip to tritonserver through the python backend's message queue, and on two cores
+    every one of them competes with the forward. So the per-step counters are summed here and sent at most every
+    FLUSH_SECONDS, gauges only when their value changes, and any other event (a request admitted, finished,
+    cancelled, refused) sends everything at once: a client holding its final response reads exact counters.
+    """
 
     def __init__(self, model: str):
         labels = {"model": model, "version": "1"}
@@ -79,18 +88,39 @@ class TritonMetrics:
                 self.families.append(pb_utils.MetricFamily(name=name, description=doc, kind=kind))
                 extra = {"buckets": buckets[0]} if buckets else {}
                 self.metrics[key] = self.families[-1].Metric(labels=labels, **extra)
+        self.pending: dict[str, float] = {}
+        self.gauges: dict[str, float] = {}
+        self.flushed = time.monotonic()
+        self.lock = threading.Lock()  # execute() counts refusals while the scheduler thread counts the rest
 
     def count(self, name: str, value: float = 1) -> None:
         if value:
-            self.metrics[name].increment(value)
+            with self.lock:
+                self.pending[name] = self.pending.get(name, 0) + value
+                due = name not in PER_STEP or time.monotonic() - self.flushed >= FLUSH_SECONDS
+            if due:
+                self.flush()
 
     def observe(self, name: str, value: float) -> None:
         self.metrics[name].observe(value)
 
     def gauge(self, name: str, value: float) -> None:
+        with self.lock:
+            if self.gauges.get(name) == value:
+                return
+            self.gauges[name] = value
         self.metrics[name].set(value)
 
+    def flush(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, {}
+            self.flushed = time.monotonic()
+        for name, value in pending.items():
+            self.metrics[name].increment(value)
+
     def close(self) -> None:
+        if self.metrics:
+            self.flush()
         self.metrics, self.families = {}, []  # metrics first, then their families
 
 
