@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +119,16 @@ class EngineDir:
         return self.path(g["file"]), [g["file"], g["data"]]
 
 
-def group_by_pool(segments: list[tuple]) -> list[list[int]]:
-    """Indices of the segments per KV pool, in order of first appearance: one graph run per pool (normally one)."""
+def forward_by_pool(segments: list[tuple], run: Callable[[list[tuple]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """`run` once per KV pool over that pool's segments (normally all of them), logits returned in segment order."""
     groups: dict[int, list[int]] = {}
     for i, seg in enumerate(segments):
         groups.setdefault(id(seg[3].pool_k), []).append(i)
-    return list(groups.values())
+    out: list[torch.Tensor | None] = [None] * len(segments)
+    for group in groups.values():
+        for i, logits in zip(group, run([segments[i] for i in group]), strict=True):
+            out[i] = logits
+    return out
 
 
 class OnnxEngine:
@@ -212,11 +217,7 @@ class OnnxEngine:
     def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment, each a tensor of its own: one graph run
         for all segments (per KV pool); their K/V go into their caches."""
-        out: list[torch.Tensor | None] = [None] * len(segments)
-        for group in group_by_pool(segments):
-            for i, logits in zip(group, self._run([segments[i] for i in group]), strict=True):
-                out[i] = logits
-        return out
+        return forward_by_pool(segments, self._run)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
 from spectrt.runtime.model import KVCache, ModelConfig
-from spectrt.runtime.onnx_engine import EngineDir, EngineDirError, group_by_pool
+from spectrt.runtime.onnx_engine import EngineDir, EngineDirError, forward_by_pool
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}
@@ -261,11 +261,7 @@ class TensorRTEngine:
     def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment on the host, each a tensor of its own:
         one plan execution for all segments (per KV pool); their K/V go into their caches on the device."""
-        out: list[torch.Tensor | None] = [None] * len(segments)
-        for group in group_by_pool(segments):
-            for i, logits in zip(group, self._run([segments[i] for i in group]), strict=True):
-                out[i] = logits
-        return out
+        return forward_by_pool(segments, self._run)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:

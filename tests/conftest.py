@@ -1,9 +1,18 @@
 """Shared fixtures and helpers: the real embedded target (converted once into artifacts/), drafts sliced from it,
-its tokenizer and chat prompts, and the families' tiny random checkpoints (test_families, test_reference)."""
+its tokenizer and chat prompts, the families' tiny random checkpoints (test_families, test_reference), and the
+serving tests' prompts and helpers (launching `spectrt serve`, scraping its metrics)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import select
 import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +34,48 @@ PROMPTS = [  # chat prompts of the decoding tests
     "Write a SQL query that counts rows in a table named users.",
 ]
 EOS = {2}  # the embedded target's end of sequence (<|im_end|>)
+SERVING_PROMPTS = [  # prompts of the serving tests
+    "Write a short poem about the sea.",
+    "List five animals that live in the ocean.",
+    "What is 12 times 15? Explain briefly.",
+    "Give three tips for learning a new language.",
+    "What is the capital of France?",
+    "Write a SQL query that counts rows in a table named users.",
+    "Explain what photosynthesis is to a child.",
+    "Name three colors.",
+]
+SERVE_READY_TIMEOUT = 300.0
+
+
+def launch_serve(*extra: str) -> tuple[subprocess.Popen, dict, str]:
+    """Start `spectrt serve` (the target alone, small limits, free ports, `extra` flags last) and return it once
+    ready, with the endpoints JSON it printed and everything it printed."""
+    cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--instances", "1", "--threads", "1",
+           "--max-seq-len", "128", "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--ready-timeout", str(SERVE_READY_TIMEOUT), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    deadline = time.monotonic() + SERVE_READY_TIMEOUT + 60
+    while "ready:" not in out:  # raw reads: select() cannot see what a buffered readline() already holds
+        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+            proc.kill()
+            pytest.fail(f"spectrt serve printed no 'ready:' line:\n{out}")
+        data = os.read(proc.stdout.fileno(), 65536)
+        if not data:
+            pytest.fail(f"spectrt serve exited ({proc.wait()}):\n{out}\n{proc.stderr.read()}")
+        out += data.decode()
+    return proc, json.loads(out[out.index("{"):out.rindex("}") + 1]), out
+
+
+def scrape_metrics(server) -> dict[str, float]:
+    """spectrt's Prometheus values, summed over labels (histogram buckets left out)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(spectrt_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m and "_bucket" not in m.group(1):
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
 
 
 def chat_ids(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:

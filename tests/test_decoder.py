@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EOS, PROMPTS
 from spectrt.build.slice import slice_target
 from spectrt.runtime.decoder import AUTO, Decoder, Job
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
-
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "List five animals that live in the ocean.",
-    "What is 12 times 15? Explain briefly.",
-    "Explain what photosynthesis is to a child.",
-    "Write a short poem about the moon.",
-    "Give three tips for learning a new language.",
-    "What is the capital of France and what is it famous for?",
-    "Write a SQL query that counts rows in a table named users.",
-]
-EOS = {2}
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import SERVING_PROMPTS
 from spectrt.runtime.client import GrpcSession
 from spectrt.runtime.serve import SHM_DIR, TritonServer
 
 TIMEOUT = 300.0
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "List five animals that live in the ocean.",
-    "What is 12 times 15? Explain briefly.",
-    "Give three tips for learning a new language.",
-    "What is the capital of France?",
-    "Write a SQL query that counts rows in a table named users.",
-    "Explain what photosynthesis is to a child.",
-    "Name three colors.",
-]
+PROMPTS = SERVING_PROMPTS
 
 
 @pytest.fixture(scope="module")

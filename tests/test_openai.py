@@ -13,7 +13,6 @@ import http.client
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from conftest import launch_serve, scrape_metrics
 from spectrt.runtime.client import GrpcSession
 from spectrt.runtime.openai_api import (
     Limits,
@@ -308,16 +308,6 @@ def test_unknown_route_and_method_are_error_objects(server):
         conn.close()
 
 
-def _scrape(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(spectrt_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m and "_bucket" not in m.group(1):
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
-    return values
-
-
 def _wait_for(predicate, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -326,7 +316,7 @@ def _wait_for(predicate, timeout: float = 60.0) -> None:
 
 
 def _active(server) -> float:
-    return _scrape(server).get("spectrt_active_requests", 0.0)
+    return scrape_metrics(server).get("spectrt_active_requests", 0.0)
 
 
 def _open(server, body: dict, path: str = "/v1/chat/completions") -> socket.socket:
@@ -343,7 +333,7 @@ def _open(server, body: dict, path: str = "/v1/chat/completions") -> socket.sock
 def test_client_disconnect_frees_its_slot(server, stream):
     """A client that goes away mid-generation: its request is cancelled upstream (not completed), its slot freed."""
     _wait_for(lambda: _active(server) == 0)
-    before = _scrape(server)
+    before = scrape_metrics(server)
     sock = _open(server, {"max_tokens": LIMIT, "stream": stream, "min_tokens": LIMIT, "tree": "none"})
     try:
         if stream:
@@ -354,7 +344,7 @@ def test_client_disconnect_frees_its_slot(server, stream):
     finally:
         sock.close()
     _wait_for(lambda: _active(server) == 0)
-    after = _scrape(server)
+    after = scrape_metrics(server)
     assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
     assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
     assert after["spectrt_tokens_generated_total"] == before["spectrt_tokens_generated_total"]
@@ -369,7 +359,7 @@ def test_overloaded_is_503_and_clears(server, client):
     try:
         _wait_for(lambda: _active(server) == MAX_ACTIVE)
         busy.append(_open(server, {"max_tokens": LIMIT, "stream": True}))
-        _wait_for(lambda: _scrape(server).get("spectrt_queued_requests") == MAX_QUEUE)
+        _wait_for(lambda: scrape_metrics(server).get("spectrt_queued_requests") == MAX_QUEUE)
         with pytest.raises(openai.InternalServerError) as refused:
             client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2)
         assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"] == "1"
@@ -377,7 +367,7 @@ def test_overloaded_is_503_and_clears(server, client):
     finally:
         for sock in busy:
             sock.close()
-    _wait_for(lambda: _active(server) == 0 and _scrape(server).get("spectrt_queued_requests") == 0)
+    _wait_for(lambda: _active(server) == 0 and scrape_metrics(server).get("spectrt_queued_requests") == 0)
     assert client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2).choices[0].message.content
 
 
@@ -391,7 +381,7 @@ def test_deadline_is_504_and_cancels_upstream(server, target_dir):
     try:
         _wait_for(lambda: _health(port) == 200 or proc.poll() is not None, TIMEOUT)
         assert proc.poll() is None, proc.stderr.read()
-        before = _scrape(server)
+        before = scrape_metrics(server)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
         conn.request("POST", "/v1/chat/completions", json.dumps(
             {"model": "spectrt", "messages": CHAT, "max_tokens": LIMIT, "min_tokens": LIMIT}))
@@ -400,7 +390,7 @@ def test_deadline_is_504_and_cancels_upstream(server, target_dir):
         conn.close()
         assert response.status == 504 and answer["error"]["code"] == "deadline_exceeded", answer
         _wait_for(lambda: _active(server) == 0)
-        assert _scrape(server)["spectrt_requests_total"] == before["spectrt_requests_total"]
+        assert scrape_metrics(server)["spectrt_requests_total"] == before["spectrt_requests_total"]
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0, "the frontend did not stop cleanly on SIGTERM"
@@ -439,20 +429,7 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _launch() -> tuple[subprocess.Popen, dict]:
-    cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--threads", "1", "--max-seq-len", "128",
-           "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-           "--openai-port", "0", "--ready-timeout", "300"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, deadline = "", time.monotonic() + 360
-    while "ready:" not in out:
-        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
-            proc.kill()
-            pytest.fail(f"spectrt serve printed no 'ready:' line:\n{out}")
-        data = os.read(proc.stdout.fileno(), 65536)
-        if not data:
-            pytest.fail(f"spectrt serve exited ({proc.wait()}):\n{out}\n{proc.stderr.read()}")
-        out += data.decode()
-    info = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    proc, info, out = launch_serve("--openai-port", "0")
     assert f"OpenAI {info['openai']}" in out  # the URL a user copies
     return proc, info
 

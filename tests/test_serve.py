@@ -9,13 +9,9 @@ no /dev/shm region, no run directory.
 from __future__ import annotations
 
 import http.server
-import json
-import os
-import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,10 +19,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import SERVE_READY_TIMEOUT, launch_serve
 from spectrt.runtime.client import GrpcSession, http_generate, load_run
 from spectrt.runtime.serve import ADMIN_HEADER, GRPC_ADMIN_HEADER, SHM_DIR, ServeError, TritonServer, host_warning
 
-READY_TIMEOUT = 300.0
 GONE_TIMEOUT = 120.0  # how long cleanup may take before the test fails (a hang guard, not a speed check)
 
 
@@ -65,22 +61,8 @@ def _port_free(url: str) -> bool:
 
 
 def _launch(*extra: str) -> tuple[subprocess.Popen, dict]:
-    """Start `spectrt serve` and return it with the endpoints JSON it prints once the server is ready."""
-    cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--instances", "1", "--threads", "1",
-           "--max-seq-len", "128", "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--ready-timeout", str(READY_TIMEOUT), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = ""
-    deadline = time.monotonic() + READY_TIMEOUT + 60
-    while "ready:" not in out:  # raw reads: select() cannot see what a buffered readline() already holds
-        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
-            proc.kill()
-            pytest.fail(f"spectrt serve printed no 'ready:' line:\n{out}")
-        data = os.read(proc.stdout.fileno(), 65536)
-        if not data:
-            pytest.fail(f"spectrt serve exited ({proc.wait()}):\n{out}\n{proc.stderr.read()}")
-        out += data.decode()
-    return proc, json.loads(out[out.index("{"):out.rindex("}") + 1])
+    proc, info, _ = launch_serve(*extra)
+    return proc, info
 
 
 def _assert_nothing_left(info: dict) -> None:
@@ -198,7 +180,7 @@ def test_run_dir_with_unrelated_files_is_left_untouched(tmp_path):
 def server(target_dir):
     params = {"target_dir": target_dir, "draft_dir": "none", "max_seq_len": 128, "max_tokens_limit": 8,
               "threads": 1, "warmup": "false"}
-    with TritonServer(params, instances=1, ready_timeout=READY_TIMEOUT) as server:
+    with TritonServer(params, instances=1, ready_timeout=SERVE_READY_TIMEOUT) as server:
         yield server
     code = server.poll()
     assert server.stop() == code, "a second stop() is a no-op"

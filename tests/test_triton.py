@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SERVING_PROMPTS, scrape_metrics
 from spectrt.runtime.client import GrpcSession, RequestFailed, grpc_inputs, http_generate, request_fields
 from spectrt.runtime.serve import SHM_DIR, ServeError, TritonServer, write_config
 
@@ -29,16 +30,7 @@ WAIT = 60.0  # hang guard for state the server reaches on its own (asserted thro
 MAX_ACTIVE = 4
 MAX_COST = 1000
 MAX_QUEUE = 16
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "List five animals that live in the ocean.",
-    "What is 12 times 15? Explain briefly.",
-    "Give three tips for learning a new language.",
-    "What is the capital of France?",
-    "Write a SQL query that counts rows in a table named users.",
-    "Explain what photosynthesis is to a child.",
-    "Name three colors.",
-]
+PROMPTS = SERVING_PROMPTS
 
 
 def _alive(pid: int) -> bool:
@@ -225,20 +217,10 @@ def test_bad_http_request_gets_an_error(server, session):
     _good(session)
 
 
-def _scrape(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(spectrt_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m and "_bucket" not in m.group(1):
-            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
-    return values
-
-
 def test_metrics_count_speculative_work(server, session):
-    before = _scrape(server)
+    before = scrape_metrics(server)
     r = session.generate(PROMPTS[3], 12, stream=True, timeout=TIMEOUT)
-    after = _scrape(server)
+    after = scrape_metrics(server)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     assert delta["spectrt_tokens_generated_total"] == r.perf["output_tokens"] > 0
     assert delta["spectrt_target_passes_total"] == r.perf["target_passes"] > 0
@@ -261,7 +243,7 @@ def test_cancelled_stream_stops_decoding(server, session):
     stops (no slot held, no further batch steps)."""
     import queue
 
-    before, released = _scrape(server), _released(server)
+    before, released = scrape_metrics(server), _released(server)
     responses: queue.Queue = queue.Queue()
     session.client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
@@ -271,11 +253,11 @@ def test_cancelled_stream_stops_decoding(server, session):
     finally:
         session.client.stop_stream(cancel_requests=True)
     _wait_for(lambda: _released(server) > released and _gauge(server, "spectrt_active_requests") == 0)
-    after = _scrape(server)
+    after = scrape_metrics(server)
     assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
     assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
     assert 0 < after["spectrt_batch_steps_total"] - before["spectrt_batch_steps_total"]
-    assert _scrape(server)["spectrt_batch_steps_total"] == after["spectrt_batch_steps_total"], "still decoding"
+    assert scrape_metrics(server)["spectrt_batch_steps_total"] == after["spectrt_batch_steps_total"], "still decoding"
     _good(session)
 
 
@@ -394,7 +376,7 @@ def _stream(server, session, fields: dict) -> Stream:
 
 
 def _gauge(server, name: str) -> float:
-    return _scrape(server).get(name, 0.0)
+    return scrape_metrics(server).get(name, 0.0)
 
 
 def _wait_for(predicate, timeout: float = WAIT) -> None:
@@ -574,12 +556,12 @@ def test_newline_stop_word_oversized_fields_and_deadline(server, session, pipe):
 
 def test_non_streaming_request_cancelled_midway_stops(server, session):
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0)
-    before = _scrape(server)
+    before = scrape_metrics(server)
     st = _stream(server, session, request_fields(PROMPTS[6], LIMIT, False, tree="0"))
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 1)
     st.close(cancel=True)
     _wait_for(lambda: _gauge(server, "spectrt_active_requests") == 0)
-    after = _scrape(server)
+    after = scrape_metrics(server)
     assert after["spectrt_requests_total"] == before["spectrt_requests_total"], "it ran to completion"
     assert after["spectrt_requests_admitted_total"] == before["spectrt_requests_admitted_total"] + 1
     _good(session)
