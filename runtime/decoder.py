@@ -7,7 +7,7 @@ engine, allocated once here). Each `step`:
    others); the draft reads the same chunks in its first pass of the step;
 2. every decoding request gets a token trie from the proposers (runtime/propose.py): suffix candidates (free), then
    the draft (static SpecInfer shapes, or EAGLE-2 expansion of the best nodes), all requests' draft levels in one
-   draft forward each; the draft is skipped for the step when even a sure draft token could not pay for its pass;
+   draft forward each; a request drafts only when its learned draft gain pays for its pass and the row it adds;
 3. one speculation budget across the batch (`runtime/policy.allocate`): which scored nodes of which request to
    verify, by expected tokens per millisecond of the batched target forward, never worse than plain batched
    decoding; static trees are verified whole (cut by rank when the step's row cap is exceeded);
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 from spectrt.runtime.engine import Engine, Segment
-from spectrt.runtime.policy import Policy, allocate
+from spectrt.runtime.policy import Policy, allocate, choose_drafted
 from spectrt.runtime.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
@@ -41,7 +42,7 @@ AUTO = "auto"  # a job's tree: dynamic trees under the decoder's policy
 SCALE_PRIOR = 4.0  # pseudo-tokens behind the score scale's start at 1 (the tuned calibration taken as right)
 SCALE_DECAY = 0.98  # per dynamic tree verified: the scale follows the last ~50 request-steps
 DRAFT_GAIN_RATE = 0.3  # weight of the latest step in a job's learned draft gain (accepted tokens: noisy)
-DRAFT_GAIN_RECOVERY = 0.1  # per refused step, the share of the way back to a sure token
+DRAFT_GAIN_RECOVERY = 0.1  # per refused step, the share of a job's way back to the policy's expectation
 ROOT_ONLY = Tree((-1,))
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -224,9 +225,6 @@ class Decoder:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self._policy = policy
-        self._verify = policy.verify_cost
-        if self.drafter is not None:
-            self.drafter.cost = policy.draft_cost
 
     # ------------------------------------------------------------------------------------- membership
     def check(self, job: Job) -> None:
@@ -392,6 +390,7 @@ class Decoder:
                 job.stats.prefill_seconds = now - job.started
         segments, draft_prefill, chunks = [], [], []
         budget = self.prefill_budget
+        draft_pays = bool(prefill) and self._draft_may_pay(len(jobs), sum(len(j.ids) for j in jobs) // len(jobs))
         for job in prefill:  # admission order: the oldest prompt advances first
             if budget <= 0:
                 break
@@ -402,11 +401,11 @@ class Decoder:
             chunks.append((job, t))
             budget -= t
             info.prefill_tokens += t
-            if self.drafter is not None and self._drafts(job):
+            if self.drafter is not None and self._drafts(job) and (isinstance(job.tree, Tree) or draft_pays):
                 seg = self.drafter.chunk(job.slot, job.ids, n + t)
                 if seg is not None:
                     draft_prefill.append(seg)
-        cands = self._propose(decode, draft_prefill, base_rows=info.prefill_tokens)
+        cands = self._propose(decode, draft_prefill, len(prefill))
         plans = []
         for cand in cands:
             trie = cand.trie
@@ -440,10 +439,18 @@ class Decoder:
             return len(job.tree) > 1
         return job.tree == AUTO and self.policy.draft and self.policy.depth > 0
 
-    def _propose(self, decode: list[Job], draft_prefill: list[Segment], base_rows: int) -> list[Candidates]:
+    def _propose(self, decode: list[Job], draft_prefill: list[Segment], prefilling: int) -> list[Candidates]:
         """Every decoding job's candidates: suffix first for dynamic trees, the draft (gated by whether it can pay),
-        then the budget: how many of each dynamic trie's best nodes to verify (`cand.chosen`)."""
-        policy, verify = self.policy, self._verify
+        then the budget: how many of each dynamic trie's best nodes to verify (`cand.chosen`).
+
+        The cost weighed is the batched forward of every active job at their mean context, the `prefilling` ones
+        counted as the plain row and token they are about to take, not as their prompt chunks. Why: a chunk is paid
+        anyway and emits nothing, so counting it made speculative rows look cheap next to the step's few tokens per
+        ms (each new request's prefill at batch 8 drafted and verified more for everyone in that step)."""
+        policy = self.policy
+        context = sum(len(j.ids) for j in decode) // max(len(decode), 1)
+        verify = policy.verify_at(max(len(decode) + prefilling, 1), context)
+        draft_cost = policy.draft_at(context)
         static_jobs = [j for j in decode if isinstance(j.tree, Tree)]
         static_total = sum(len(j.tree) for j in static_jobs)
         share = max(1, self.tree_budget // max(len(decode), 1))
@@ -473,10 +480,9 @@ class Decoder:
         sunk = 0.0
         if self.drafter is not None:
             drafting = [c for c in cands if self._drafts(c.job) and (c.static is None or len(c.static) > 1)]
-            drafting = self._gate(drafting, dynamic, base_rows + static_rows)
+            drafting = self._gate(drafting, dynamic, static_rows, prefilling, verify, draft_cost)
             if drafting or draft_prefill:
-                sunk = self.drafter.propose(drafting, draft_prefill, verify, base_rows + static_rows,
-                                            self.max_tree_tokens)
+                sunk = self.drafter.propose(drafting, draft_prefill, verify, draft_cost, static_rows, prefilling)
         for cand in cands:  # static trees: suffix candidates merged after the shape (trie node i = tree node i)
             if cand.static is not None:
                 cand.budget = len(cand.trie)
@@ -485,7 +491,7 @@ class Decoder:
                     cand.budget = len(cand.trie)
         scale = self._score_scale()
         sizes, _ = allocate([[x * scale for x in c.scores] for c in dynamic], [c.budget for c in dynamic], sunk, verify,
-                            base_rows + sum(len(c.trie) for c in cands if c.static is not None))
+                            sum(len(c.trie) for c in cands if c.static is not None), prefilling)
         for cand, size in zip(dynamic, sizes, strict=True):
             cand.chosen = size
             cand.expected = sum(cand.scores[:size - 1])
@@ -498,42 +504,57 @@ class Decoder:
         and a node only pays when its real acceptance beats the batched step's tokens per row."""
         return min(max(self.accepted_tokens / self.expected_tokens, 0.2), 1.5)
 
-    def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int) -> list[Candidates]:
-        """The draft runs this step only if what it is expected to add pays for its pass and the rows it adds; static
-        trees always draft (their shape is the caller's explicit choice).
+    def _draft_may_pay(self, active: int, context: int) -> bool:
+        """Whether one request's draft, at the policy's expected gain, pays for its pass at this load: else a prompt
+        is not fed to the draft while it is prefilled (at batch 8 the draft never ran, but reading the prompts cost
+        1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
+        policy = self.policy
+        verify, cost = policy.verify_at(active, context), policy.draft_at(context)
+        return bool(choose_drafted([policy.expected_draft_gain], [1 + policy.depth], float(active), active, verify,
+                                   cost))
+
+    def _catch_up(self, job: Job) -> float:
+        """Draft rows a drafting step costs the job: a steady step reads its accepted tokens (1 + depth at most); a
+        backlog beyond that (the draft was off, or skipped the prompt) is paid once, so it is charged spread over the
+        drafting steps the job has left. Why: charging it whole kept a lagging draft off for good (the EAGLE-3 head
+        after a long prefill); ignoring it paid 150-token backlogs for the last two steps of a batch (64-row draft
+        calls at ~20 ms, bf16)."""
+        lag, steady = self.drafter.lag(job.slot, job.ids), 1 + self.policy.depth
+        left = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids)) - len(job.out)
+        steps = max(left / (1 + job.draft_gain), 1.0)
+        return min(lag, steady) + max(lag - steady, 0) / steps
+
+    def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int, plain: int,
+              verify: Callable[[int], float], draft_cost: Callable[[int, int], float]) -> list[Candidates]:
+        """The dynamic jobs whose draft pays this step for its pass and the row it adds (`policy.choose_drafted`);
+        static trees always draft (their shape is the caller's explicit choice).
 
         Each job's expected draft gain (`Job.draft_gain`) is learned from its own steps: the accepted tokens that only
-        the draft proposed (`_accept`), starting from a sure token. Why: the bound
-        "a sure token per request" alone let the draft run at batch 8 where the budget then verified ~0.3 of its
-        nodes per request (measured: 0.80x plain batched decoding, bf16); a refused job's estimate drifts back
-        towards a sure token, so a draft that starts agreeing later is tried again. A lagging draft cache's
-        backlog counts as one step's accepted tokens: it is paid once, and charging all of it to every step would
-        keep a lagging draft off for good (seen with the EAGLE-3 head after a long prefill)."""
+        the draft proposed (`_accept`). It starts at, and while not drafted drifts back to, the policy's expectation
+        (`Policy.expected_draft_gain`: the tuned acceptance). Why: a bound of "a sure token per request" let the draft
+        run at batch 8 where the budget then verified ~0.3 of its nodes per request (0.80x plain batched decoding,
+        bf16); drifting back to a sure token re-tried the draft every ~7 steps at batch 8, each try paying every
+        request's backlog in one draft call (~20 ms; 0.86x). Only the job's own evidence moves it, so a seeded
+        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`)."""
         grow = [c for c in drafting if c.static is None]
         if not grow:
             return drafting
-        verify, cal = self._verify, self.policy.calibration
+        prior = self.policy.expected_draft_gain
         caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
         scale = self._score_scale()
         scores = [[x * scale for x in c.scores] for c in dynamic]
-        sizes, rate = allocate(scores, caps, 0.0, verify, base_rows)
-        gain = float(len(dynamic)) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
-        chosen = {id(c): (b, cap) for c, b, cap in zip(dynamic, sizes, caps, strict=True)}
-        rows = base_rows + sum(sizes) + sum(min(chosen[id(c)][0] + 1, chosen[id(c)][1]) - chosen[id(c)][0]
-                                            for c in grow)
-        catch_up = sum(min(self.drafter.lag(c.job.slot, c.job.ids), 1 + self.policy.depth) for c in grow)
-        sunk = self.drafter.cost(catch_up)
-        sure = cal.draft[-1]
+        sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
+        gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
         for c in grow:
             if c.job.draft_gain is None:
-                c.job.draft_gain = sure
-        if (gain + sum(c.job.draft_gain for c in grow)) / (sunk + verify(rows)) <= rate:
-            for c in grow:  # not drafted: the estimate drifts back towards a sure token (explore again later)
-                c.job.draft_gain += DRAFT_GAIN_RECOVERY * (sure - c.job.draft_gain)
-            return [c for c in drafting if c.static is not None]
-        for c in grow:
-            c.drafted = True
-        return drafting
+                c.job.draft_gain = prior
+        catch_up = [self._catch_up(c.job) for c in grow]
+        chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
+                                    verify, draft_cost))
+        for i, c in enumerate(grow):
+            if i not in chosen:  # not drafted: the estimate drifts back towards the policy's (explore again later)
+                c.job.draft_gain += DRAFT_GAIN_RECOVERY * (prior - c.job.draft_gain)
+        return [c for c in drafting if c.static is not None] + [c for i, c in enumerate(grow) if i in chosen]
 
     # ------------------------------------------------------------------------------------- acceptance
     def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:

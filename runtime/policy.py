@@ -63,6 +63,64 @@ class Calibration:
         return [first * self.suffix_next ** k * s for k, s in enumerate(share)]
 
 
+CONTEXT_BUCKET = 64  # step cost curves are built per 64 committed tokens (the cost moves ~1% per 64 at batch 1)
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise linear through the points; flat below the first, the last slope above the last."""
+    xs = sorted(points)
+    if x <= xs[0] or len(xs) == 1:
+        return points[xs[0]]
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    a, b = xs[i - 1], xs[i]
+    return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
+
+
+@dataclass(frozen=True)
+class BatchedCost:
+    """ms of one `forward_many` by total rows, segments (requests) and committed context, from `spectrt profile`'s
+    `<role>_batched` table {context: {segments: {rows: ms}}}.
+
+    Linear in rows, then in segments, then in context between measured points (a grid point returns its
+    measurement), flat below the smallest measured value of each, the last slope above the largest. A segment count
+    whose smallest measured row count exceeds `rows` (3 rows, 4 segments measured from 4 rows) reads that smallest
+    one: a slight overestimate. Why segments and context: at batch 8 the same rows cost more than one request's tree
+    (attention reads eight caches), and 1024 committed tokens cost ~2x 128 at 16 rows (measured, bf16)."""
+
+    table: dict[int, dict[int, dict[int, float]]]
+    _curves: dict = field(default_factory=dict, compare=False, repr=False)  # (segments, context bucket) -> curve
+
+    @classmethod
+    def from_json(cls, table: dict) -> BatchedCost:
+        grid = {int(c): {int(s): {int(r): float(ms) for r, ms in rows.items()} for s, rows in by_s.items()}
+                for c, by_s in table.items()}
+        if not grid or any(not by_s or any(not rows for rows in by_s.values()) for by_s in grid.values()):
+            raise ValueError("a batched cost table needs measured rows for every context and segment count")
+        return cls(grid)
+
+    def to_json(self) -> dict:
+        return {str(c): {str(s): {str(r): ms for r, ms in rows.items()} for s, rows in by_s.items()}
+                for c, by_s in self.table.items()}
+
+    def __call__(self, rows: int, segments: int = 1, context: int = 128) -> float:
+        if rows < segments or segments < 1:
+            raise ValueError(f"a forward over {segments} segments needs at least one row each, got {rows} rows")
+        at_context = {c: _interpolate({s: _interpolate(by_rows, rows) for s, by_rows in by_s.items()}, segments)
+                      for c, by_s in self.table.items()}
+        return _interpolate(at_context, context)
+
+    def curve(self, segments: int, context: int) -> CostCurve:
+        """Cost vs total rows for one step's forward over `segments` requests at `context`: what `allocate` reads
+        (one interpolation per measured row count here, then a cheap CostCurve per call)."""
+        points = sorted({segments} | {r for by_s in self.table.values() for rows in by_s.values() for r in rows
+                                      if r > segments})
+        key = (segments, -(-context // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        if key not in self._curves:
+            self._curves[key] = CostCurve({1: self(segments, segments, key[1]),
+                                           **{r: self(r, segments, key[1]) for r in points}})
+        return self._curves[key]
+
+
 # Untuned fallback (relative units): verify cost vs T of the fp32 torch engine on a 2-core CPU (DESIGN.md),
 # a 4-layer draft pass ~20% of a target step. `spectrt tune` replaces both with this machine's curves.
 DEFAULT_VERIFY = ((1, 1.0), (2, 1.13), (4, 1.48), (8, 2.23), (16, 3.11), (32, 4.8), (64, 8.0))
@@ -84,10 +142,19 @@ class Policy:
     calibration: Calibration = field(default_factory=Calibration)
     verify_ms: tuple[tuple[int, float], ...] = DEFAULT_VERIFY
     draft_ms: tuple[tuple[int, float], ...] = DEFAULT_DRAFT
+    draft_gain: float | None = None  # tuned: expected tokens the draft adds per step (None: a sure token)
+    verify_batched: BatchedCost | None = field(default=None, hash=False)  # the profile's batched tables, if tuned
+    draft_batched: BatchedCost | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.depth < 0 or self.width < 1 or self.suffix_depth < 0:
             raise ValueError(f"policy {self} needs budget >= 1, depth >= 0, width >= 1, suffix_depth >= 0")
+
+    @property
+    def expected_draft_gain(self) -> float:
+        """Tokens the draft is expected to add per step before a request has its own evidence: the tuned value, or
+        (untuned) the acceptance of the most confident draft tokens."""
+        return self.draft_gain if self.draft_gain is not None else self.calibration.draft[-1]
 
     @property
     def verify_cost(self) -> CostCurve:
@@ -97,17 +164,40 @@ class Policy:
     def draft_cost(self) -> CostCurve:
         return CostCurve(dict(self.draft_ms))
 
+    def verify_at(self, segments: int, context: int) -> CostCurve:
+        """Target ms vs total rows for one step's forward over `segments` requests at `context` committed tokens:
+        the batched profile when the policy was tuned with one, else the single-request curve."""
+        if self.verify_batched is None:
+            return self.verify_cost
+        return self.verify_batched.curve(segments, context)
+
+    def draft_at(self, context: int) -> Callable[[int, int], float]:
+        """Draft ms of one forward by (total rows, segments) at `context`, like `verify_at`."""
+        if self.draft_batched is None:
+            curve = self.draft_cost
+            return lambda rows, segments: curve(rows)
+        table = self.draft_batched
+        return lambda rows, segments: table.curve(int(max(min(segments, rows), 1)), context)(rows)
+
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        for key in ("verify_batched", "draft_batched"):
+            table = getattr(self, key)
+            data[key] = table.to_json() if table is not None else None
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> Policy:
         data = dict(data)
         cal = data.pop("calibration", None)
-        fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth") if k in data}
+        fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth", "draft_gain")
+                  if k in data}
         for k in ("verify_ms", "draft_ms"):
             if k in data:
                 fields[k] = tuple((int(t), float(ms)) for t, ms in data[k])
+        for k in ("verify_batched", "draft_batched"):
+            if data.get(k):
+                fields[k] = BatchedCost.from_json(data[k])
         calibration = Calibration(**{k: tuple(v) if isinstance(v, list) else v for k, v in cal.items()}) if cal \
             else Calibration()
         return cls(**fields, calibration=calibration)
@@ -128,7 +218,7 @@ def best_size(scores: list[float], sunk_ms: float, verify: CostCurve, budget: in
 
 
 def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
-             base_rows: int = 0) -> tuple[list[int], float]:
+             base_rows: int = 0, plain: int = 0) -> tuple[list[int], float]:
     """One speculation budget across a batch: nodes to verify per request (root included, >= 1 each), maximising
     expected tokens per millisecond of the ONE batched forward, and that rate.
 
@@ -139,12 +229,13 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     each: plain batched decoding) plus the chosen scores; the best choice takes the globally highest scores (a
     prefix of each request's list, so each tree stays connected: a node's score never exceeds its parent's) and
     the count is chosen by maximising the rate, so the result is never worse than plain batched decoding
-    (nothing chosen), and at batch 1 it is the per-step verify size of one request.
+    (nothing chosen), and at batch 1 it is the per-step verify size of one request. `plain` more requests count as
+    one row and one token each (requests still prefilling, as the plain step they are about to take).
     """
-    n = len(scores)
+    n = len(scores) + plain
     merged = sorted(((s, j) for j, (row, cap) in enumerate(zip(scores, budgets, strict=True))
                      for s in row[:max(cap - 1, 0)]), key=lambda sj: (-sj[0], sj[1]))
-    counts = [0] * n
+    counts = [0] * len(scores)
     best_k, gain = 0, float(n)
     best_rate = gain / (sunk_ms + verify(base_rows + n))
     for k, (s, _) in enumerate(merged, start=1):
@@ -155,6 +246,28 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     for _, j in merged[:best_k]:
         counts[j] += 1
     return [1 + c for c in counts], best_rate
+
+
+def choose_drafted(gains: list[float], catch_up: list[float], gain: float, rows: int, verify: Callable[[int], float],
+                   draft: Callable[[int, int], float]) -> list[int]:
+    """Which requests run the draft this step (indices, ascending), by expected tokens per millisecond.
+
+    Without the draft the step expects `gain` tokens from a verify of `rows` rows. Drafting request j adds its
+    expected gain `gains[j]`, one verified row, and `catch_up[j]` rows to the one draft forward over the drafted
+    requests (`draft(rows, segments)` ms). Requests are taken best gain first (fewer catch-up rows on ties) and the
+    count maximises the rate, so drafting never looks worse than not drafting and a request whose draft does not
+    pay is left out while the others draft.
+    """
+    order = sorted(range(len(gains)), key=lambda j: (-gains[j], catch_up[j], j))
+    best, best_rate = 0, gain / verify(rows)
+    total, draft_rows = gain, 0.0
+    for k, j in enumerate(order, start=1):
+        total += gains[j]
+        draft_rows += catch_up[j]
+        rate = total / (draft(draft_rows, k) + verify(rows + k))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return sorted(order[:best])
 
 
 def expected_tokens(acceptance: list[list[float]], budget: int, depth: int, width: int) -> float:

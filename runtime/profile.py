@@ -6,12 +6,16 @@ the machine's cost profile (artifacts/cost_profile-<target>-<dtype>.json) for th
 per-component breakdown as JSON + markdown + PNG under bench/results/profile/.
 
 The batched profile (`<role>_batched`: {context: {segments: {total rows: ms}}}) is the cost of one `forward_many`
-over several requests' segments, for the batch-wide speculation budget; `batched_cost` interpolates it.
+over several requests' segments, for the batch-wide speculation budget (`policy.BatchedCost` interpolates it).
+
+Each timed forward follows one forward of the other engine (target after draft, draft after target), as the decode
+loop interleaves them. Why: the draft's weights (~38 MB in bf16) stay in cache when it runs alone but not after the
+target has streamed its ~270 MB through; measured on the 2-core Xeon, a draft T=1 pass costs 1.6 ms alone and 2.5 ms
+after a target forward, and the loop's own draft calls averaged 2.8 ms while the old profile said 1.2 ms.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import platform
@@ -59,14 +63,17 @@ def prefilled_cache(engine: Transformer, context: int, window: int = 64):
     return prefilled_caches(engine, context, 1, window)[0]
 
 
-def forward_ms(engine: Transformer, nodes: int, cache, repeats: int) -> float:
-    """Median wall time of one forward of a `nodes`-node tree after the cache's committed tokens."""
+def forward_ms(engine: Transformer, nodes: int, cache, repeats: int, before: Callable[[], None] | None = None) -> float:
+    """Median wall time of one forward of a `nodes`-node tree after the cache's committed tokens; `before()` runs
+    untimed ahead of each timed forward (the other engine's pass, as in the decode loop)."""
     tree = binary_tree(nodes)
     tokens = torch.randint(0, engine.config.vocab_size, (nodes,), generator=torch.Generator().manual_seed(nodes))
     positions = tree.positions(cache.length)
     engine.forward(tokens, positions, tree.mask, cache)  # warm-up
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         engine.forward(tokens, positions, tree.mask, cache)
         times.append(time.perf_counter() - start)
@@ -74,7 +81,7 @@ def forward_ms(engine: Transformer, nodes: int, cache, repeats: int) -> float:
 
 
 def cost_curve(engine: Transformer, contexts=CONTEXTS, t_values=T_VALUES, repeats: int = 15,
-               label: str = "") -> dict[str, dict[str, float]]:
+               label: str = "", before: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """{context: {T: median ms}} for tree forwards of T nodes."""
     curve = {}
     with tqdm(total=len(contexts) * len(t_values), desc=f"profile {label}".strip(), unit="shape") as bar:
@@ -82,7 +89,7 @@ def cost_curve(engine: Transformer, contexts=CONTEXTS, t_values=T_VALUES, repeat
             cache = prefilled_cache(engine, context, max(t_values))
             curve[str(context)] = {}
             for t in t_values:
-                curve[str(context)][str(t)] = round(forward_ms(engine, t, cache, repeats), 3)
+                curve[str(context)][str(t)] = round(forward_ms(engine, t, cache, repeats, before), 3)
                 bar.update()
     return curve
 
@@ -93,7 +100,8 @@ def batch_rows(segments: int, max_rows: int = max(T_VALUES)) -> list[int]:
     return sorted({r for r in wanted if segments <= r <= max_rows})
 
 
-def batched_forward_ms(engine: Transformer, caches: list, rows: int, repeats: int) -> float:
+def batched_forward_ms(engine: Transformer, caches: list, rows: int, repeats: int,
+                       before: Callable[[], None] | None = None) -> float:
     """Median wall time of one `forward_many` over len(caches) segments sharing `rows` rows (as evenly as possible,
     the first segments one more), each a binary tree after its cache's committed tokens."""
     n = len(caches)
@@ -105,6 +113,8 @@ def batched_forward_ms(engine: Transformer, caches: list, rows: int, repeats: in
     engine.forward_many(segments)  # warm-up
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         engine.forward_many(segments)
         times.append(time.perf_counter() - start)
@@ -112,7 +122,7 @@ def batched_forward_ms(engine: Transformer, caches: list, rows: int, repeats: in
 
 
 def batched_curve(engine: Transformer, contexts=CONTEXTS, segments=SEGMENTS, repeats: int = 5,
-                  label: str = "") -> dict[str, dict[str, dict[str, float]]]:
+                  label: str = "", before: Callable[[], None] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """{context: {segments: {total rows: median ms}}} for `forward_many` over `segments` requests at `context`."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     shapes = [(context, s, rows) for context in contexts for s in segments for rows in batch_rows(s)]
@@ -123,41 +133,19 @@ def batched_curve(engine: Transformer, contexts=CONTEXTS, segments=SEGMENTS, rep
             for s in segments:
                 table[str(context)][str(s)] = {}
                 for rows in batch_rows(s):
-                    ms = batched_forward_ms(engine, caches[:s], rows, repeats)
+                    ms = batched_forward_ms(engine, caches[:s], rows, repeats, before)
                     table[str(context)][str(s)][str(rows)] = round(ms, 3)
                     bar.update()
     return table
 
 
-def _interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise linear through the points; flat below the first, the last slope above the last."""
-    xs = sorted(points)
-    if x <= xs[0] or len(xs) == 1:
-        return points[xs[0]]
-    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
-    a, b = xs[i - 1], xs[i]
-    return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
-
-
-def batched_cost(table: dict[str, dict[str, dict[str, float]]], context: int) -> Callable[[int, int], float]:
-    """cost(rows, segments) -> ms of one `forward_many` with `rows` rows over `segments` requests at `context`
-    committed tokens each, from a `<role>_batched` table: linear in rows, then in segments, then in context between
-    measured points (a grid point returns its measurement), flat below the smallest measured value of each, extended
-    with the last slope above the largest. A segment count whose smallest measured row count exceeds `rows` (e.g.
-    3 rows, measured 4 segments from 4 rows) reads that smallest one: a slight overestimate."""
-    grid = {int(c): {int(s): {int(r): float(ms) for r, ms in rows.items()} for s, rows in by_s.items()}
-            for c, by_s in table.items()}
-    if not grid or any(not by_s or any(not rows for rows in by_s.values()) for by_s in grid.values()):
-        raise ValueError("a batched cost table needs measured rows for every context and segment count")
-
-    def cost(rows: int, segments: int) -> float:
-        if rows < segments or segments < 1:
-            raise ValueError(f"a forward over {segments} segments needs at least one row each, got {rows} rows")
-        at_context = {c: _interpolate({s: _interpolate(by_rows, rows) for s, by_rows in by_s.items()}, segments)
-                      for c, by_s in grid.items()}
-        return _interpolate(at_context, context)
-
-    return cost
+def one_pass(engine: Transformer) -> Callable[[], None]:
+    """A callable running one T=1 forward of `engine` on a cache of its own: what precedes each forward of the other
+    engine in the decode loop."""
+    cache = prefilled_cache(engine, 128, 1)
+    token, position = torch.zeros(1, dtype=torch.long), torch.tensor([cache.length])
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    return lambda: engine.forward(token, position, mask, cache)
 
 
 def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int = 15) -> dict[str, float]:
@@ -239,9 +227,11 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
         report["draft_dtype"] = draft_dtype("torch", dtype)
     report["native"] = engines["target"].native is not None
     report["breakdown"] = {}
+    others = {"target": engines.get("draft"), "draft": engines["target"]}
     for role, engine in engines.items():
-        report[role] = cost_curve(engine, repeats=repeats, label=role)
-        report[f"{role}_batched"] = batched_curve(engine, repeats=max(3, repeats // 3), label=role)
+        before = one_pass(others[role]) if others[role] is not None else None
+        report[role] = cost_curve(engine, repeats=repeats, label=role, before=before)
+        report[f"{role}_batched"] = batched_curve(engine, repeats=max(5, repeats // 2), label=role, before=before)
         report["breakdown"][role] = {str(t): breakdown(engine, t, repeats=repeats) for t in (1, 8)}
     path = cost_profile_path(target, dtype, artifacts)
     path.parent.mkdir(parents=True, exist_ok=True)

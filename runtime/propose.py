@@ -47,7 +47,7 @@ class Candidates:
     policy: Policy | None = None
     budget: int = 1  # most nodes this request may verify (root included)
     chosen: int = 1  # nodes the budget rule chose to verify (dynamic trees)
-    drafted: bool = False  # a dynamic tree the draft expands this step
+    drafted: bool = False  # a dynamic tree the draft expands this step (set by the proposer)
     expected: float = 0.0  # expected accepted tokens of the chosen nodes (their scores' sum)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: dict[int, list] = field(default_factory=dict)
@@ -114,7 +114,6 @@ class DraftProposer:
         self.engine, self.window = engine, window
         self.caches = engine.new_caches(slots, capacity, window)
         self.causal = torch.ones(window, window, dtype=torch.bool).tril()
-        self.cost: Callable[[int], float] = lambda rows: 0.0  # draft ms vs rows, set by the decoder
 
     def start(self, slot: int) -> None:
         self.caches[slot].reset()
@@ -144,11 +143,12 @@ class DraftProposer:
 
     # ------------------------------------------------------------------------------------------- one step
     def propose(self, cands: list[Candidates], prefill: list[Segment], verify: Callable[[int], float],
-                base_rows: int, max_tree_tokens: int) -> float:
+                cost: Callable[[int, int], float], base_rows: int, plain: int = 0) -> float:
         """Fill every candidate record that drafts this step; returns the draft milliseconds spent (cost units).
 
         `prefill`: draft segments that feed prompt chunks of requests still prefilling (they share the first draft
-        forward). `verify(rows)` is the batched target cost, `base_rows` the target rows paid anyway this step.
+        forward). `verify(rows)` is the step's batched target cost, `base_rows` the target rows paid anyway this step,
+        `plain` the requests that decode plainly in it (`allocate`); `cost(rows, segments)` a draft forward's.
         """
         drafting, segments = [], list(prefill)
         for cand in cands:
@@ -160,10 +160,11 @@ class DraftProposer:
                 continue
             segments.append(seg)
             drafting.append(_Drafting(cand))
+            cand.drafted = cand.static is None
         if not segments:
             return 0.0
         rows, prefill_rows = sum(len(s[0]) for s in segments), sum(len(s[0]) for s in prefill)
-        sunk = self.cost(rows) - (self.cost(prefill_rows) if prefill_rows else 0.0)  # prompt chunks are paid anyway
+        sunk = cost(rows, len(segments)) - (cost(prefill_rows, len(prefill)) if prefill else 0.0)  # prompts: paid
         logits = self._run(segments)
         for seg in segments:
             seg[3].commit(len(seg[0]))
@@ -178,13 +179,13 @@ class DraftProposer:
             nxt = {id(d): self._next_static(d, depth) if d.cand.static is not None else [] for d in drafting}
             static_rows = sum(len(v) for v in nxt.values())
             if grow:
-                sunk = self._next_dynamic(grow, depth, nxt, static_rows, sunk, verify, base_rows, max_tree_tokens)
+                static = sum(1 for v in nxt.values() if v)  # requests with a static level (their rows are fed anyway)
+                self._next_dynamic(grow, depth, nxt, (static_rows, static), sunk, verify, cost, base_rows, plain)
             level = [d for d in drafting if nxt[id(d)]]
             if not level:
                 break
             segments = [self._feed(d, nxt[id(d)]) for d in level]
-            rows = sum(len(s[0]) for s in segments)
-            sunk += self.cost(rows)
+            sunk += cost(sum(len(s[0]) for s in segments), len(segments))
             for d, lg in zip(level, self._run(segments), strict=True):
                 d.logits = lg
                 d.frontier = nxt[id(d)]
@@ -239,8 +240,9 @@ class DraftProposer:
         tree = d.cand.static
         return list(tree.levels[depth]) if depth < tree.max_depth else []
 
-    def _next_dynamic(self, grow: list[_Drafting], depth: int, nxt: dict, static_rows: int, sunk: float,
-                      verify: Callable[[int], float], base_rows: int, max_tree_tokens: int) -> float:
+    def _next_dynamic(self, grow: list[_Drafting], depth: int, nxt: dict, static: tuple[int, int], sunk: float,
+                      verify: Callable[[int], float], cost: Callable[[int, int], float], base_rows: int,
+                      plain: int) -> None:
         """EAGLE-2's next level for the dynamic requests, if the whole batch expects it to pay (sets `nxt`).
 
         Each request would read its `width` best unread nodes of this depth whose parent the draft has read; the
@@ -250,8 +252,8 @@ class DraftProposer:
         """
         cands = [d.cand for d in grow]
         budgets = [min(c.policy.budget, c.budget) for c in cands]
-        sizes, rate = allocate([c.scores for c in cands], budgets, sunk, verify, base_rows)
-        gain = float(len(cands)) + sum(sum(c.scores[:b - 1]) for c, b in zip(cands, sizes, strict=True))
+        sizes, rate = allocate([c.scores for c in cands], budgets, sunk, verify, base_rows, plain)
+        gain = float(len(cands) + plain) + sum(sum(c.scores[:b - 1]) for c, b in zip(cands, sizes, strict=True))
         want, added, rows = {}, 0.0, 0
         for d, c, b, cap in zip(grow, cands, sizes, budgets, strict=True):
             if depth >= c.policy.depth:
@@ -266,13 +268,13 @@ class DraftProposer:
             want[id(d)] = picks
             rows += min(b + len(picks), cap) - b
         if not want:
-            return sunk
-        dynamic_rows = sum(len(v) for v in want.values())
-        extra = self.cost(static_rows + dynamic_rows) - (self.cost(static_rows) if static_rows else 0.0)
-        total = base_rows + sum(sizes) + rows
+            return
+        (static_rows, static_segments), dynamic_rows = static, sum(len(v) for v in want.values())
+        extra = cost(static_rows + dynamic_rows, static_segments + len(want)) - \
+            (cost(static_rows, static_segments) if static_rows else 0.0)
+        total = base_rows + sum(sizes) + plain + rows
         if (gain + added) / (sunk + extra + verify(total)) > rate:
             nxt.update(want)
-        return sunk
 
     def _feed(self, d: _Drafting, nodes: list[int]) -> Segment:
         """The draft segment of one request's next level: each node sees its fed ancestors and itself."""

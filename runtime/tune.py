@@ -13,11 +13,20 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.policy import Calibration, CostCurve, Policy, choose_policy, policy_path
+from spectrt.runtime.policy import (
+    BatchedCost,
+    Calibration,
+    CostCurve,
+    Policy,
+    choose_policy,
+    expected_tokens,
+    policy_path,
+)
 from spectrt.runtime.profile import cost_profile_path
 from tqdm import tqdm
 
@@ -58,6 +67,19 @@ def cost_curves(decoder: Decoder, artifacts: Path, target: str, dtype: str) -> t
     verify = measure_curve(decoder.target)
     draft = measure_curve(decoder.draft, tuple(t for t in PROFILE_TOKENS if t <= 16)) if decoder.draft else None
     return verify, draft, "measured by spectrt tune (no cost profile file)"
+
+
+def batched_tables(artifacts: Path, target: str, dtype: str, with_draft: bool) -> dict[str, BatchedCost]:
+    """The profile's batched cost tables as policy fields (`verify_batched`, `draft_batched`), {} without them: what
+    each decode step weighs (its own segment count and context) instead of the single-request curve."""
+    path = cost_profile_path(Path(target), dtype, artifacts)
+    profile = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    tables = {}
+    if profile.get("target_batched"):
+        tables["verify_batched"] = BatchedCost.from_json(profile["target_batched"])
+    if with_draft and profile.get("draft_batched"):
+        tables["draft_batched"] = BatchedCost.from_json(profile["draft_batched"])
+    return tables
 
 
 def acceptance_tables(trace: list[tuple], depth: int, width: int,
@@ -126,6 +148,9 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
     budgets = [b for b in BUDGETS if b <= decoder.max_tree_tokens]
     policy, rate = choose_policy(verify, draft_curve, acceptance, budgets, list(range(1, depth + 1)),
                                  list(range(1, width + 1)), calibration)
+    gain = expected_tokens(acceptance, policy.budget, policy.depth, policy.width) - 1 if policy.draft else None
+    policy = replace(policy, draft_gain=gain, **batched_tables(artifacts, Path(target).name, dtype,
+                                                               decoder.draft is not None))
     report = {
         "target": str(target), "draft": str(draft) if draft else None, "dtype": dtype,
         "threads": torch.get_num_threads(), "cost_source": source, "prompts": len(prompts),

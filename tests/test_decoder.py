@@ -10,7 +10,7 @@ from conftest import EOS, PROMPTS
 from spectrt.build.slice import slice_target
 from spectrt.runtime.decoder import AUTO, Decoder, Job
 from spectrt.runtime.model import Transformer
-from spectrt.runtime.policy import Policy
+from spectrt.runtime.policy import BatchedCost, Policy
 from spectrt.runtime.sampling import SamplingParams
 from spectrt.runtime.tree import Tree
 
@@ -255,6 +255,46 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
     assert share["contrary"] < 0.5 * share["self"], share
     assert max(j.draft_gain for j in jobs_of["contrary"]) < min(j.draft_gain for j in jobs_of["self"])
     assert scales["contrary"] < min(1.0, scales["self"]), scales  # the wrong draft's promises were not kept
+
+
+class Counting:
+    """An engine that counts its forward calls."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward_many(self, segments):
+        self.calls += 1
+        return self.engine.forward_many(segments)
+
+
+def test_under_load_a_draft_that_cannot_pay_never_runs(target, prompt_ids, ar_outputs):
+    """The costs a step weighs are the batched profile's at its own segment count: on a table where a speculative
+    row is free for one request and dear for four, four requests decode with no draft forward at all (not even
+    reading their prompts), and the same request alone drafts; outputs equal AR both ways."""
+    flat = {str(r): 1.0 for r in (1, 2, 4, 8, 16, 32, 64)}
+    steep = {s: {str(r): float(r) for r in (1, 2, 4, 8, 16, 32, 64) if r >= s} for s in (2, 4, 8)}
+    costs = Policy(budget=8, depth=2, width=2, suffix=False, draft_gain=0.9,
+                   verify_batched=BatchedCost.from_json({"128": {"1": flat, **{str(s): t for s, t in steep.items()}}}),
+                   draft_batched=BatchedCost.from_json({"128": {"1": {"1": 0.05, "64": 0.05}}}))
+    draft = Counting(target)  # the target as its own draft: every node it proposes is accepted
+    decoder = Decoder(target, draft, EOS, max_seq_len=512, max_active=4, policy=costs)
+    jobs = [Job(list(ids), 64, AUTO) for ids in prompt_ids[:4]]
+    for job in jobs:
+        decoder.add(job)
+    while len(decoder.active) == 4:
+        decoder.step()
+        assert draft.calls == 0 and all(decoder.drafter.caches[j.slot].length == 0 for j in jobs)
+    decoder.run([])
+    alone = Job(list(prompt_ids[0]), 64, AUTO)
+    decoder.run([alone])
+    assert alone.stats.draft_passes > 0 and draft.calls > 0
+    assert sum(alone.stats.accepted) > 0
+    for job, expected in zip([*jobs, alone], [*ar_outputs[:4], ar_outputs[0]], strict=True):
+        assert job.out == expected[:64]
 
 
 @pytest.mark.parametrize("tree", [None, Tree.parse("2,1")])

@@ -231,24 +231,3 @@ def test_native_forward_releases_the_gil(target):
         thread.join()
         sys.setswitchinterval(interval)
     assert len(inside) == 5 and all(n > 0 for n in inside), inside
-
-
-def test_batched_cost_interpolates_rows_segments_and_context():
-    from spectrt.runtime.profile import batch_rows, batched_cost
-
-    assert batch_rows(1) == [1, 2, 4, 8, 16, 32, 64] and batch_rows(8) == [8, 16, 32, 64]
-    # synthetic: ms = 10 + rows + 2 * segments at context 128; twice the row term at context 1024
-    table = {str(c): {str(s): {str(r): 10 + (1 if c == 128 else 2) * r + 2 * s for r in batch_rows(s)}
-                      for s in (1, 2, 4, 8)} for c in (128, 1024)}
-    cost = batched_cost(table, 128)
-    assert cost(8, 4) == table["128"]["4"]["8"]  # a grid point is its measurement
-    assert cost(12, 4) == pytest.approx(10 + 12 + 8)  # between measured rows
-    assert cost(16, 3) == pytest.approx(10 + 16 + 6)  # between measured segment counts
-    assert cost(96, 1) == pytest.approx(10 + 96 + 2)  # above the largest rows: the last slope
-    assert cost(3, 3) == pytest.approx((cost(3, 2) + (10 + 4 + 8)) / 2)  # 4 segments start at 4 rows: reads 4
-    assert batched_cost(table, 576)(8, 1) == pytest.approx(10 + 1.5 * 8 + 2)  # between contexts
-    assert batched_cost(table, 64)(8, 1) == cost(8, 1)  # below the smallest context: flat
-    with pytest.raises(ValueError, match="at least one row each"):
-        cost(2, 4)
-    with pytest.raises(ValueError, match="needs measured rows"):
-        batched_cost({"128": {}}, 128)

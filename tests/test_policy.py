@@ -4,10 +4,12 @@ import json
 
 import pytest
 from spectrt.runtime.policy import (
+    BatchedCost,
     Calibration,
     CostCurve,
     Policy,
     best_size,
+    choose_drafted,
     choose_policy,
     expected_tokens,
     load_policy,
@@ -168,3 +170,77 @@ def test_allocate_shares_one_budget_across_requests():
     steep = CostCurve({1: 10.0, 3: 11.0, 4: 40.0})  # 3 rows fine, a 4th row costs 4x
     sizes, _ = allocate([[0.9], [0.9], [0.9]], [2, 2, 2], 0.0, steep)
     assert sizes == [1, 1, 1]  # three requests: any extra row would more than double the step
+
+
+def synthetic_table() -> dict:
+    """ms = 10 + rows + 2 * segments at context 128; twice the row term at context 1024 (the profile's layout)."""
+    from spectrt.runtime.profile import batch_rows
+
+    return {str(c): {str(s): {str(r): 10 + (1 if c == 128 else 2) * r + 2 * s for r in batch_rows(s)}
+                     for s in (1, 2, 4, 8)} for c in (128, 1024)}
+
+
+def test_batched_cost_interpolates_rows_segments_and_context():
+    from spectrt.runtime.profile import batch_rows
+
+    assert batch_rows(1) == [1, 2, 4, 8, 16, 32, 64] and batch_rows(8) == [8, 16, 32, 64]
+    table = synthetic_table()
+    cost = BatchedCost.from_json(table)
+    assert cost(8, 4) == table["128"]["4"]["8"]  # a grid point is its measurement
+    assert cost(12, 4) == pytest.approx(10 + 12 + 8)  # between measured rows
+    assert cost(16, 3) == pytest.approx(10 + 16 + 6)  # between measured segment counts
+    assert cost(96, 1) == pytest.approx(10 + 96 + 2)  # above the largest rows: the last slope
+    assert cost(3, 3) == pytest.approx((cost(3, 2) + (10 + 4 + 8)) / 2)  # 4 segments start at 4 rows: reads 4
+    assert cost(8, 1, 576) == pytest.approx(10 + 1.5 * 8 + 2)  # between contexts
+    assert cost(8, 1, 64) == cost(8, 1)  # below the smallest context: flat
+    # a step's curve (what allocate reads) agrees with the table at every row count, in the step's context bucket
+    curve = cost.curve(4, 100)
+    assert all(curve(r) == pytest.approx(cost(r, 4, 128)) for r in range(4, 70))
+    with pytest.raises(ValueError, match="at least one row each"):
+        cost(2, 4)
+    with pytest.raises(ValueError, match="needs measured rows"):
+        BatchedCost.from_json({"128": {}})
+
+
+def test_policy_steps_weigh_the_batched_table_when_tuned_with_one():
+    plain = Policy()
+    assert plain.verify_at(8, 900) is not None and plain.verify_at(8, 900)(16) == plain.verify_cost(16)
+    assert plain.draft_at(900)(16, 8) == plain.draft_cost(16)
+    tuned = Policy(verify_batched=BatchedCost.from_json(synthetic_table()),
+                   draft_batched=BatchedCost.from_json(synthetic_table()))
+    assert tuned.verify_at(8, 128)(16) == pytest.approx(10 + 16 + 16)
+    assert tuned.verify_at(8, 1024)(16) == pytest.approx(10 + 32 + 16)  # the same rows cost more at longer context
+    assert tuned.draft_at(128)(16, 2) == pytest.approx(10 + 16 + 4)
+    again = Policy.from_json(json.loads(json.dumps(tuned.to_json())))
+    assert again.verify_batched == tuned.verify_batched and again.draft_batched == tuned.draft_batched
+    assert again.verify_at(8, 1024)(16) == tuned.verify_at(8, 1024)(16)
+
+
+def test_choose_drafted_takes_only_the_requests_whose_draft_pays():
+    verify = CostCurve({1: 10.0, 8: 10.0, 16: 20.0})  # flat to 8 rows, then 1.25 ms a row
+    free = lambda rows, segments: 0.0  # noqa: E731
+    # flat verify and a free draft: every request with any gain drafts, none with zero gain
+    assert choose_drafted([0.5, 0.0, 0.3], [2, 2, 2], 3.0, 3, verify, free) == [0, 2]
+    # on the steep part: a row (1.25 ms) at 8 tokens per 10 ms needs a gain above 1.25 * 0.8 = 1.0 token
+    assert choose_drafted([1.5, 0.4, 0.9], [2, 2, 2], 8.0, 8, verify, free) == [0]
+    # a draft pass that costs more than any gain buys: nobody drafts (= plain batched decoding)
+    dear = lambda rows, segments: 50.0  # noqa: E731
+    assert choose_drafted([0.9, 0.9], [1, 1], 2.0, 2, verify, dear) == []
+    # never worse than not drafting, by the model, and the best of the prefixes by gain
+    import random
+
+    def draft(rows, segments):
+        return 0.3 * rows + 0.5 * segments
+
+    def rate(subset, gains, catch):
+        spent = draft(sum(catch[j] for j in subset), len(subset)) if subset else 0.0
+        return (len(gains) + sum(gains[j] for j in subset)) / (spent + verify(len(gains) + len(subset)))
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 6)
+        gains, catch = [rng.random() for _ in range(n)], [rng.randint(1, 4) for _ in range(n)]
+        pick = choose_drafted(gains, catch, float(n), n, verify, draft)
+        order = sorted(range(n), key=lambda j: (-gains[j], catch[j], j))
+        assert rate(pick, gains, catch) >= rate([], gains, catch) - 1e-12
+        assert rate(pick, gains, catch) == pytest.approx(max(rate(order[:k], gains, catch) for k in range(n + 1)))
