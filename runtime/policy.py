@@ -112,10 +112,10 @@ class BatchedCost:
     def curve(self, segments: int, context: int) -> CostCurve:
         """Cost vs total rows for one step's forward over `segments` requests at `context`: what `allocate` reads
         (one interpolation per measured row count here, then a cheap CostCurve per call)."""
-        points = sorted({segments} | {r for by_s in self.table.values() for rows in by_s.values() for r in rows
-                                      if r > segments})
         key = (segments, -(-context // CONTEXT_BUCKET) * CONTEXT_BUCKET)
         if key not in self._curves:
+            points = sorted({segments} | {r for by_s in self.table.values() for rows in by_s.values() for r in rows
+                                          if r > segments})
             self._curves[key] = CostCurve({1: self(segments, segments, key[1]),
                                            **{r: self(r, segments, key[1]) for r in points}})
         return self._curves[key]
