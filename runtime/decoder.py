@@ -139,7 +139,7 @@ class Job:
     started: float = 0.0
     decoding: bool = False  # prefill done
     exception: BaseException | None = field(default=None, repr=False)  # what ended it with "error"
-    draft_gain: float | None = None  # expected tokens the draft adds per step, learned (`Decoder._gate`)
+    draft_gain: float | None = None  # expected tokens the draft adds per step, learned (set by `Decoder.add`)
     draft_evidence: tuple[float, float] = (0.0, 0.0)  # decayed (draft-only accepted tokens, drafted steps)
 
 
@@ -267,7 +267,7 @@ class Decoder:
             job.suffix = job.tree == AUTO and self.policy.suffix
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
-        job.draft_gain, job.draft_evidence = None, (0.0, 0.0)
+        job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `_learn_draft_gain`
         job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids))
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
         job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
@@ -393,7 +393,8 @@ class Decoder:
                 job.stats.prefill_seconds = now - job.started
         segments, draft_prefill, chunks = [], [], []
         budget = self.prefill_budget
-        draft_pays = bool(prefill) and self._draft_may_pay(len(jobs), sum(len(j.ids) for j in jobs) // len(jobs))
+        draft_pays = self.drafter is not None and bool(prefill) and \
+            self._draft_may_pay(len(jobs), sum(len(j.ids) for j in jobs) // len(jobs))
         for job in prefill:  # admission order: the oldest prompt advances first
             if budget <= 0:
                 break
@@ -544,9 +545,6 @@ class Decoder:
         scores = [[x * scale for x in c.scores] for c in dynamic]
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
         gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
-        for c in grow:
-            if c.job.draft_gain is None:
-                self._learn_draft_gain(c.job, None)
         catch_up = [self._catch_up(c.job) for c in grow]
         chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
                                     verify, draft_cost))
