@@ -18,7 +18,7 @@ INSTANCES   ?= 1
 CONCURRENCY ?=
 OPENAI_PORT ?= 9000
 
-.PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean
+.PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -155,6 +155,16 @@ perf: setup $(PERF_STAMP)  ## against `make serve` (other terminal): genai-perf 
 
 lint: setup
 	$(BIN)/ruff check .
+
+# the portable kernel build compiles for aarch64 (NEON through GCC vector extensions): a cross compile of the one
+# source with Debian's g++-aarch64-linux-gnu (apt-get install g++-aarch64-linux-gnu), torch's headers, no linking
+check-aarch64: setup
+	$(BIN)/python -c "from torch.utils.cpp_extension import include_paths; import sysconfig; \
+		print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))" > .aarch64-includes
+	aarch64-linux-gnu-g++ -std=c++20 -O3 -ffp-contract=off -fopenmp -DSPECTRT_ISA_PORTABLE \
+		-DTORCH_EXTENSION_NAME=spectrt_cpu $$(cat .aarch64-includes) -c runtime/cpu_kernels.cpp -o /dev/null
+	rm -f .aarch64-includes
+	@echo "the portable kernels compile for aarch64"
 
 clean:
 	rm -rf artifacts engines bench/results/*.json bench/results/*.md

@@ -1,21 +1,22 @@
 // spectrt's CPU forward: one call per forward for a LLaMA-family decoder over new tokens, tree masks and
 // static KV caches (see runtime/kernels.py for why it exists and how it is built and checked).
 //
-// Two properties drive every loop here:
+// Written once over the SIMD layer in simd.h (AVX-512, AVX2+FMA, or portable vector extensions, picked at compile
+// time); every operation there gives the same result on every ISA, so every build computes bitwise the same
+// numbers. Two properties drive every loop here:
 //  1. Row invariance. Each output row is computed by the same sequence of floating-point operations whatever the
 //     number of rows in the call, the row's place among them, or the other rows' values: GEMM outputs are one FMA
 //     chain over k in order, norms and dot products reduce in a fixed order per row, attention reduces over the
 //     row's own visible slots in slot order. So a verified tree node is bitwise equal to decoding it alone, in
 //     any precision, and rows of different requests can share one call.
 //  2. Stream each weight once. Weights are packed in panels of NR output columns ([K][NR] contiguous); a panel is
-//     read from memory once and kept in L2 while every register block of MR rows runs over it, so T rows cost
+//     read from memory once and kept in L2 while every register block of rows runs over it, so T rows cost
 //     about one row's memory traffic until the FMA units saturate.
-// Compile with -ffp-contract=off: contractions are explicit (_mm512_fmadd_ps / std::fma) so that vectorized and
+// Compile with -ffp-contract=off: contractions are explicit (simd::fmadd / std::fma) so that vectorized and
 // scalar code compute the same roundings.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -25,70 +26,79 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t NR = 64;  // output columns per weight panel: 4 zmm accumulators per row
-constexpr int64_t MR = 6;   // rows per register block: 6 x 4 accumulators + 4 weight vectors fit in 32 zmm
+using simd::Vec;
+using simd::LANES;
 
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
+constexpr int64_t NR = 64;  // output columns per weight panel (kernels.py PANEL): 4 Vec per row
 
-inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_w(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits move up by 16
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline const float* raw(const float* p) { return p; }
+inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
 // Software prefetch distance into the weight stream. Why: without it the hardware prefetchers left the FMA loop
-// waiting on memory. Measured (whole forward, SmolLM2-135M, 2 threads under the team lock, with and without it
-// interleaved in one process, median of 10 best of 2): bf16 T=1 20.7 -> 14.9 ms at context 128 (21.3 -> 17.4 at
-// 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
+// waiting on memory. Measured (AVX-512, whole forward, SmolLM2-135M, 2 threads under the team lock, with and
+// without it interleaved in one process, median of 10 best of 2): bf16 T=1 20.7 -> 14.9 ms at context 128 (21.3
+// -> 17.4 at 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// acc[m][0:NR] = sum_k x[m][k] * panel[k][0:NR], k ascending, one FMA chain per output.
-template <typename W, int M>
+// out[m][c0 : c0 + 16 C] = sum_k x[m][k] * panel[k][c0 : c0 + 16 C], k ascending, one FMA chain per output.
+template <typename W, int M, int C>
 inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                        int64_t cols) {
+                        int64_t cols, int64_t c0) {
+  // The first pass over a panel prefetches whole panel rows: later passes (narrower register blocks) find them in
+  // cache. Why: prefetching only a pass's own columns left the passes that start a new cache line waiting on
+  // memory (AVX2, bf16 T=8 forward 36.7 -> see kernels.py).
   constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes;
-  __m512 acc[M][4];
+  const int64_t prefetch_bytes = c0 == 0 ? row_bytes : 0;
+  Vec acc[M][C];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const W* w = panel + k * NR;
-    for (int64_t b = 0; b < row_bytes; b += 64)  // prefetches never fault: past the last panel is harmless
-      _mm_prefetch(reinterpret_cast<const char*>(w + ahead * NR) + b, _MM_HINT_T0);
-    __m512 w0 = load_w(w), w1 = load_w(w + 16), w2 = load_w(w + 32), w3 = load_w(w + 48);
+    const W* w = panel + k * NR + c0;
+    for (int64_t b = 0; b < prefetch_bytes; b += 64) simd::prefetch(reinterpret_cast<const char*>(w + ahead * NR) + b);
+    Vec wv[C];
+    for (int j = 0; j < C; ++j) {
+      wv[j] = simd::load(raw(w + j * LANES));
+      simd::pin(wv[j]);
+    }
     for (int m = 0; m < M; ++m) {
-      __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(xb, w3, acc[m][3]);
+      const Vec xb = simd::set1(x[m * ldx + k]);
+      for (int j = 0; j < C; ++j) acc[m][j] = simd::fmadd(xb, wv[j], acc[m][j]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) {
-      int64_t c = cols - 16 * j;
-      if (c <= 0) break;
-      __mmask16 mask = c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
-      _mm512_mask_storeu_ps(out + m * ldo + 16 * j, mask, acc[m][j]);
+    for (int j = 0; j < C; ++j) {
+      const int64_t c = c0 + j * LANES;
+      if (c >= cols) break;
+      simd::store_first(out + m * ldo + c, acc[m][j], cols - c);
     }
+}
+
+// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns)
+template <typename W, int M>
+inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
+                       int64_t cols) {
+  constexpr int C = simd::gemm_vecs(M);
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES) panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0);
 }
 
 template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
                 int64_t cols) {
+  constexpr int MR = simd::GEMM_ROWS;
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) panel_block<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
+  for (; m + MR <= rows; m += MR) panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
   const float* xr = x + m * ldx;
   float* o = out + m * ldo;
-  switch (rows - m) {
-    case 1: panel_block<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 2: panel_block<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 3: panel_block<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 4: panel_block<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 5: panel_block<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
+  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
+    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
     default: break;
   }
 }
@@ -111,12 +121,15 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
 // Whole forward (bf16, interleaved with the FMA path, best of 4 rounds): context 128 T=16 34.3 -> 26.9 ms, T=32
 // 63.3 -> 46.2, but T=1 16.2 -> 17.0 (1-2 rows pay the three-way split and 15/16 idle tile rows): so it is opt-in
 // (kernels.py `amx_enabled`, SPECTRT_AMX=1).
+#if defined(SPECTRT_ISA_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SPECTRT_HAS_AMX 1
+#endif
 constexpr int64_t KB = 32;       // k per tile step: 32 bf16, one 64-byte tile row
 constexpr int64_t TILE = 512;    // bf16 per 1 KB tile
 constexpr int64_t AMX_AHEAD = 4; // weight tiles prefetched ahead in a column group's stream
 
 bool amx_init() {  // Linux grants AMX's tile data state to a process on request; false if not compiled in or refused
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef SPECTRT_HAS_AMX
   constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 #else
@@ -124,6 +137,10 @@ bool amx_init() {  // Linux grants AMX's tile data state to a process on request
 #endif
 }
 
+#ifdef SPECTRT_HAS_AMX  // the AMX path is AVX-512 code by nature: written in intrinsics, not over simd.h
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 inline __m512 bf16_to_fp32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline __m256i fp32_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
 
@@ -148,7 +165,6 @@ void split_bf16x3(const float* x, int64_t rows, int64_t K, int64_t Kp, uint16_t*
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -200,7 +216,7 @@ void amx_group(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sum
 
 void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
               const float* bias, float* residual, uint16_t* xs) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef SPECTRT_HAS_AMX
   const int64_t panels = packed.size(0), blocks = packed.size(2), Kp = blocks * KB;
   split_bf16x3(x, rows, K, Kp, xs);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -278,65 +294,59 @@ struct QuantProj {
   int64_t panels, k4, group;  // group: input channels per scale group (a multiple of 4; K4 * 4 = one group)
 };
 
-template <int M>
-inline void int8_block(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t k4, int32_t* acc_out) {
-  __m512i acc[M][4];
+// acc[m][c0 : c0 + 16 C] = exact int32 sums over k4 steps of four u8 activations times four s8 weights
+template <int M, int C>
+inline void int8_block(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t k4, int64_t c0, int32_t* acc_out) {
+  simd::IVec acc[M][C];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_si512();
+    for (int j = 0; j < C; ++j) acc[m][j] = simd::izero();
   for (int64_t k = 0; k < k4; ++k) {
-    const int8_t* w = panel + k * NR * 4;
-    __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
-            w3 = _mm512_loadu_si512(w + 192);
+    const int8_t* w = panel + (k * NR + c0) * 4;
+    simd::I8Weights wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = simd::load_i8(w + j * LANES * 4);
     for (int m = 0; m < M; ++m) {
-      int32_t four;
+      uint32_t four;
       std::memcpy(&four, xq + m * ldx + 4 * k, 4);
-      __m512i a = _mm512_set1_epi32(four);
-#ifdef __AVX512VNNI__
-      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], a, w0);
-      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], a, w1);
-      acc[m][2] = _mm512_dpbusd_epi32(acc[m][2], a, w2);
-      acc[m][3] = _mm512_dpbusd_epi32(acc[m][3], a, w3);
-#else  // never reached: runtime/kernels.py routes W8A8 engines to the torch path on CPUs without VNNI
-      (void)a; (void)w0; (void)w1; (void)w2; (void)w3;
-#endif
+      for (int j = 0; j < C; ++j) acc[m][j] = simd::dot4(acc[m][j], four, wv[j]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_si512(acc_out + m * NR + 16 * j, acc[m][j]);
+    for (int j = 0; j < C; ++j) simd::istore(acc_out + m * NR + c0 + j * LANES, acc[m][j]);
 }
 
-inline __mmask16 tail_mask(int64_t left);  // defined with the other vector helpers below
+template <int M>
+inline void int8_rows(const uint8_t* xq, int64_t ldx, const int8_t* panel, int64_t k4, int32_t* acc_out) {
+  constexpr int C = simd::I8_VECS;
+  for (int64_t c0 = 0; c0 < NR; c0 += C * LANES) int8_block<M, C>(xq, ldx, panel, k4, c0, acc_out);
+}
 
 // xq[0:ldx] = the quantized row (+ 128), K values of x (* pre) at `scale`; padded k hold 128 (zero weights there).
 // Vector and scalar lanes round alike: x * pre, * scale, round half to even (as torch.round), clamp.
 inline void quantize_row(const float* x, const float* pre, int64_t K, int64_t ldx, float scale, uint8_t* xq) {
-  const __m512 s = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.0f), hi = _mm512_set1_ps(127.0f);
-  const __m512i offset = _mm512_set1_epi32(128);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail_mask(K - k);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
-    if (pre) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, pre + k));
-    v = _mm512_roundscale_ps(_mm512_mul_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-    _mm512_mask_cvtepi32_storeu_epi8(xq + k, m, _mm512_add_epi32(_mm512_cvtps_epi32(v), offset));
+  const Vec s = simd::set1(scale), lo = simd::set1(-128.0f), hi = simd::set1(127.0f), offset = simd::set1(128.0f);
+  for (int64_t k = 0; k < K; k += LANES) {
+    Vec v = simd::load_first(x + k, K - k);
+    if (pre) v = v * simd::load_first(pre + k, K - k);
+    v = simd::min(hi, simd::max(lo, simd::round_even(v * s)));
+    simd::store_u8_first(xq + k, v + offset, K - k);  // integral values: the float sum is the int32 one
   }
   for (int64_t k = K; k < ldx; ++k) xq[k] = 128;
 }
 
 // max_k |x[k] * pre[k]|: a max is exact in any order.
 inline float row_amax(const float* x, const float* pre, int64_t K) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = tail_mask(K - k);
-    __m512 v = _mm512_maskz_loadu_ps(m, x + k);
-    if (pre) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, pre + k));
-    acc = _mm512_max_ps(acc, _mm512_abs_ps(v));
+  Vec acc = simd::zero();
+  for (int64_t k = 0; k < K; k += LANES) {
+    Vec v = simd::load_first(x + k, K - k);
+    if (pre) v = v * simd::load_first(pre + k, K - k);
+    acc = simd::max(acc, simd::abs(v));
   }
-  return _mm512_reduce_max_ps(acc);
+  return simd::reduce_max(acc);
 }
 
 void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int64_t n_out, float* out,
                const float* bias, float* residual, uint8_t* xq) {
+  constexpr int64_t MR = simd::I8_ROWS;
   const int64_t ldx = q.k4 * 4, groups = (K + q.group - 1) / q.group, g4 = q.group / 4, np = q.panels * NR;
   std::vector<float> row_dequant(q.per_token ? rows * groups : 0);  // 1 / s_mg; 0 for an all-zero group
   for (int64_t m = 0; m < rows; ++m)
@@ -364,23 +374,23 @@ void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int6
           const uint8_t* xr = xq + m0 * ldx + 4 * k40;
           const int8_t* pg = panel + k40 * NR * 4;
           switch (mr) {
-            case 1: int8_block<1>(xr, ldx, pg, k4n, acc); break;
-            case 2: int8_block<2>(xr, ldx, pg, k4n, acc); break;
-            case 3: int8_block<3>(xr, ldx, pg, k4n, acc); break;
-            case 4: int8_block<4>(xr, ldx, pg, k4n, acc); break;
-            case 5: int8_block<5>(xr, ldx, pg, k4n, acc); break;
-            default: int8_block<6>(xr, ldx, pg, k4n, acc); break;
+            case 1: int8_rows<1>(xr, ldx, pg, k4n, acc); break;
+            case 2: if constexpr (MR >= 2) int8_rows<2>(xr, ldx, pg, k4n, acc); break;
+            case 3: if constexpr (MR >= 3) int8_rows<3>(xr, ldx, pg, k4n, acc); break;
+            case 4: if constexpr (MR >= 4) int8_rows<4>(xr, ldx, pg, k4n, acc); break;
+            case 5: if constexpr (MR >= 5) int8_rows<5>(xr, ldx, pg, k4n, acc); break;
+            default: if constexpr (MR >= 6) int8_rows<6>(xr, ldx, pg, k4n, acc); break;
           }
           const int32_t* cs = q.colsum + g * np + c0;
           const float* os = q.out_scale + g * np + c0;
-          for (int64_t m = 0; m < mr; ++m)
-            for (int64_t j = 0; j < NR; j += 16) {  // float(acc - colsum) * out_scale (* 1/s_mg), summed over groups
-              __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc + m * NR + j),
-                                                             _mm512_loadu_si512(cs + j)));
-              v = _mm512_mul_ps(v, _mm512_loadu_ps(os + j));
-              if (q.per_token) v = _mm512_mul_ps(v, _mm512_set1_ps(row_dequant[(m0 + m) * groups + g]));
-              _mm512_storeu_ps(accf + m * NR + j, g == 0 ? v : _mm512_add_ps(_mm512_loadu_ps(accf + m * NR + j), v));
+          for (int64_t m = 0; m < mr; ++m) {  // float(acc - colsum) * out_scale (* 1/s_mg), summed over groups
+            const float dq = q.per_token ? row_dequant[(m0 + m) * groups + g] : 1.0f;
+            for (int64_t j = 0; j < NR; ++j) {
+              float v = static_cast<float>(acc[m * NR + j] - cs[j]) * os[j];
+              if (q.per_token) v = v * dq;
+              accf[m * NR + j] = g == 0 ? v : accf[m * NR + j] + v;
             }
+          }
         }
         for (int64_t m = 0; m < mr; ++m)
           for (int64_t c = 0; c < cols; ++c) {
@@ -395,32 +405,36 @@ void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int6
   });
 }
 
-// exp(x) for 16 lanes: range reduction by ln 2 and a degree-6 polynomial (~1 ulp); every lane alike.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// exp(x) per lane: range reduction by ln 2 and a degree-6 polynomial (~1 ulp); every lane alike.
+inline Vec vexp(Vec x) {
+  x = simd::max(simd::min(x, simd::set1(88.3762626647949f)), simd::set1(-87.3365478515625f));
+  const Vec n = simd::round_even(x * simd::set1(1.44269504088896341f));
+  Vec r = simd::fnmadd(n, simd::set1(0.693359375f), x);
+  r = simd::fnmadd(n, simd::set1(-2.12194440e-4f), r);
+  Vec p = simd::set1(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = simd::fmadd(p, r, simd::set1(c));
+  return simd::ldexp(p, n);
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * weight, one row; the sum runs in 16 lanes over the row, then a fixed tree.
 void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dim; i += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(tail_mask(dim - i), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+  Vec acc = simd::zero();
+  for (int64_t i = 0; i < dim; i += LANES) {
+    const Vec v = simd::load_first(x + i, dim - i);
+    acc = simd::fmadd(v, v, acc);
   }
-  const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(dim) + eps);
+  const float scale = 1.0f / std::sqrt(simd::reduce_add(acc) / static_cast<float>(dim) + eps);
   for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (x[i] * scale);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate * (1 / (1 + exp(-gate))) * up over one row of n
+void silu_mul_row(const float* gate, const float* up, int64_t n, float* out) {
+  const Vec one = simd::set1(1.0f);
+  for (int64_t i = 0; i < n; i += LANES) {
+    const Vec g = simd::load_first(gate + i, n - i), u = simd::load_first(up + i, n - i);
+    const Vec sig = one / (one + vexp(simd::zero() - g));
+    simd::store_first(out + i, g * sig * u, n - i);
+  }
 }
 
 // HF rotate-half RoPE on one head vector in place, cos/sin rows of the position table [half].
@@ -475,9 +489,9 @@ RowSlots visible_slots(const std::vector<Segment>& segs) {
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
-  constexpr int64_t MAXG = 4, MAXC = 4;  // heads per task, 16-lane chunks of d per PV pass (64 dims)
+  constexpr int64_t MAXG = 4, MAXC = simd::ATT_CHUNKS;  // heads per task, Vec chunks of d per PV pass
   const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
-  const int64_t chunks_d = (D + 15) / 16;
+  const int64_t chunks_d = (D + LANES - 1) / LANES;
   const int64_t per_task = R * c.kv_heads >= 4 * at::get_num_threads() ? std::min(group, MAXG) : 1;
   const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row, kv head)
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -500,48 +514,45 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
       }
       for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
         const float* kr = kc + (j < g.length ? j : win[j - g.length]) * D;
-        __m512 acc[MAXG];
-        for (int64_t i = 0; i < nh; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 m = tail_mask(D - d);
-          const __m512 kv = _mm512_maskz_loadu_ps(m, kr + d);
-          for (int64_t i = 0; i < nh; ++i) acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q[i] + d), kv, acc[i]);
+        Vec acc[MAXG];
+        for (int64_t i = 0; i < nh; ++i) acc[i] = simd::zero();
+        for (int64_t d = 0; d < D; d += LANES) {
+          const Vec kv = simd::load_first(kr + d, D - d);
+          for (int64_t i = 0; i < nh; ++i) acc[i] = simd::fmadd(simd::load_first(q[i] + d, D - d), kv, acc[i]);
         }
         for (int64_t i = 0; i < nh; ++i) {
-          sc[i][j] = _mm512_reduce_add_ps(acc[i]) * scale;
+          sc[i][j] = simd::reduce_add(acc[i]) * scale;
           mx[i] = std::max(mx[i], sc[i][j]);
         }
       }
       float inv[MAXG];
       for (int64_t i = 0; i < nh; ++i) {  // softmax numerators in place, and 1 / their sum
-        __m512 sum = _mm512_setzero_ps(), vmx = _mm512_set1_ps(mx[i]);
-        for (int64_t j = 0; j < L; j += 16) {
-          const __mmask16 m = tail_mask(L - j);
-          __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc[i] + j), vmx));
-          e = _mm512_maskz_mov_ps(m, e);
-          _mm512_mask_storeu_ps(sc[i] + j, m, e);
-          sum = _mm512_add_ps(sum, e);
+        Vec sum = simd::zero();
+        const Vec vmx = simd::set1(mx[i]);
+        for (int64_t j = 0; j < L; j += LANES) {
+          const Vec e = simd::keep_first(vexp(simd::load_first(sc[i] + j, L - j) - vmx), L - j);
+          simd::store_first(sc[i] + j, e, L - j);
+          sum = sum + e;
         }
-        inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv[i] = 1.0f / simd::reduce_add(sum);
       }
       for (int64_t d0 = 0; d0 < chunks_d; d0 += MAXC) {  // out = sum_j p_j v_j, slots in order
         const int64_t nc = std::min(MAXC, chunks_d - d0);
-        __m512 acc[MAXG][MAXC];
+        Vec acc[MAXG][MAXC];
         for (int64_t i = 0; i < nh; ++i)
-          for (int64_t cc = 0; cc < nc; ++cc) acc[i][cc] = _mm512_setzero_ps();
+          for (int64_t cc = 0; cc < nc; ++cc) acc[i][cc] = simd::zero();
         for (int64_t j = 0; j < L; ++j) {
           const float* vr = vc + (j < g.length ? j : win[j - g.length]) * D;
           for (int64_t cc = 0; cc < nc; ++cc) {
-            const int64_t d = (d0 + cc) * 16;
-            const __m512 vv = _mm512_maskz_loadu_ps(tail_mask(D - d), vr + d);
-            for (int64_t i = 0; i < nh; ++i) acc[i][cc] = _mm512_fmadd_ps(_mm512_set1_ps(sc[i][j]), vv, acc[i][cc]);
+            const int64_t d = (d0 + cc) * LANES;
+            const Vec vv = simd::load_first(vr + d, D - d);
+            for (int64_t i = 0; i < nh; ++i) acc[i][cc] = simd::fmadd(simd::set1(sc[i][j]), vv, acc[i][cc]);
           }
         }
         for (int64_t i = 0; i < nh; ++i)
           for (int64_t cc = 0; cc < nc; ++cc) {
-            const int64_t d = (d0 + cc) * 16;
-            _mm512_mask_storeu_ps(out + row * (H * D) + (h0 + i) * D + d, tail_mask(D - d),
-                                  _mm512_mul_ps(acc[i][cc], _mm512_set1_ps(inv[i])));
+            const int64_t d = (d0 + cc) * LANES;
+            simd::store_first(out + row * (H * D) + (h0 + i) * D + d, acc[i][cc] * simd::set1(inv[i]), D - d);
           }
       }
     }
@@ -635,17 +646,8 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
     project<W>(att, R, q_dim, projs[4 * l + 1], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x, xq, xs);
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
     project<W>(h, R, Hd, projs[4 * l + 2], 2 * c.inter, g13, nullptr, nullptr, xq, xs);
-    for (int64_t r = 0; r < R; ++r) {
-      const float* gr = g13 + r * 2 * c.inter;
-      float* ar = act + r * c.inter;
-      for (int64_t i = 0; i < c.inter; i += 16) {  // silu(gate) * up
-        __mmask16 m = tail_mask(c.inter - i);
-        __m512 gv = _mm512_maskz_loadu_ps(m, gr + i), uv = _mm512_maskz_loadu_ps(m, gr + c.inter + i);
-        __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                        exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
-      }
-    }
+    for (int64_t r = 0; r < R; ++r)
+      silu_mul_row(g13 + r * 2 * c.inter, g13 + r * 2 * c.inter + c.inter, c.inter, act + r * c.inter);
     project<W>(act, R, c.inter, projs[4 * l + 3], Hd, h, nullptr, x, xq, xs);
   }
   capture(c.layers);
@@ -706,17 +708,8 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
   project<W>(att, R, q_dim, projs[1], Hd, h, nullptr, x, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, post_norm, Hd, c.eps, h + r * Hd);
   project<W>(h, R, Hd, projs[2], 2 * c.inter, g13, nullptr, nullptr, xq, nullptr);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* gr = g13 + r * 2 * c.inter;
-    float* ar = act + r * c.inter;
-    for (int64_t i = 0; i < c.inter; i += 16) {  // silu(gate) * up, as in forward_impl
-      __mmask16 m = tail_mask(c.inter - i);
-      __m512 gv = _mm512_maskz_loadu_ps(m, gr + i), uv = _mm512_maskz_loadu_ps(m, gr + c.inter + i);
-      __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                                      exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_mask_storeu_ps(ar + i, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), uv));
-    }
-  }
+  for (int64_t r = 0; r < R; ++r)
+    silu_mul_row(g13 + r * 2 * c.inter, g13 + r * 2 * c.inter + c.inter, c.inter, act + r * c.inter);
   project<W>(act, R, c.inter, projs[3], Hd, h, nullptr, x, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, final_norm, Hd, c.eps, h + r * Hd);
   gemm<W>(h, R, Hd, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr, nullptr);
@@ -805,4 +798,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)",
         py::call_guard<py::gil_scoped_release>());
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
+  m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for
 }

@@ -1,4 +1,4 @@
-"""spectrt's native CPU forward (runtime/cpu_kernels.cpp): build once per machine, pack weights, run.
+"""spectrt's native CPU forward (runtime/cpu_kernels.cpp over runtime/simd.h): build once per ISA, pack weights, run.
 
 Why it exists (measured, 2 threads, SmolLM2-135M fp32): the torch reference forward spends ~31 ms per token,
 of which the GEMMs are ~half (MKL's small-M paths read the weights once per few rows: an 8-row projection costs
@@ -6,9 +6,13 @@ of which the GEMMs are ~half (MKL's small-M paths read the weights once per few 
 one call, streams each weight panel once for all rows, and computes every row with the same operations whatever
 the number of rows, so verification rows are bitwise equal to single-token steps in fp32 and bf16 alike.
 
-The extension is compiled with the machine's compiler the first time it is needed (`make setup` does it; about a
-minute) and cached under ~/.cache/spectrt/; if it cannot be built (no compiler, no AVX-512), the torch reference
-path runs instead and `native_unavailable()` says why.
+One source, one build per instruction set: `avx512` (AVX-512F/BW, plus VNNI/AMX where the CPU has them), `avx2`
+(AVX2+FMA, plus AVX-VNNI where present) and `portable` (GCC/Clang vector extensions: any CPU, aarch64 included).
+simd.h gives every ISA the same per-lane results and one fixed reduction order, so all builds compute bitwise the
+same logits. The best ISA this CPU executes is picked; `SPECTRT_ISA=avx512|avx2|portable` forces one (so one
+machine can build and test every path it can run). Each build is compiled with the machine's compiler the first
+time it is needed (`make setup` builds the default one; about a minute) and cached under ~/.cache/spectrt/. If
+none can be built (no compiler), the torch reference path runs instead and `native_unavailable()` says why.
 """
 
 from __future__ import annotations
@@ -24,68 +28,128 @@ import torch.nn.functional as F
 from spectrt.runtime.resources import package_path
 
 SOURCE = package_path("runtime/cpu_kernels.cpp")
+HEADER = package_path("runtime/simd.h")  # the SIMD layer the source includes
 PANEL = 64  # output columns per packed weight panel (NR in cpu_kernels.cpp)
 AMX_K = 32  # k per AMX tile step (KB in cpu_kernels.cpp): AMX-packed weights pad K to a multiple of it
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-_failure: str | None = None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+ISAS = ("avx512", "avx2", "portable")  # best first
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_failures: dict[str, str] = {}
 
 
 @cache
-def load_kernels():
-    """The compiled extension module, or None (with the reason kept for `native_unavailable`)."""
-    global _failure
-    if os.environ.get("SPECTRT_NATIVE", "1") == "0":
-        _failure = "disabled by SPECTRT_NATIVE=0"
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa_flags(isa: str) -> list[str] | str:
+    """The compiler flags of `isa` on this machine, or why this CPU cannot run it."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    flags = cpu_flags()
+    if isa == "avx512":
+        missing = sorted({"avx512f", "avx512bw"} - flags) if x86 else ["x86-64"]
+        # -march=native: everything this CPU has (VNNI, BF16, AMX) beyond the AVX-512 the layer needs
+        return f"this CPU lacks {', '.join(missing)}" if missing else ["-march=native", "-DSPECTRT_ISA_AVX512"]
+    if isa == "avx2":
+        missing = sorted({"avx2", "fma"} - flags) if x86 else ["x86-64"]
+        if missing:
+            return f"this CPU lacks {', '.join(missing)}"
+        # explicit extensions, not -march=native: an AVX-512 machine must build exactly what an AVX2 one runs
+        return ["-mavx2", "-mfma", "-mf16c", "-mtune=native", "-DSPECTRT_ISA_AVX2",
+                *(["-mavxvnni"] if "avx_vnni" in flags else [])]
+    if isa == "portable":
+        arch = ["-march=native"] if x86 else ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else []
+        return [*arch, "-DSPECTRT_ISA_PORTABLE"]
+    raise ValueError(f"unknown ISA {isa!r}: SPECTRT_ISA must be one of {', '.join(ISAS)}")
+
+
+def runnable_isas() -> list[str]:
+    """The ISAs this CPU executes, best first."""
+    return [isa for isa in ISAS if isinstance(isa_flags(isa), list)]
+
+
+@cache
+def _build(isa: str):
+    """The compiled extension module of one ISA, or None (with the reason kept in `_failures`)."""
+    flags = isa_flags(isa)
+    if isinstance(flags, str):
+        _failures[isa] = f"SPECTRT_ISA={isa}, but {flags}"
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx512f", "avx512bw"} <= _cpu_flags():
-        _failure = "this CPU has no AVX-512 (the native kernels need avx512f and avx512bw)"
+    missing = [p for p in (SOURCE, HEADER) if not p.is_file()]
+    if missing:
+        _failures[isa] = f"the kernel source {missing[0]} is missing from this install: reinstall spectrt"
         return None
-    if not SOURCE.is_file():
-        _failure = f"the kernel source {SOURCE} is missing from this install: reinstall spectrt (the wheel ships it)"
-        return None
-    source = SOURCE.read_text()
-    key = hashlib.sha256((source + " ".join(CFLAGS) + torch.__version__).encode()).hexdigest()[:16]
-    build_dir = Path(os.environ.get("SPECTRT_CACHE", Path.home() / ".cache" / "spectrt")) / f"kernels-{key}"
+    texts = {p.name: p.read_text() for p in (SOURCE, HEADER)}
+    cflags = CFLAGS + flags
+    key = hashlib.sha256("\0".join([*texts.values(), " ".join(cflags), torch.__version__]).encode()).hexdigest()[:16]
+    build_dir = Path(os.environ.get("SPECTRT_CACHE", Path.home() / ".cache" / "spectrt")) / f"kernels-{isa}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # Compiled from a copy in the cache: the build depends on the source's content only, not on where the package
+    # Compiled from a copy in the cache: the build depends on the sources' content only, not on where the package
     # lives (ninja rebuilds when a source path changes, so a checkout and a wheel install would rebuild in turn).
-    copy = build_dir / SOURCE.name
-    if not copy.is_file() or copy.read_text() != source:
-        partial = build_dir / f".{SOURCE.name}.{os.getpid()}"
-        partial.write_text(source)
-        partial.replace(copy)
+    for name, text in texts.items():
+        copy = build_dir / name
+        if not copy.is_file() or copy.read_text() != text:
+            partial = build_dir / f".{name}.{os.getpid()}"
+            partial.write_text(text)
+            partial.replace(copy)
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"spectrt_cpu_{key}", sources=[str(copy)], extra_cflags=CFLAGS,
+        return load(name=f"spectrt_cpu_{isa}_{key}", sources=[str(build_dir / SOURCE.name)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # a missing compiler or ninja: the reference path still works
-        _failure = f"building the native kernels failed ({type(exc).__name__}: {str(exc).strip()[-300:]})"
+        _failures[isa] = f"building the {isa} kernels failed ({type(exc).__name__}: {str(exc).strip()[-300:]})"
         return None
 
 
-def supports_int8() -> bool:
-    """W8A8 projections need VNNI (dpbusd); without it an INT8 engine runs on the torch path."""
-    return "avx512_vnni" in _cpu_flags()
+def load_kernels():
+    """The extension module of the ISA in use (SPECTRT_ISA, else the best one that builds here), or None."""
+    if os.environ.get("SPECTRT_NATIVE", "1") == "0":
+        _failures["native"] = "disabled by SPECTRT_NATIVE=0"
+        return None
+    forced = os.environ.get("SPECTRT_ISA", "").strip().lower()
+    if forced:
+        isa_flags(forced)  # an unknown name is an error, not a silent fallback
+        return _build(forced)
+    for isa in runnable_isas():
+        module = _build(isa)
+        if module is not None:
+            return module
+    return None
+
+
+def native_unavailable() -> str | None:
+    """None when the native forward can run here, else the reason it cannot."""
+    if load_kernels() is not None:
+        return None
+    if os.environ.get("SPECTRT_NATIVE", "1") == "0":
+        return _failures["native"]
+    forced = os.environ.get("SPECTRT_ISA", "").strip().lower()
+    return _failures.get(forced) if forced else "; ".join(_failures[i] for i in ISAS if i in _failures)
+
+
+def native_isa() -> str | None:
+    """The ISA of the native forward in use ('avx512', 'avx2', 'portable'), None on the reference path."""
+    module = load_kernels()
+    return None if module is None else module.isa
 
 
 @cache
+def _amx_granted(module) -> bool:
+    return module.amx_init()
+
+
 def amx_supported() -> bool:
-    """The CPU has AMX-BF16 and Linux granted this process its tile state (needed before any tile instruction)."""
-    if not {"amx_bf16", "amx_tile"} <= _cpu_flags():
-        return False
+    """The CPU has AMX-BF16, the AVX-512 build is in use, and Linux granted this process its tile state."""
     module = load_kernels()
-    return module is not None and module.amx_init()
+    return (module is not None and module.isa == "avx512" and {"amx_bf16", "amx_tile"} <= cpu_flags()
+            and _amx_granted(module))
 
 
 def amx_enabled() -> bool:
@@ -98,11 +162,6 @@ def amx_enabled() -> bool:
     the same exact products in other orders, so tree == AR holds in either; their logits differ in the last bits.
     """
     return os.environ.get("SPECTRT_AMX", "0") == "1" and amx_supported()
-
-
-def native_unavailable() -> str | None:
-    """None when the native forward can run here, else the reason it cannot."""
-    return None if load_kernels() is not None else _failure
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None) -> torch.Tensor:
@@ -165,6 +224,7 @@ class NativeModel:
         c = config
         self.config, self.inv_freq, self.rope_scale = c, inv_freq, rope_scale
         self.kernels = load_kernels()
+        self.isa = self.kernels.isa  # the build this engine runs (kernels.py: SPECTRT_ISA or the best one here)
         fp32 = torch.float32
         self.embed = embed.to(fp32).contiguous()
         self.final_norm = norm.to(fp32).contiguous()

@@ -25,7 +25,7 @@ from spectrt.runtime.families import (
     rope_scaling_spec,
 )
 from spectrt.runtime.int8 import load_quantized, quant_format
-from spectrt.runtime.kernels import NativeModel, native_unavailable, supports_int8
+from spectrt.runtime.kernels import NativeModel, native_unavailable
 
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
@@ -242,12 +242,12 @@ class Transformer:
         self.row_invariant = bool(projections) and any(not isinstance(w, torch.Tensor)
                                                        for layer in projections for w in layer.values())
         self.inv_freq, self.rope_scale = rope_frequencies(config)
-        # fp64 stays on the reference path (exactness tests); W8A8 projections need VNNI
-        native_ok = dtype in (torch.float32, torch.bfloat16) and (not self.row_invariant or supports_int8())
+        # fp64 stays on the reference path (exactness tests); W8A8 runs natively on every ISA (simd.h dot4)
+        native_ok = dtype in (torch.float32, torch.bfloat16)
         if native is None:
             native = native_ok and native_unavailable() is None
         elif native and (not native_ok or native_unavailable()):
-            reason = native_unavailable() or f"it runs fp32/bf16 weights (and W8A8 with VNNI), not {dtype}"
+            reason = native_unavailable() or f"it runs fp32/bf16 weights (and W8A8), not {dtype}"
             raise ValueError(f"the native CPU forward cannot run this engine: {reason}")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
                                   self.rope_scale, packed_dtype or dtype, self.head_ids) if native else None

@@ -1,6 +1,7 @@
-"""The native CPU forward (runtime/cpu_kernels.cpp): parity with the torch reference, bitwise row invariance in
-fp32 and bf16 (a verified tree row == decoding that node alone), batched segments == separate forwards, exact
-bf16 tree decoding, and no allocation while decoding."""
+"""The native CPU forward (runtime/cpu_kernels.cpp over runtime/simd.h), once per ISA build this CPU executes
+(avx512, avx2, portable; SPECTRT_ISA forces one): parity with the torch reference, bitwise row invariance in fp32,
+bf16 and INT8 (a verified tree row == decoding that node alone), batched segments == separate forwards, exact bf16
+tree decoding, every ISA computing bitwise the same logits, and no allocation while decoding."""
 
 from __future__ import annotations
 
@@ -13,10 +14,57 @@ from spectrt.runtime.model import Transformer
 from spectrt.runtime.profile import prefilled_cache
 from spectrt.runtime.tree import Tree
 
+ISAS = kernels.runnable_isas()  # every build this CPU can execute, best first: the tests below run on each
+
 
 def test_native_kernels_build_here():
-    # CI runs on AVX-512 machines: the fast path must really be the one under test, never silently the fallback
+    """The fast path is really the one under test, never silently the fallback: on any x86-64 with AVX2+FMA a
+    SIMD build (avx512 or avx2) is picked, the best this CPU has; elsewhere the portable one."""
     assert kernels.native_unavailable() is None
+    picked = kernels.native_isa()
+    print(f"native ISA picked here: {picked} (runnable: {ISAS})")
+    assert picked == ISAS[0]
+    if {"avx2", "fma"} <= kernels.cpu_flags():
+        assert picked in ("avx512", "avx2")
+        assert "avx2" in ISAS
+
+
+def test_isa_flags_follow_the_cpu(monkeypatch):
+    """Which builds a CPU gets is decided by its flags alone, and a forced ISA it cannot run is refused by name."""
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    zen3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: zen3)
+    assert kernels.runnable_isas() == ["avx2", "portable"]
+    assert "avx512f" in kernels.isa_flags("avx512") and "-mavxvnni" not in kernels.isa_flags("avx2")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: zen3 | {"avx_vnni"})
+    assert "-mavxvnni" in kernels.isa_flags("avx2")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2"}))
+    assert kernels.runnable_isas() == ["portable"]
+    with pytest.raises(ValueError, match="avx512, avx2, portable"):
+        kernels.isa_flags("neon")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_forced_isa_is_the_one_that_runs(isa, target_dir, monkeypatch):
+    monkeypatch.setenv("SPECTRT_ISA", isa)
+    assert kernels.native_isa() == isa
+    assert Transformer.load(target_dir, torch.bfloat16).native.isa == isa
+
+
+@pytest.fixture(scope="module")
+def engines(target_dir):
+    """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module."""
+    loaded: dict[tuple[str, torch.dtype], Transformer] = {}
+
+    def get(isa: str, dtype: torch.dtype = torch.float32) -> Transformer:
+        if (isa, dtype) not in loaded:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("SPECTRT_ISA", isa)
+                loaded[isa, dtype] = Transformer.load(target_dir, dtype)
+            assert loaded[isa, dtype].native.isa == isa
+        return loaded[isa, dtype]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +104,18 @@ def _heap_tree(n: int) -> Tree:
 
 def test_amx_is_opt_in_and_detected(bf16):
     # an AMX machine must run (and so test) the AMX bf16 GEMM, not silently skip it; the default stays FMA
-    assert kernels.amx_supported() == ({"amx_bf16", "amx_tile"} <= kernels._cpu_flags())
+    on_avx512 = kernels.native_isa() == "avx512"
+    assert kernels.amx_supported() == (on_avx512 and {"amx_bf16", "amx_tile"} <= kernels.cpu_flags())
     assert all(p[0].dim() == 3 for p in bf16.native.projections)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 17, 64])
 @pytest.mark.parametrize(("dtype", "amx"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype, amx):
+@pytest.mark.parametrize("isa", ISAS)
+def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype, amx, isa, monkeypatch):
+    monkeypatch.setenv("SPECTRT_ISA", isa)
     if amx and not kernels.amx_supported():
-        pytest.skip("this CPU has no AMX-BF16")
+        pytest.skip("AMX-BF16 needs the avx512 build on a CPU with AMX")
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 70, generator=gen)  # 200 outputs: a partial last panel; K=70: padded k (AMX)
     x = torch.randn(rows, 70, generator=gen)
@@ -93,9 +144,12 @@ def test_amx_bf16_sums_exact_products_of_fp32_activations():
 
 
 @pytest.mark.parametrize("smooth", [False, True])
-def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth):
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth, isa, monkeypatch):
+    """W8A8 on every ISA: VNNI's dpbusd where present, else int16 widening + pmaddwd, both exact int32 sums."""
     from spectrt.runtime.int8 import Int8Linear
 
+    monkeypatch.setenv("SPECTRT_ISA", isa)
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(130, 70, generator=gen), 3 * torch.randn(9, 70, generator=gen)  # K and N not multiples
     proj = Int8Linear(w, w.abs().amax(1), x.abs().amax(), torch.rand(70, generator=gen) + 0.5 if smooth else None)
@@ -107,7 +161,9 @@ def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth):
         assert torch.equal(kernels.linear(x[i:i + 1], packed, 130)[0], y[i])
 
 
-def test_native_matches_reference_forward(reference, target):
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_matches_reference_forward(reference, engines, isa):
+    target = engines(isa)
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 49152, (100,), generator=gen).tolist()
     tree = Tree.parse("3,2,2,1")
@@ -125,11 +181,15 @@ def test_native_matches_reference_forward(reference, target):
         assert (ref - nat).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("engine_name", ["target", "bf16", "bf16_amx"])
+@pytest.mark.parametrize("engine_name", [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16")], "bf16_amx"])
 @pytest.mark.parametrize("nodes", [8, 64])
-def test_tree_rows_are_bitwise_single_token_steps(request, engine_name, nodes):
+def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
-    engine = request.getfixturevalue(engine_name)
+    if engine_name == "bf16_amx":
+        engine = request.getfixturevalue(engine_name)
+    else:
+        isa, dt = engine_name.split("-")
+        engine = engines(isa, torch.bfloat16 if dt == "bf16" else torch.float32)
     gen = torch.Generator().manual_seed(nodes)
     prefix = torch.randint(0, 49152, (40,), generator=gen).tolist()
     tree = _heap_tree(nodes)
@@ -143,7 +203,9 @@ def test_tree_rows_are_bitwise_single_token_steps(request, engine_name, nodes):
         assert torch.equal(cache.k[:, :, 40 + i], k_batched[:, :, i])
 
 
-def test_forward_many_equals_separate_forwards(target):
+@pytest.mark.parametrize("isa", ISAS)
+def test_forward_many_equals_separate_forwards(engines, isa):
+    target = engines(isa)
     gen = torch.Generator().manual_seed(3)
     prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (5, 30, 60)]
     trees = [Tree.parse("2,1"), Tree((-1,)), Tree.parse("3,2")]
@@ -164,18 +226,55 @@ def bf16_prompts(tokenizer):
 
 
 @pytest.mark.parametrize("spec", ["2,2,1", "1,1,1,1"])
-def test_bf16_greedy_tree_equals_bf16_autoregressive(bf16, target_dir, draft_dir, bf16_prompts, spec):
-    """bf16 is an exact mode: its tree decoding gives its own AR tokens (it did on 4/12 prompts before)."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf16_prompts, spec, monkeypatch):
+    """bf16 is an exact mode on every ISA: its tree decoding gives its own AR tokens (it did on 4/12 prompts before).
+    The portable build (a correctness fallback, several times slower) decodes fewer prompts and tokens."""
+    bf16 = engines(isa, torch.bfloat16)
+    monkeypatch.setenv("SPECTRT_ISA", isa)
     draft = Transformer.load(draft_dir, torch.bfloat16) if spec == "2,2,1" else bf16
     ar = Decoder(bf16, None, EOS, max_seq_len=512)
     spec_decoder = Decoder(bf16, draft, EOS, max_seq_len=512)
     accepted = 0
-    for ids in bf16_prompts:
-        expected = ar.generate(ids, 96).token_ids
-        result = spec_decoder.generate(ids, 96, Tree.parse(spec))
+    prompts, tokens = (bf16_prompts[:2], 32) if isa == "portable" else (bf16_prompts, 96)
+    for ids in prompts:
+        expected = ar.generate(ids, tokens).token_ids
+        result = spec_decoder.generate(ids, tokens, Tree.parse(spec))
         assert result.token_ids == expected
         accepted += sum(result.stats.accepted)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("isa", ISAS[1:])
+def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
+    """simd.h gives every ISA the same per-lane operations and one reduction order: logits, KV rows and INT8
+    projections are bitwise those of the best build here, so answers made on one CPU regenerate on another."""
+    from spectrt.runtime.int8 import Int8Linear
+
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 49152, (200,), generator=gen)
+    tree = Tree.parse("3,2,2,1")
+    tokens = torch.randint(0, 49152, (len(tree),), generator=gen)
+    w, x = torch.randn(130, 70, generator=gen), 3 * torch.randn(9, 70, generator=gen)
+    proj = Int8Linear(w, w.abs().amax(1), x.abs().amax(), torch.rand(70, generator=gen) + 0.5)
+
+    def outputs(name: str) -> list[torch.Tensor]:
+        out = []
+        for dtype in (torch.float32, torch.bfloat16):
+            engine = engines(name, dtype)
+            cache = engine.new_cache(256, 216)
+            causal = torch.ones(200, 200, dtype=torch.bool).tril()
+            out.append(engine.forward(prefix, torch.arange(200), causal, cache)[-3:].clone())
+            cache.commit(200)
+            out.append(engine.forward(tokens, tree.positions(200), tree.mask, cache).clone())
+            out.append(cache.k[:, :, :210].clone())
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SPECTRT_ISA", name)
+            out.append(kernels.linear(x, kernels.pack_int8(proj), 130))
+        return out
+
+    for mine, best in zip(outputs(isa), outputs(ISAS[0]), strict=True):
+        assert torch.equal(mine, best)
 
 
 def test_native_decoding_allocates_no_buffers(target, bf16_prompts):

@@ -1,0 +1,369 @@
+// spectrt's SIMD layer: the few vector operations runtime/cpu_kernels.cpp is written in, implemented once per
+// instruction set and chosen at compile time (runtime/kernels.py defines one of SPECTRT_ISA_AVX512,
+// SPECTRT_ISA_AVX2, SPECTRT_ISA_PORTABLE and builds each into its own cached module).
+//
+// Why one logical width: a Vec is 16 fp32 lanes on every ISA (one zmm, two ymm, or a GCC/Clang vector of 16
+// floats), each operation gives the same IEEE result per lane on every ISA, and the one cross-lane sum adds in
+// one fixed tree (the order GCC's _mm512_reduce_add_ps uses). A kernel written once over Vec therefore computes
+// bitwise the same numbers on every build: an AVX2 machine's logits equal an AVX-512 machine's, row invariance
+// holds everywhere for the same reason, and answers generated on one CPU regenerate exactly on another.
+// What differs per ISA is only how many registers a Vec takes, so register blocks are sized here (GEMM_ROWS,
+// gemm_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS), never in the kernels.
+//
+// INT8: dot4 adds, per column, four u8 x s8 products to an int32 lane. VNNI's dpbusd does it in one instruction
+// (AVX-512 VNNI or AVX-VNNI); elsewhere the bytes are widened to int16 and summed by pmaddwd (each pair sum
+// <= 2 * 255 * 128 fits int32 exactly; pmaddubsw would saturate int16), so every ISA gets the same exact sums.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(SPECTRT_ISA_AVX512) || defined(SPECTRT_ISA_AVX2)
+#include <immintrin.h>
+#elif !defined(SPECTRT_ISA_PORTABLE)
+#error "define one of SPECTRT_ISA_AVX512, SPECTRT_ISA_AVX2, SPECTRT_ISA_PORTABLE (runtime/kernels.py does)"
+#endif
+
+namespace simd {
+
+constexpr int64_t LANES = 16;  // fp32 lanes of a Vec, int32 lanes of an IVec, on every ISA
+
+inline void prefetch(const void* p) {  // a hint: never faults, so reading past a buffer's end is harmless
+#if defined(SPECTRT_ISA_PORTABLE)
+  __builtin_prefetch(p);
+#else
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------- AVX-512
+#if defined(SPECTRT_ISA_AVX512)
+constexpr const char* ISA = "avx512";
+constexpr int GEMM_ROWS = 6;                                  // 6 rows x 4 Vec accumulators + 4 weights: 28 zmm
+constexpr int gemm_vecs(int /*rows*/) { return 4; }           // a 64-column panel in one pass
+constexpr int ATT_CHUNKS = 4;                                 // 4 heads x 4 Vec (64 dims) accumulators: 16 zmm
+
+struct Vec { __m512 v; };
+
+inline __mmask16 first(int64_t n) {
+  return n >= LANES ? 0xFFFF : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec load(const uint16_t* bf16) {  // bf16 -> fp32 is exact: the bits move up by 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline Vec load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
+inline void pin(Vec&) {}  // see the AVX2 one
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline void store_first(float* p, Vec a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
+inline Vec keep_first(Vec a, int64_t n) { return {_mm512_maskz_mov_ps(first(n), a.v)}; }
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }    // a * b + c, one rounding
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b, one rounding
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline Vec abs(Vec a) { return {_mm512_abs_ps(a.v)}; }
+inline Vec round_even(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// p * 2^n for integral n in [-126, 128]: scalef rounds once, as the portable two exact scalings do
+inline Vec ldexp(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+inline float reduce_add(Vec a) {  // ((v[i] + v[i+8]) + (v[i+4] + v[i+12])), then pairs 2 apart, then the last two
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a.v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 w = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(w) + _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
+// the first n lanes (integral values in [0, 255]) as bytes
+inline void store_u8_first(uint8_t* p, Vec a, int64_t n) {
+  _mm512_mask_cvtepi32_storeu_epi8(p, first(n), _mm512_cvtps_epi32(a.v));
+}
+
+#if defined(__AVX512VNNI__)
+constexpr int I8_ROWS = 6, I8_VECS = 4;
+struct IVec { __m512i v; };
+struct I8Weights { __m512i v; };
+inline IVec izero() { return {_mm512_setzero_si512()}; }
+inline I8Weights load_i8(const int8_t* w) { return {_mm512_loadu_si512(w)}; }  // 16 columns x 4 consecutive k
+inline IVec dot4(IVec acc, uint32_t a4, const I8Weights& w) {
+  return {_mm512_dpbusd_epi32(acc.v, _mm512_set1_epi32(static_cast<int32_t>(a4)), w.v)};
+}
+inline void istore(int32_t* p, IVec a) { _mm512_storeu_si512(p, a.v); }
+#else
+constexpr int I8_ROWS = 6, I8_VECS = 2;
+struct IVec { __m512i v[2]; };      // per column two partial sums (k 0-1, k 2-3), 8 columns per register
+struct I8Weights { __m512i v[2]; };  // the 64 bytes widened to int16
+inline IVec izero() { return {{_mm512_setzero_si512(), _mm512_setzero_si512()}}; }
+inline I8Weights load_i8(const int8_t* w) {
+  return {{_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))),
+           _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32)))}};
+}
+inline IVec dot4(IVec acc, uint32_t a4, const I8Weights& w) {
+  const __m512i a = _mm512_set1_epi64(static_cast<int64_t>((a4 & 0xFF) | (a4 >> 8 & 0xFF) << 16 |
+                                                           uint64_t(a4 >> 16 & 0xFF) << 32 | uint64_t(a4 >> 24) << 48));
+  return {{_mm512_add_epi32(acc.v[0], _mm512_madd_epi16(w.v[0], a)),
+           _mm512_add_epi32(acc.v[1], _mm512_madd_epi16(w.v[1], a))}};
+}
+inline void istore(int32_t* p, IVec a) {
+  alignas(64) int32_t part[2 * LANES];
+  _mm512_store_si512(part, a.v[0]);
+  _mm512_store_si512(part + LANES, a.v[1]);
+  for (int64_t c = 0; c < LANES; ++c) p[c] = part[2 * c] + part[2 * c + 1];
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------------- AVX2
+#elif defined(SPECTRT_ISA_AVX2)
+constexpr const char* ISA = "avx2";
+// 16 ymm: FMA latency x 2 pipes wants >= 8 independent accumulators, and accumulators + weights + the broadcast
+// must fit. One row takes a whole 64-column panel (8 accumulators, weights folded into the FMAs), two rows 32
+// columns a pass (8 + 4 weights), 3-6 rows 16 columns a pass (up to 12 + 2). Why (measured, 576 x 3072 bf16
+// projection, 2 threads): 3 rows x 32 columns spilled every k (37 GFMA/s at T=4 against 48 at T=2).
+constexpr int GEMM_ROWS = 6;
+constexpr int gemm_vecs(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+constexpr int ATT_CHUNKS = 2;
+
+struct Vec { __m256 lo, hi; };
+
+inline __m256i lane_mask(int64_t n, int base) {  // all-ones in lanes base + i < n
+  const __m256i idx = _mm256_setr_epi32(base, base + 1, base + 2, base + 3, base + 4, base + 5, base + 6, base + 7);
+  const int32_t m = static_cast<int32_t>(n < 0 ? 0 : n > LANES ? LANES : n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), idx);
+}
+inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline Vec load(const uint16_t* bf16) { return {widen_bf16(bf16), widen_bf16(bf16 + 8)}; }
+// Keep a loaded weight in registers: otherwise GCC folds the load into every row's FMA, and a pass over a panel
+// that does not fit L1 then reads L2 once per row. Measured (576 x 3072 fp32, T=8): 37 -> see kernels.py GFMA/s.
+inline void pin(Vec& a) { asm volatile("" : "+x"(a.lo), "+x"(a.hi)); }
+inline Vec load_first(const float* p, int64_t n) {  // masked lanes are not read
+  return {_mm256_maskload_ps(p, lane_mask(n, 0)), _mm256_maskload_ps(p + 8, lane_mask(n, 8))};
+}
+inline void store(float* p, Vec a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline void store_first(float* p, Vec a, int64_t n) {
+  _mm256_maskstore_ps(p, lane_mask(n, 0), a.lo);
+  _mm256_maskstore_ps(p + 8, lane_mask(n, 8), a.hi);
+}
+inline Vec keep_first(Vec a, int64_t n) {
+  return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lane_mask(n, 0))),
+          _mm256_and_ps(a.hi, _mm256_castsi256_ps(lane_mask(n, 8)))};
+}
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline Vec abs(Vec a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_andnot_ps(sign, a.lo), _mm256_andnot_ps(sign, a.hi)};
+}
+inline Vec round_even(Vec a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127]: the exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline __m256 ldexp8(__m256 p, __m256 n) {  // two exact scalings (2^128 is not a float): one rounding, as scalef
+  const __m256 n1 = _mm256_min_ps(n, _mm256_set1_ps(127.0f));
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow2(n1)), pow2(_mm256_sub_ps(n, n1)));
+}
+inline Vec ldexp(Vec p, Vec n) { return {ldexp8(p.lo, n.lo), ldexp8(p.hi, n.hi)}; }
+inline float reduce_add(Vec a) {  // the AVX-512 tree: lanes i and i + 8 first
+  const __m256 t = _mm256_add_ps(a.lo, a.hi);
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 w = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(w) + _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+inline float reduce_max(Vec a) {
+  const __m256 t = _mm256_max_ps(a.lo, a.hi);
+  const __m128 u = _mm_max_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 w = _mm_max_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(w), _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+inline void store_u8_first(uint8_t* p, Vec a, int64_t n) {
+  alignas(32) int32_t v[LANES];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v), _mm256_cvtps_epi32(a.lo));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8), _mm256_cvtps_epi32(a.hi));
+  for (int64_t i = 0; i < n && i < LANES; ++i) p[i] = static_cast<uint8_t>(v[i]);
+}
+
+#if defined(__AVXVNNI__)
+constexpr int I8_ROWS = 4, I8_VECS = 1;
+struct IVec { __m256i lo, hi; };
+struct I8Weights { __m256i lo, hi; };
+inline IVec izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I8Weights load_i8(const int8_t* w) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32))};
+}
+inline IVec dot4(IVec acc, uint32_t a4, const I8Weights& w) {
+  const __m256i a = _mm256_set1_epi32(static_cast<int32_t>(a4));
+  return {_mm256_dpbusd_avx_epi32(acc.lo, a, w.lo), _mm256_dpbusd_avx_epi32(acc.hi, a, w.hi)};
+}
+inline void istore(int32_t* p, IVec a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a.lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 8), a.hi);
+}
+#else
+constexpr int I8_ROWS = 2, I8_VECS = 1;  // 2 rows x 4 accumulators + 4 widened weights: 13 ymm
+struct IVec { __m256i v[4]; };           // per column two partial sums, 4 columns per register
+struct I8Weights { __m256i v[4]; };
+inline IVec izero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                               _mm256_setzero_si256()}}; }
+inline I8Weights load_i8(const int8_t* w) {
+  I8Weights r;
+  for (int j = 0; j < 4; ++j)
+    r.v[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j)));
+  return r;
+}
+inline IVec dot4(IVec acc, uint32_t a4, const I8Weights& w) {
+  const __m256i a = _mm256_set1_epi64x(static_cast<int64_t>((a4 & 0xFF) | (a4 >> 8 & 0xFF) << 16 |
+                                                            uint64_t(a4 >> 16 & 0xFF) << 32 | uint64_t(a4 >> 24) << 48));
+  for (int j = 0; j < 4; ++j) acc.v[j] = _mm256_add_epi32(acc.v[j], _mm256_madd_epi16(w.v[j], a));
+  return acc;
+}
+inline void istore(int32_t* p, IVec a) {
+  alignas(32) int32_t part[2 * LANES];
+  for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(part + 8 * j), a.v[j]);
+  for (int64_t c = 0; c < LANES; ++c) p[c] = part[2 * c] + part[2 * c + 1];
+}
+#endif
+
+// --------------------------------------------------------------------------------------------------- portable
+#else
+// GCC/Clang vector extensions: the compiler maps a 16-float vector onto whatever this target has (NEON on
+// aarch64, SSE/AVX on x86); lane loops below are plain C++ the compiler vectorizes.
+constexpr const char* ISA = "portable";
+constexpr int GEMM_ROWS = 4;
+constexpr int gemm_vecs(int /*rows*/) { return 4; }
+constexpr int ATT_CHUNKS = 4;
+constexpr int I8_ROWS = 4, I8_VECS = 1;
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+struct Vec { f32x16 v; };
+
+inline Vec zero() { return {f32x16{}}; }
+inline Vec set1(float x) { return {f32x16{} + x}; }
+inline Vec load(const float* p) {
+  Vec r;
+  std::memcpy(&r.v, p, sizeof(r.v));
+  return r;
+}
+inline void pin(Vec&) {}
+inline Vec load(const uint16_t* bf16) {
+  i32x16 bits;
+  for (int64_t i = 0; i < LANES; ++i) bits[i] = static_cast<int32_t>(uint32_t(bf16[i]) << 16);
+  Vec r;
+  std::memcpy(&r.v, &bits, sizeof(r.v));
+  return r;
+}
+inline Vec load_first(const float* p, int64_t n) {
+  Vec r = zero();
+  for (int64_t i = 0; i < n && i < LANES; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void store(float* p, Vec a) { std::memcpy(p, &a.v, sizeof(a.v)); }
+inline void store_first(float* p, Vec a, int64_t n) {
+  for (int64_t i = 0; i < n && i < LANES; ++i) p[i] = a.v[i];
+}
+inline Vec keep_first(Vec a, int64_t n) {
+  for (int64_t i = n < 0 ? 0 : n; i < LANES; ++i) a.v[i] = 0.0f;
+  return a;
+}
+inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+  for (int64_t i = 0; i < LANES; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline Vec fnmadd(Vec a, Vec b, Vec c) {
+  for (int64_t i = 0; i < LANES; ++i) c.v[i] = __builtin_fmaf(-a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline Vec max(Vec a, Vec b) {  // as maxps: the second operand unless a > b
+  for (int64_t i = 0; i < LANES; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+  return a;
+}
+inline Vec min(Vec a, Vec b) {
+  for (int64_t i = 0; i < LANES; ++i) a.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
+  return a;
+}
+inline Vec abs(Vec a) {
+  for (int64_t i = 0; i < LANES; ++i) a.v[i] = std::fabs(a.v[i]);
+  return a;
+}
+inline Vec round_even(Vec a) {  // the default rounding mode: to nearest, ties to even
+  for (int64_t i = 0; i < LANES; ++i) a.v[i] = std::nearbyint(a.v[i]);
+  return a;
+}
+inline float pow2(float n) {  // 2^n for integral n in [-126, 127]
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+inline Vec ldexp(Vec p, Vec n) {
+  for (int64_t i = 0; i < LANES; ++i) {
+    const float n1 = n.v[i] < 127.0f ? n.v[i] : 127.0f;
+    p.v[i] = p.v[i] * pow2(n1) * pow2(n.v[i] - n1);
+  }
+  return p;
+}
+inline float reduce_add(Vec a) {
+  float t[8], u[4];
+  for (int i = 0; i < 8; ++i) t[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+inline float reduce_max(Vec a) {
+  float m = a.v[0];
+  for (int64_t i = 1; i < LANES; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline void store_u8_first(uint8_t* p, Vec a, int64_t n) {
+  for (int64_t i = 0; i < n && i < LANES; ++i) p[i] = static_cast<uint8_t>(static_cast<int32_t>(a.v[i]));
+}
+
+struct IVec { i32x16 v; };
+struct I8Weights { int8_t w[64]; };
+inline IVec izero() { return {i32x16{}}; }
+inline I8Weights load_i8(const int8_t* w) {
+  I8Weights r;
+  std::memcpy(r.w, w, 64);
+  return r;
+}
+inline IVec dot4(IVec acc, uint32_t a4, const I8Weights& w) {
+  const int32_t a[4] = {int32_t(a4 & 0xFF), int32_t(a4 >> 8 & 0xFF), int32_t(a4 >> 16 & 0xFF), int32_t(a4 >> 24)};
+  for (int64_t c = 0; c < LANES; ++c)
+    acc.v[c] += a[0] * w.w[4 * c] + a[1] * w.w[4 * c + 1] + a[2] * w.w[4 * c + 2] + a[3] * w.w[4 * c + 3];
+  return acc;
+}
+inline void istore(int32_t* p, IVec a) { std::memcpy(p, &a.v, sizeof(a.v)); }
+#endif
+
+}  // namespace simd
