@@ -29,9 +29,9 @@ $(STAMP): pyproject.toml Makefile
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	$(BIN)/pip install -q grpcio python-rapidjson packaging protobuf
-	# the native CPU forward (runtime/cpu_kernels.cpp), compiled once per machine into ~/.cache/spectrt (~1 min)
-	$(BIN)/python -c "from spectrt.runtime.kernels import load_kernels, native_unavailable as why; \
-		print('native CPU kernels:', 'ready' if load_kernels() else why())"
+	# the native CPU forward (runtime/cpu_kernels.cpp over simd.h), its best ISA here compiled once into ~/.cache/spectrt (~1 min)
+	$(BIN)/python -c "from spectrt.runtime.kernels import native_isa, native_unavailable as why; \
+		print('native CPU kernels:', native_isa() or why())"
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint

@@ -64,8 +64,10 @@ inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, 
       wv[j] = simd::load(raw(w + j * LANES));
       simd::pin(wv[j]);
     }
+#pragma GCC unroll 8  // keeps the accumulators in registers in the portable build (GCC left them in memory)
     for (int m = 0; m < M; ++m) {
       const Vec xb = simd::set1(x[m * ldx + k]);
+#pragma GCC unroll 8
       for (int j = 0; j < C; ++j) acc[m][j] = simd::fmadd(xb, wv[j], acc[m][j]);
     }
   }

@@ -266,7 +266,11 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 struct Vec { f32x16 v; };
 
 inline Vec zero() { return {f32x16{}}; }
-inline Vec set1(float x) { return {f32x16{} + x}; }
+inline Vec set1(float x) {  // not f32x16{} + x: 0 + -0 is +0
+  Vec r;
+  for (int64_t i = 0; i < LANES; ++i) r.v[i] = x;
+  return r;
+}
 inline Vec load(const float* p) {
   Vec r;
   std::memcpy(&r.v, p, sizeof(r.v));
@@ -297,14 +301,18 @@ inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
 inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
 inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
 inline Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+// Lane loops run over plain arrays: GCC scalarized fmaf over vector-extension elements inside the GEMM loop
+// (10 GFMA/s), while the same loop over arrays becomes one vector FMA.
 inline Vec fmadd(Vec a, Vec b, Vec c) {
-  for (int64_t i = 0; i < LANES; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+  float x[LANES], y[LANES], z[LANES];
+  std::memcpy(x, &a.v, sizeof(x));
+  std::memcpy(y, &b.v, sizeof(y));
+  std::memcpy(z, &c.v, sizeof(z));
+  for (int64_t i = 0; i < LANES; ++i) z[i] = __builtin_fmaf(x[i], y[i], z[i]);
+  std::memcpy(&c.v, z, sizeof(z));
   return c;
 }
-inline Vec fnmadd(Vec a, Vec b, Vec c) {
-  for (int64_t i = 0; i < LANES; ++i) c.v[i] = __builtin_fmaf(-a.v[i], b.v[i], c.v[i]);
-  return c;
-}
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return fmadd(Vec{-a.v}, b, c); }  // c - a * b: negation is exact
 inline Vec max(Vec a, Vec b) {  // as maxps: the second operand unless a > b
   for (int64_t i = 0; i < LANES; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
   return a;
