@@ -23,6 +23,9 @@ Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache]  # tokens [T]
 
 class Engine(Protocol):
     config: ModelConfig
+    # None when a verified tree row computes what an autoregressive step of that token computes (so greedy tree
+    # decoding gives this engine's own AR output), else why not and the fix: the decoder refuses speculation then
+    inexact: str | None
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """One static cache per concurrent request, allocated once (one pool per engine)."""
@@ -30,7 +33,8 @@ class Engine(Protocol):
     def new_cache(self, capacity: int, max_window: int) -> KVCache: ...
 
     def forward_many(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites)."""
+        """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites) and an
+        ordinary one (not an inference tensor): the decode loop masks rows in place."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor: ...

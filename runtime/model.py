@@ -271,6 +271,20 @@ class Transformer:
                     weights[name] = f.get_tensor(name)
         return cls(config, weights, dtype, measure_kernels, native=native)
 
+    @property
+    def inexact(self) -> str | None:
+        """None where tree verification is exact (engine.py `Engine.inexact`): the native forward and the INT8 torch
+        path compute every row alone; the fp32 torch path's rows move by ~1e-7 with the batch shape, which changes
+        no output in the decoder tests (greedy tree == AR, run on this path). In bf16 the torch path's rows round
+        differently per tree shape: default speculation matched bf16 AR on 2 of 12 bench prompts."""
+        if self.native is not None or self.row_invariant or self.dtype in (torch.float32, torch.float64):
+            return None
+        why = native_unavailable()
+        native = f"the native forward (unavailable here: {why})" if why else "the native forward (native=None)"
+        return (f"the torch reference path is not row invariant in {str(self.dtype).removeprefix('torch.')} (a "
+                "verified row rounds differently from the same token decoded alone), so tree decoding would not "
+                f"equal AR: use --dtype fp32, or {native}")
+
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
