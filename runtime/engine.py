@@ -76,6 +76,18 @@ def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = 
     return "bf16" if backend == "torch" and native_unavailable() is None else "fp32"
 
 
+def fallback_notice(backend: str) -> str | None:
+    """The line `spectrt generate` and `spectrt serve` print once (stderr) when the torch reference path runs
+    instead of the native forward: a slower engine is never a silent one."""
+    from spectrt.runtime.kernels import native_unavailable
+
+    why = native_unavailable() if backend == "torch" else None
+    if why is None:
+        return None
+    return (f"spectrt: the native CPU forward is unavailable ({why}): the torch reference path runs (slow: 2-4x the "
+            "native forward's time per token; speculation needs --dtype fp32 there)")
+
+
 def draft_dtype(backend: str, dtype: str) -> str:
     """The draft's precision: bf16 weights on the native CPU forward (half the memory traffic per draft step, fp32
     arithmetic; the target verifies, so the output never changes), else the target's dtype."""
