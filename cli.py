@@ -66,12 +66,15 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from spectrt.runtime.engine import fallback_notice
     from spectrt.runtime.pipeline import Pipeline
 
     params = _sampling(args)  # validate before loading models
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: pass some text with --prompt")
     target, draft = _models(args)
+    if notice := fallback_notice(args.backend):
+        print(notice, file=sys.stderr)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
     gen = pipe.generate(args.prompt, args.max_new_tokens, None if args.no_spec else args.tree,

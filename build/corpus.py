@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from spectrt.build.distill import DistillConfig, atomic_save
+from spectrt.build.distill import DistillConfig, atomic_save, bf16_pays
 from spectrt.runtime.resources import package_path
 
 PROMPTS_DIR = package_path("build/prompts")
@@ -471,11 +471,15 @@ def teacher_force(
     per forward (about `rows_per_call` rows), and none is started after `deadline`: what is returned is a
     representative subset. `target` is a checkpoint dir or a loaded `Transformer`. Returns (records, stats).
     """
+    from spectrt.runtime.kernels import native_unavailable
     from spectrt.runtime.model import Transformer
     from tqdm.auto import tqdm
 
     t0 = time.monotonic()
-    model = target if isinstance(target, Transformer) else Transformer.load(Path(target), _dtype(dtype))
+    if not isinstance(target, Transformer):  # the native forward when it runs here (native=None)
+        fast = _dtype(dtype) != torch.bfloat16 or bf16_pays(native=native_unavailable() is None)
+        target = Transformer.load(Path(target), _dtype(dtype) if fast else torch.float32)
+    model = target
     groups = _prompt_groups(records)
     groups = [groups[i] for i in torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
     segments = [_group_segment(records, g) for g in groups]
@@ -520,7 +524,7 @@ def teacher_force(
     seconds = time.monotonic() - t0
     return out, {"records": len(out), "of": len(records), "tokens": tokens, "forward_rows": rows_run,
                  "seconds": round(seconds, 2), "tokens_per_second": round(tokens / max(seconds, 1e-9), 1),
-                 "dtype": dtype, "feature_layers": list(feature_layers)}
+                 "dtype": str(model.dtype).removeprefix("torch."), "feature_layers": list(feature_layers)}
 
 
 # --------------------------------------------------------------------------------------------------

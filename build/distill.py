@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,6 +97,19 @@ class DistillConfig:
                     "max_prompt_tokens": self.max_prompt_tokens, "v": 5}
         return {"dtype": self.gen_dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
                 "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 5}
+
+
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of CPUs with bf16 arithmetic
+
+
+def bf16_pays(native: bool = False, flags: set[str] | None = None) -> bool:
+    """Whether bf16 compute is fast here: on the native forward always (bf16 weights, fp32 arithmetic: half the
+    weight bytes), on torch (training's autocast, a torch-path target) only where the CPU has bf16 arithmetic
+    (AVX512-BF16 or AMX-BF16; `flags`: this CPU's by default). Elsewhere oneDNN emulates bf16, slower than fp32,
+    so fp32 runs. Every trainer and the teacher-forcing target take their precision from here."""
+    from spectrt.runtime.kernels import cpu_flags
+
+    return native or bool(BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
 
 
 def load_draft(slice_dir: Path):
@@ -281,6 +294,7 @@ def train_draft(
         raise ValueError("train_draft needs budget_s or max_steps")
     if not records:
         raise ValueError("no training data: the distillation corpus produced no target answers")
+    cfg = replace(cfg, amp=cfg.amp and bf16_pays())
     torch.manual_seed(cfg.seed)
     model = load_draft(slice_dir)
     model.train()
@@ -389,6 +403,7 @@ def train_draft(
     _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=True)
     stats = {
         "steps": step,
+        "autocast_bf16": cfg.amp,
         "steps_this_run": step - start_step,
         "resumed_from_step": start_step,
         "train_s": round(time.monotonic() - t0, 1),

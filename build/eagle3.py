@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from spectrt.build.distill import (
     _batches,
     _lr_factor,
     _save_state,
+    bf16_pays,
     distill_loss,
     subset_remap,
 )
@@ -250,6 +252,7 @@ def train_head(
         raise ValueError("train_head needs budget_s or max_steps")
     if not records or "features" not in records[0]:
         raise ValueError("no training data with target features: teacher-force the answers with feature layers")
+    cfg = replace(cfg, amp=cfg.amp and bf16_pays())  # read by the autocast below and by _SubsetHeadLoss
     torch.manual_seed(cfg.seed)
     model = Eagle3Module(target_config, draft_ids, cfg.head_init_std)
     model.init_from_target(target_head, target_norm)
@@ -305,8 +308,8 @@ def train_head(
             feats, nxt, top_ids, top_logp, valid = _collate(records, batches[int(order[pos])], pad_id,
                                                             cfg.ttt_steps, remap)
             n = feats.shape[1]
-            with amp:
-                outs = model.unroll(feats, nxt, embed_c, cfg.ttt_steps)
+            with amp:  # bf16 features in fp32: exact, and what fp32 training (no bf16 arithmetic here) needs
+                outs = model.unroll(feats.float(), nxt, embed_c, cfg.ttt_steps)
             loss = torch.zeros(())
             totals = torch.zeros(4)
             hits, rows = [], []
@@ -360,10 +363,11 @@ def train_head(
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    stats = {"steps": step, "steps_this_run": step - start_step, "resumed_from_step": start_step,
-             "train_s": round(time.monotonic() - t0, 1), "answer_tokens_this_run": seen,
-             "epochs": round(epoch + pos / len(batches), 2), "batches_per_epoch": len(batches),
-             "stopped_by": stopped_by, "final_running": {k_: round(v, 4) for k_, v in run.items()}}
+    stats = {"steps": step, "autocast_bf16": cfg.amp, "steps_this_run": step - start_step,
+             "resumed_from_step": start_step, "train_s": round(time.monotonic() - t0, 1),
+             "answer_tokens_this_run": seen, "epochs": round(epoch + pos / len(batches), 2),
+             "batches_per_epoch": len(batches), "stopped_by": stopped_by,
+             "final_running": {k_: round(v, 4) for k_, v in run.items()}}
     return model, stats
 
 

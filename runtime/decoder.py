@@ -199,6 +199,9 @@ class Decoder:
             raise ValueError(f"max_active ({max_active}) and max_tree_tokens ({max_tree_tokens}) must be >= 1 and "
                              f"max_seq_len ({max_seq_len}) >= 2")
         self.target, self.draft, self.eos_ids = target, draft, set(eos_ids)
+        # read once: why this target's tree decoding would not equal its AR output (an engine that does not say,
+        # a test double computing rows from tables, is exact); `check` then refuses every speculative job
+        self.inexact = getattr(target, "inexact", None)
         self.vocab_size = target.config.vocab_size
         self.max_seq_len, self.max_tree_tokens, self.max_active = max_seq_len, max_tree_tokens, max_active
         self.tree_budget = tree_budget or max_active * max_tree_tokens
@@ -254,6 +257,14 @@ class Decoder:
             raise ValueError(f"the tree has {len(job.tree)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
         if job.tree is not None and not isinstance(job.tree, Tree) and job.tree != AUTO:
             raise ValueError(f"a job's tree is None, a Tree or {AUTO!r}, got {job.tree!r}")
+        if self.inexact and self._speculates(job):
+            raise ValueError(f"speculative decoding would be lossy on this engine: {self.inexact} (or decode without "
+                             "speculation: --no-spec, a request's tree \"0\")")
+
+    def _speculates(self, job: Job) -> bool:
+        """Whether the job may verify more than its root: dynamic trees, suffix candidates, a drafted static tree."""
+        static = isinstance(job.tree, Tree) and len(job.tree) > 1 and self.draft is not None
+        return job.tree == AUTO or bool(job.suffix) or static
 
     def add(self, job: Job) -> None:
         """Give the job a slot (call only while `self.free`); its prefill starts with the next step."""

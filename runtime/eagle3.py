@@ -264,7 +264,7 @@ class Eagle3Head:
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
         return self.new_caches(1, capacity, max_window)[0]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # ordinary tensors out, as every engine (model.py `Transformer.forward`)
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """fc: target features [T, 3 * Ht] (from `forward_features` with `feature_layers`) -> hidden inputs [T, H]."""
         if features.shape[-1] != self.fc.shape[1]:
@@ -273,7 +273,7 @@ class Eagle3Head:
             return linear(features.float(), self.native.fc, self.config.model.hidden_size)
         return F.linear(features.to(self.dtype), self.fc)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward_many(self, segments: Sequence[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
         native forward all segments' rows share each GEMM. Logits are full-vocabulary rows, -inf outside the draft

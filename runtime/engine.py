@@ -23,6 +23,9 @@ Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache]  # tokens [T]
 
 class Engine(Protocol):
     config: ModelConfig
+    # None when a verified tree row computes what an autoregressive step of that token computes (so greedy tree
+    # decoding gives this engine's own AR output), else why not and the fix: the decoder refuses speculation then
+    inexact: str | None
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """One static cache per concurrent request, allocated once (one pool per engine)."""
@@ -30,7 +33,8 @@ class Engine(Protocol):
     def new_cache(self, capacity: int, max_window: int) -> KVCache: ...
 
     def forward_many(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites)."""
+        """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites) and an
+        ordinary one (not an inference tensor): the decode loop masks rows in place."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor: ...
@@ -70,6 +74,18 @@ def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = 
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and quant_format(Path(checkpoint)):
         return "fp32"
     return "bf16" if backend == "torch" and native_unavailable() is None else "fp32"
+
+
+def fallback_notice(backend: str) -> str | None:
+    """The line `spectrt generate` and `spectrt serve` print once (stderr) when the torch reference path runs
+    instead of the native forward: a slower engine is never a silent one."""
+    from spectrt.runtime.kernels import native_unavailable
+
+    why = native_unavailable() if backend == "torch" else None
+    if why is None:
+        return None
+    return (f"spectrt: the native CPU forward is unavailable ({why}): the torch reference path runs (slow: 2-4x the "
+            "native forward's time per token; speculation needs --dtype fp32 there)")
 
 
 def draft_dtype(backend: str, dtype: str) -> str:

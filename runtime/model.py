@@ -271,6 +271,20 @@ class Transformer:
                     weights[name] = f.get_tensor(name)
         return cls(config, weights, dtype, measure_kernels, native=native)
 
+    @property
+    def inexact(self) -> str | None:
+        """None where tree verification is exact (engine.py `Engine.inexact`): the native forward and the INT8 torch
+        path compute every row alone; the fp32 torch path's rows move by ~1e-7 with the batch shape, which changes
+        no output in the decoder tests (greedy tree == AR, run on this path). In bf16 the torch path's rows round
+        differently per tree shape: default speculation matched bf16 AR on 2 of 12 bench prompts."""
+        if self.native is not None or self.row_invariant or self.dtype in (torch.float32, torch.float64):
+            return None
+        why = native_unavailable()
+        native = f"the native forward (unavailable here: {why})" if why else "the native forward (native=None)"
+        return (f"the torch reference path is not row invariant in {str(self.dtype).removeprefix('torch.')} (a "
+                "verified row rounds differently from the same token decoded alone), so tree decoding would not "
+                f"equal AR: use --dtype fp32, or {native}")
+
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
@@ -290,7 +304,7 @@ class Transformer:
             return self.native.forward_many(segments)
         return [self.forward(*segment) for segment in segments]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: see `forward`
     def forward_features(self, segments: list[tuple],
                          feature_layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(logits, features) per segment: features [T, len(feature_layers) * hidden] fp32 are the residual stream
@@ -375,13 +389,18 @@ class Transformer:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for `tokens` [T]; their K/V land in the last T slots of a W-slot window.
 
         `tree_mask` [T, W] says which window slots each new token sees (the committed prefix is
         always visible); the new tokens occupy window slots [W - T, W).
+
+        Under no_grad, not inference_mode: the logits are ordinary tensors whichever path made them, because the
+        decode loop masks them in place (`Decoder._constrain`: min_length, bad words) and an inference tensor
+        refuses that outside inference mode (every constrained request failed on the torch path, and with an
+        EAGLE-3 head on the native one too). Measured on the torch path, T=1: 43.6 vs 44.4 ms, no cost.
         """
         if self.native is not None:
             return self.native.forward_many([(tokens, positions, tree_mask, cache)])[0]

@@ -543,6 +543,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2
+    from spectrt.runtime.engine import fallback_notice
+
+    if notice := fallback_notice(args.backend):  # the instances load in this environment (SPECTRT_NATIVE included)
+        print(notice, file=sys.stderr)
     hosts = {args.host} | ({server.openai_host} if args.openai_port is not None else set())
     for host in sorted(hosts):
         if warning := host_warning(host):

@@ -47,13 +47,14 @@ SERVING_PROMPTS = [  # prompts of the serving tests
 SERVE_READY_TIMEOUT = 300.0
 
 
-def launch_serve(*extra: str) -> tuple[subprocess.Popen, dict, str]:
-    """Start `spectrt serve` (the target alone, small limits, free ports, `extra` flags last) and return it once
-    ready, with the endpoints JSON it printed and everything it printed."""
+def launch_serve(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict, str]:
+    """Start `spectrt serve` (the target alone, small limits, free ports, `extra` flags last; `env` added to this
+    environment) and return it once ready, with the endpoints JSON it printed and everything it printed."""
     cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--instances", "1", "--threads", "1",
            "--max-seq-len", "128", "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--ready-timeout", str(SERVE_READY_TIMEOUT), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     out = ""
     deadline = time.monotonic() + SERVE_READY_TIMEOUT + 60
     while "ready:" not in out:  # raw reads: select() cannot see what a buffered readline() already holds
@@ -111,6 +112,28 @@ def draft_dir(target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def draft(draft_dir) -> Transformer:
     return Transformer.load(draft_dir)
+
+
+FORWARD_PATHS = ["native", "torch"]  # what `engine_pair` parametrizes: the native CPU forward, the torch reference
+
+
+@pytest.fixture(scope="session")
+def torch_target(target_dir) -> Transformer:
+    """The target on the torch reference path (fp32: what runs where the native forward cannot)."""
+    return Transformer.load(target_dir, native=False)
+
+
+@pytest.fixture(scope="session")
+def torch_draft(draft_dir) -> Transformer:
+    return Transformer.load(draft_dir, native=False)
+
+
+def engine_pair(request, path: str) -> tuple[Transformer, Transformer]:
+    """(target, weak draft) on one forward path of FORWARD_PATHS, loaded once per session."""
+    names = {"native": ("target", "draft"), "torch": ("torch_target", "torch_draft")}[path]
+    target, draft = (request.getfixturevalue(n) for n in names)
+    assert (target.native is None) == (path == "torch"), "the native forward must build here (make setup)"
+    return target, draft
 
 
 ARCHS = ["sm80", "sm86"]  # TensorRT-RTX plans built in tests (ahead of time, on the CPU)

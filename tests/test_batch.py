@@ -1,6 +1,7 @@
 """The one decode loop with many requests (fp32): batched == each request's sequential run for every proposer,
 joins and leaves mid-run, cut static trees, the budget shrinking to plain batched decoding, draft positions,
-cancellation, constraints, and failure isolation."""
+cancellation, constraints, and failure isolation. The native forward runs them; joins and constraints also run on
+the torch reference path (`models` parametrized indirectly with a FORWARD_PATHS name)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import FORWARD_PATHS, engine_pair
 from spectrt.runtime.decoder import AUTO, Decoder, Job, cut_tree
 from spectrt.runtime.policy import Policy
 from spectrt.runtime.sampling import SamplingParams
@@ -40,9 +42,10 @@ def test_cut_tree_is_connected_and_keeps_rank_prefixes(spec):
 
 
 @pytest.fixture(scope="module")
-def models(target, draft, target_dir):
+def models(request, target_dir):
     from transformers import AutoTokenizer
 
+    target, draft = engine_pair(request, getattr(request, "param", "native"))
     tok = AutoTokenizer.from_pretrained(target_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
                for p in PROMPTS]
@@ -96,6 +99,7 @@ def test_forward_many_equals_one_forward_per_segment(models):
         torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("models", FORWARD_PATHS, indirect=True)
 def test_batched_static_trees_equal_sequential_with_joins_and_leaves(models):
     """7 requests, 3 slots: different prompts, trees and lengths; prompts prefilled in 8-token chunks that share
     steps with decoding, so requests join and leave mid-run."""
@@ -220,15 +224,22 @@ def test_cancel_frees_the_slot_and_leaves_the_others_intact(models):
         assert job.out == want
 
 
+@pytest.mark.parametrize("models", FORWARD_PATHS, indirect=True)
 def test_min_length_bad_words_and_stop_words(models):
+    """Alone and in a batch of 3, on both forward paths (the torch path's logits were inference tensors, which the
+    in-place masking refused: every constrained request ended in "error")."""
     target, draft, eos, prompts, _ = models
     short = Job(prompts[4], 40, Tree.parse("2,1"))  # "capital of France": ends early with end-of-sequence
     Decoder(target, draft, eos, max_seq_len=256).run([short])
     assert short.finish == "stop" and len(short.out) < 20
+    alone = Job(prompts[4], 40, AUTO, min_length=len(short.out) + 2, bad_words=[[short.out[1]]])
+    Decoder(target, draft, eos, max_seq_len=256, policy=DYNAMIC).run([alone])
+    assert alone.error is None and len(alone.out) >= len(short.out) + 2 and short.out[1] not in alone.out
     longer = Job(prompts[4], 40, Tree.parse("2,1"), min_length=len(short.out) + 6)
     banned = Job(prompts[4], 40, AUTO, bad_words=[[short.out[1]], short.out[3:5]])
     stop = Job(prompts[4], 40, AUTO, stop_words=[short.out[2:4], [49151, 49150]])
     Decoder(target, draft, eos, max_seq_len=256, max_active=3, policy=DYNAMIC).run([longer, banned, stop])
+    assert [j.error for j in (longer, banned, stop)] == [None] * 3
     assert len(longer.out) >= len(short.out) + 6 and longer.out[:len(short.out)] == short.out
     assert short.out[1] not in banned.out and banned.out[:1] == short.out[:1]
     assert all(banned.out[i:i + 2] != short.out[3:5] for i in range(len(banned.out)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,9 @@ from spectrt.runtime.engine import resolve_dtype
 REPO = Path(__file__).resolve().parent.parent
 
 
-def spectrt(*args: str) -> subprocess.CompletedProcess:
+def spectrt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "spectrt", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, **(env or {})})
 
 
 def test_generate_json_equals_autoregressive(draft_dir):
@@ -32,6 +33,23 @@ def test_generate_json_equals_autoregressive(draft_dir):
     assert ar_out["stats"]["draft_passes"] == 0 and ar_out["stats"]["tau"] == 1.0
     assert spec_out["stats"]["draft_passes"] > 0
     assert spec_out["stats"]["new_tokens"] == len(spec_out["token_ids"])
+    assert "torch reference path" not in spec.stderr + ar.stderr  # the native forward ran
+
+
+def test_torch_fallback_is_said_once_and_bf16_speculation_refused(draft_dir):
+    """With the native forward off, generate says so once on stderr (why, and that the slow torch path runs), still
+    speculates in fp32 (auto), and refuses bf16 speculation naming the fix instead of being silently lossy."""
+    off = {"SPECTRT_NATIVE": "0"}
+    prompt = ["generate", "--prompt", "Name three colors.", "--max-new-tokens", "6", "--draft", str(draft_dir)]
+    fp32 = spectrt(*prompt, "--tree", "2,1", "--json", env=off)
+    assert fp32.returncode == 0, fp32.stderr
+    notice = "the native CPU forward is unavailable (disabled by SPECTRT_NATIVE=0): the torch reference path runs"
+    assert fp32.stderr.count(notice) == 1, fp32.stderr
+    assert json.loads(fp32.stdout)["stats"]["draft_passes"] > 0
+    bf16 = spectrt(*prompt, "--dtype", "bf16", env=off)
+    assert bf16.returncode == 2 and "Traceback" not in bf16.stderr
+    assert bf16.stderr.count(notice) == 1 and "would be lossy on this engine" in bf16.stderr
+    assert "use --dtype fp32, or the native forward (unavailable here: disabled by SPECTRT_NATIVE=0)" in bf16.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,12 +1,13 @@
 """The decode loop as a batch of one, on the real embedded model: lossless greedy tree decoding against an
-independent autoregressive reference (the engine's forward, one token at a time, no decoder code), static KV,
+independent autoregressive reference (the engine's forward, one token at a time, no decoder code), on the native
+forward and (a shorter run) the torch reference path; speculation refused where an engine is not exact; static KV,
 limits, sampling."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, PROMPTS
+from conftest import EOS, FORWARD_PATHS, PROMPTS, engine_pair
 from spectrt.build.slice import slice_target
 from spectrt.runtime.decoder import AUTO, Decoder, Job
 from spectrt.runtime.model import Transformer
@@ -84,6 +85,38 @@ def test_greedy_tree_decoding_is_lossless(request, target, prompt_ids, ar_output
         assert min(accepted[:8]) == tree.max_depth  # whole paths were accepted and compacted
     else:
         assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # a mix of acceptances and rejections
+
+
+@pytest.mark.parametrize("path", FORWARD_PATHS)
+def test_greedy_trees_equal_ar_on_both_forward_paths(request, prompt_ids, path):
+    """fp32 speculation stays allowed on the torch reference path because it is tested so (its rows move by ~1e-7
+    with the tree's shape): static and dynamic trees of a weak draft, with suffix candidates, give its own AR."""
+    target, draft = engine_pair(request, path)
+    assert target.inexact is None
+    decoder = Decoder(target, draft, EOS, max_seq_len=512)
+    dynamic = Policy(budget=6, depth=2, width=2, verify_ms=FLAT)
+    accepted = []
+    for ids in prompt_ids[:2]:
+        expected = reference_greedy(target, ids, 40, EOS)
+        for tree, policy in ((Tree.parse("2,2,1"), None), (None, dynamic)):
+            result = decoder.generate(ids, 40, tree, policy=policy)
+            assert result.token_ids == expected, (tree, policy)
+            accepted += result.stats.accepted
+    assert 0 < sum(a > 0 for a in accepted) < len(accepted)  # paths were accepted and compacted, others rejected
+
+
+def test_speculation_is_refused_where_the_engine_is_not_exact(target_dir, draft, prompt_ids):
+    """bf16 on the torch path rounds a verified row differently from the same token decoded alone (default
+    speculation matched bf16 AR on 2 of 12 bench prompts): every speculative job is refused before it takes a slot,
+    naming the fix; AR still runs. The same precision on the native forward is exact."""
+    bf16 = Transformer.load(target_dir, torch.bfloat16, native=False, measure_kernels=False)
+    decoder = Decoder(bf16, draft, EOS, max_seq_len=256)
+    for tree, policy in ((Tree.parse("2,1"), None), (None, Policy()), (None, Policy(budget=16, depth=0, draft=False))):
+        with pytest.raises(ValueError, match="speculative decoding would be lossy on this engine.*use --dtype fp32"):
+            decoder.generate(prompt_ids[0], 4, tree, policy=policy)
+        assert decoder.free == [0] and not decoder.active
+    assert decoder.generate(prompt_ids[0], 4).token_ids == reference_greedy(bf16, prompt_ids[0], 4, EOS)
+    assert Transformer.load(target_dir, torch.bfloat16).inexact is None
 
 
 def test_lossless_across_300_tokens_of_compaction(target, prompt_ids):

@@ -408,6 +408,41 @@ def test_resume_continues_where_it_stopped(tiny, corpora, tmp_path):
     assert f_stats["resumed_from_step"] == 0
 
 
+@pytest.mark.parametrize("native, flags, fast", [
+    (True, set(), True),  # the native forward: bf16 weights, fp32 arithmetic, fast on any AVX-512 CPU
+    (False, {"avx512f", "avx512_bf16"}, True), (False, {"amx_bf16", "amx_tile"}, True),
+    (False, {"avx512f", "avx512bw", "avx512_vnni", "avx2"}, False), (False, set(), False),  # bf16 emulated
+])
+def test_bf16_runs_only_where_it_is_fast(native, flags, fast):
+    assert T.bf16_pays(native, flags) is fast
+
+
+@pytest.mark.parametrize("flags, bf16", [({"avx512f", "avx512_bf16"}, True), ({"avx512f", "avx2"}, False)])
+def test_trainers_and_teacher_forcing_take_bf16_from_the_cpu(tiny, corpora, tmp_path, monkeypatch, flags, bf16):
+    """Training autocasts to bf16 only where the CPU has bf16 arithmetic; the torch-path teacher-forcing target
+    likewise (the native one always runs the requested bf16: fp32 arithmetic on bf16 weights)."""
+    from spectrt.build.eagle3 import train_head
+    from spectrt.runtime import kernels
+    from spectrt.runtime.eagle3 import default_feature_layers
+    from spectrt.runtime.model import ModelConfig, Transformer
+
+    cfg = T.DistillConfig(**{**TINY, "max_new_tokens": 8})
+    answers, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:4], tmp_path / "data", cfg, progress=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset(flags))
+    _, native_tf = C.teacher_force(tiny, answers, "bfloat16", 4, progress=False)
+    monkeypatch.setattr(kernels, "native_unavailable", lambda: "disabled for this test")
+    layers = default_feature_layers(ModelConfig.from_dir(tiny).num_layers)
+    records, torch_tf = C.teacher_force(tiny, answers, "bfloat16", 4, feature_layers=layers, progress=False)
+    assert native_tf["dtype"] == "bfloat16" and torch_tf["dtype"] == ("bfloat16" if bf16 else "float32")
+    _, slice_stats = T.train_draft(S.slice_target(tiny, 1, tmp_path / "slice"), records, tmp_path / "s.pt", cfg,
+                                   max_steps=1, progress=False)
+    ref = Transformer.load(tiny, native=False, measure_kernels=False)
+    _, head_stats = train_head(records, ModelConfig.from_dir(tiny), ref.embed, ref.head, ref.norm,
+                               torch.arange(ref.config.vocab_size), tmp_path / "h.pt", cfg, max_steps=1,
+                               progress=False)
+    assert slice_stats["autocast_bf16"] is bf16 and head_stats["autocast_bf16"] is bf16
+
+
 # ------------------------------------------------------------------------------------------------ errors
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import EOS, PROMPTS, chat_ids
+from conftest import EOS, FORWARD_PATHS, PROMPTS, chat_ids, engine_pair
 from spectrt.runtime.decoder import Decoder
 from spectrt.runtime.model import Transformer
 from spectrt.runtime.tree import Tree
@@ -131,3 +131,16 @@ def test_window_overflow_is_refused(target):
     cache = target.new_cache(16, 8)
     with pytest.raises(ValueError, match="static cache"):
         target.forward(torch.zeros(9, dtype=torch.long), torch.arange(9), torch.ones(9, 9, dtype=torch.bool), cache)
+
+
+@pytest.mark.parametrize("path", FORWARD_PATHS)
+def test_logits_are_ordinary_tensors_on_both_paths(request, path):
+    """Every way the loop reads logits (forward, forward_many, forward_features) gives tensors it may mask in place:
+    the torch path's were inference tensors, and forward_features' on the native path too (an EAGLE-3 head)."""
+    engine, _ = engine_pair(request, path)
+    cache = engine.new_cache(32, 8)
+    segment = (torch.tensor([1, 2, 3]), torch.arange(3), torch.ones(3, 3, dtype=torch.bool).tril(), cache)
+    features = engine.forward_features([segment], [1, engine.config.num_layers])
+    for logits in (engine.forward(*segment), engine.forward_many([segment])[0], *features[0], *features[1]):
+        assert not logits.is_inference()
+        logits[:, :2] = float("-inf")  # what Decoder._constrain does

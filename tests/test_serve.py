@@ -60,8 +60,8 @@ def _port_free(url: str) -> bool:
     return True
 
 
-def _launch(*extra: str) -> tuple[subprocess.Popen, dict]:
-    proc, info, _ = launch_serve(*extra)
+def _launch(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
+    proc, info, _ = launch_serve(*extra, env=env)
     return proc, info
 
 
@@ -154,6 +154,41 @@ def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_no
     else:
         assert "stopping" in outcome["error"].lower() or "unavailable" in outcome["error"].lower(), outcome
     assert proc.wait(timeout=GONE_TIMEOUT) == 0, proc.stderr.read()
+    _assert_nothing_left(info)
+
+
+def test_torch_reference_path_serves_min_length_and_bad_words(tokenizer):
+    """SPECTRT_NATIVE=0: `spectrt serve` says once that the torch reference path runs, and two concurrent greedy
+    requests with min_length and bad words decode there (its logits were inference tensors that the in-place
+    masking refused: such requests ended in an error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spectrt.runtime.client import grpc_inputs, request_fields
+
+    proc, info = _launch(env={"SPECTRT_NATIVE": "0"})
+    try:
+        with GrpcSession(info["grpc"]) as session:
+            plain = session.generate("Name three colors.", 8, stream=False, timeout=180)
+        ids = tokenizer.encode(plain.text, add_special_tokens=False)
+        word = next(w for t in ids[1:]  # a word the answer holds whose own tokenization is that one token
+                    if (w := tokenizer.decode([t])).strip() and tokenizer.encode(w, add_special_tokens=False) == [t])
+        requests = [{"min_length": 8}, {"bad_words": [word]}]
+
+        def send(extra: dict):
+            with GrpcSession(info["grpc"]) as session:
+                fields = {**request_fields("Name three colors.", 8, False), **extra}
+                return session.infer(grpc_inputs(fields), timeout=180)
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            longer, banned = pool.map(send, requests)
+        assert longer.final and longer.tokens == 8
+        assert banned.final and banned.text != plain.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=GONE_TIMEOUT) == 0
+    err = proc.stderr.read()
+    assert err.count("the native CPU forward is unavailable (disabled by SPECTRT_NATIVE=0): the torch reference "
+                     "path runs") == 1, err
     _assert_nothing_left(info)
 
 
