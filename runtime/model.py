@@ -144,6 +144,11 @@ class KVCache:
             )
         return start, end
 
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Rows [0, length) of `source` (another slot of this pool) become this cache's (prefix reuse)."""
+        self.k[:, :, :length] = source.k[:, :, :length]
+        self.v[:, :, :length] = source.v[:, :, :length]
+
     def compact(self, window_indices: list[int]) -> None:
         """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped."""
         n = self.length
@@ -270,6 +275,12 @@ class Transformer:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
         return cls(config, weights, dtype, measure_kernels, native=native)
+
+    @property
+    def exact_rows(self) -> bool:
+        """A row's K/V and logits do not depend on the other rows of its forward (the native forward, the INT8 row
+        invariant path): a KV row reused from an earlier request equals a recomputed one bitwise."""
+        return self.native is not None or self.row_invariant
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""
