@@ -40,8 +40,8 @@ def conversation(pipe: Pipeline, tree, policy) -> list[tuple[float, float, int]]
                                                  return_dict=True)["input_ids"]
         first: list[float] = []
         start = time.perf_counter()
-        result = decoder.generate(list(ids), 128, tree, on_tokens=lambda _: first or first.append(time.perf_counter()),
-                                  policy=policy)
+        result = decoder.generate(list(ids), 128, tree, on_tokens=lambda _, seen=first: seen or seen.append(
+            time.perf_counter()), policy=policy)
         rows.append((first[0] - start, time.perf_counter() - start, result.stats.draft_passes))
         messages.append({"role": "assistant", "content": pipe.tokenizer.decode(result.token_ids,
                                                                                skip_special_tokens=True)})
