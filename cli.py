@@ -95,10 +95,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from spectrt.runtime.bench import run_bench
+    from spectrt.runtime.bench import run_bench, run_multi_turn
 
     target, draft = _models(args)
-    run_bench(target, draft, args)
+    (run_multi_turn if args.multi_turn else run_bench)(target, draft, args)
     return 0
 
 
@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=_positive, help="use only the first N prompts")
     b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"))
+    b.add_argument("--multi-turn", action="store_true",
+                   help="chat conversations with and without the prefix cache: time to first token by turn, "
+                   "throughput at --concurrency (--prompts: one user turn a line, a blank line between conversations; "
+                   "default bench/prompts_multiturn.txt)")
+    b.add_argument("--concurrency", type=_positive, default=8, help="--multi-turn: conversations decoded together")
     b.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("profile", help="this machine's cost curve (ms per forward vs tree size) -> cost profile")

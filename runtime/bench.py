@@ -1,4 +1,6 @@
-"""`spectrt bench`: autoregressive vs static trees vs suffix-only vs the default policy, per prompt set.
+"""`spectrt bench`: autoregressive vs static trees vs suffix-only vs the default policy, per prompt set; with
+`--multi-turn`, chat conversations with and without the prefix cache (time to first token by turn, throughput at
+a concurrency).
 
 Two prompt sets by default: chat (bench/prompts.txt) and repetitive tasks (bench/prompts_repetitive.txt:
 edits, conversions, corrections, extraction, where answers repeat the prompt). Ratios measured in one run.
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
+from spectrt.runtime.decoder import AUTO, Decoder, Job
 from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
 from spectrt.runtime.policy import Policy
 from spectrt.runtime.resources import package_path
@@ -27,6 +30,7 @@ from tqdm import tqdm
 BENCH_DIR = package_path("bench")
 DEFAULT_PROMPTS = BENCH_DIR / "prompts.txt"
 PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt"}
+MULTI_TURN_PROMPTS = BENCH_DIR / "prompts_multiturn.txt"
 DEFAULT_CHAIN = "1,1,1"
 
 
@@ -59,8 +63,10 @@ def run_bench(target: Path, draft: Path | None, args) -> dict:
     sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
     prompt_sets = {name: read_prompts(path)[: args.limit] for name, path in sets.items()}
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
+    # no prefix cache: the configurations run each prompt one after another, and with the cache every later one
+    # would start from the earlier one's KV and draft rows (they would not be compared on equal terms)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
-                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS))
+                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS), prefix_cache=False)
     configs = bench_configs(pipe, args.trees, draft is not None)
     first = next(iter(prompt_sets.values()))[0]
     for tree in configs.values():  # warm-up: kernel choice for every shape, allocator, caches
@@ -132,6 +138,135 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
             "outputs_equal_to_ar": f"{t['same_as_ar']}/{len(prompts)}" if temperature == 0 else "n/a",
         })
     return rows
+
+
+def read_conversations(path: Path | None) -> list[list[str]]:
+    """Conversations of user turns: one turn per line, a blank line between conversations."""
+    path = Path(path) if path else MULTI_TURN_PROMPTS
+    if not path.is_file():
+        raise FileNotFoundError(f"conversation file {path} does not exist: pass --prompts FILE (one user turn per "
+                                "line, a blank line between conversations)")
+    blocks = [[t.strip() for t in block.splitlines() if t.strip()]
+              for block in path.read_text(encoding="utf-8").split("\n\n")]
+    conversations = [b for b in blocks if b]
+    if not conversations:
+        raise ValueError(f"{path} has no conversations")
+    return conversations
+
+
+class _Conversation:
+    """One chat's state: its user turns, the history so far, the job of the turn in flight."""
+
+    def __init__(self, turns: list[str]):
+        self.turns, self.messages, self.job = turns, [], None
+        self.ttft: list[float] = []
+        self.cached: list[int] = []
+
+    def next_job(self, pipe: Pipeline, max_new_tokens: int) -> Job | None:
+        if self.job is not None:
+            text = pipe.tokenizer.decode(self.job.out, skip_special_tokens=True)
+            self.messages.append({"role": "assistant", "content": text})
+        if len(self.messages) // 2 == len(self.turns):
+            return None
+        self.messages.append({"role": "user", "content": self.turns[len(self.messages) // 2]})
+        ids = pipe.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+        self.job = Job(list(ids["input_ids"] if hasattr(ids, "keys") else ids), max_new_tokens, AUTO)
+        return self.job
+
+
+def _serve_conversations(pipe: Pipeline, decoder: Decoder, turns: list[list[str]], max_new_tokens: int) -> dict:
+    """All conversations through `decoder`, each turn sent as soon as its previous one finished (a client with no
+    think time; up to `decoder.max_active` at once): wall seconds, output tokens, per conversation TTFT and cached
+    tokens by turn, and the answers."""
+    chats = [_Conversation(t) for t in turns]
+    waiting, admitted, tokens = list(chats), {}, 0
+    start = time.perf_counter()
+    while waiting or decoder.active:
+        while waiting and decoder.free:
+            chat = waiting.pop(0)
+            job = chat.next_job(pipe, max_new_tokens)
+            if job is None:
+                continue
+            decoder.add(job)
+            admitted[id(job)] = (chat, time.perf_counter())
+            chat.cached.append(job.stats.cached_tokens)
+        if not decoder.active:
+            continue
+        info = decoder.step()
+        now = time.perf_counter()
+        for job, new in info.emitted:
+            chat, added = admitted[id(job)]
+            if len(chat.ttft) < len(chat.cached):
+                chat.ttft.append(now - added)
+            tokens += len(new)
+        for job in info.finished:
+            chat, added = admitted.pop(id(job))
+            if len(chat.ttft) < len(chat.cached):  # ended without a token
+                chat.ttft.append(now - added)
+            waiting.append(chat)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": tokens, "ttft": [c.ttft for c in chats], "cached": [c.cached for c in chats],
+            "answers": [[m["content"] for m in c.messages if m["role"] == "assistant"] for c in chats]}
+
+
+def run_multi_turn(target: Path, draft: Path | None, args) -> dict:
+    """Time to first token by turn of one conversation (a decoder of one slot), then throughput of all
+    conversations at `args.concurrency`, each with and without the prefix cache, on the same engines; greedy, the
+    default policy. The runs alternate (cache on, off) so machine noise hits both alike."""
+    conversations = read_conversations(args.prompts)[: args.limit]
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
+                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS))
+    engines = (pipe.decoder.target, pipe.decoder.draft, pipe.decoder.eos_ids)
+
+    def decoder(cache: bool, slots: int) -> Decoder:
+        return Decoder(*engines, max_seq_len=args.max_seq_len, max_active=slots, policy=pipe.policy,
+                       prefix_cache=cache)
+
+    _serve_conversations(pipe, decoder(False, 1), [conversations[0][:1]], 8)  # warm-up
+    single = {c: _serve_conversations(pipe, decoder(c, 1), conversations[:1], args.max_new_tokens)
+              for c in (True, False)}
+    batched = {c: _serve_conversations(pipe, decoder(c, args.concurrency), conversations, args.max_new_tokens)
+               for c in (True, False)}
+    ttft = {c: single[c]["ttft"][0] for c in single}
+    report = {
+        "target": str(target), "draft": str(draft), "dtype": pipe.dtype, "backend": args.backend,
+        "conversations": len(conversations), "turns": [len(c) for c in conversations],
+        "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency, "policy": pipe.policy.to_json(),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "ttft_by_turn": {"cached": ttft[True], "uncached": ttft[False],
+                         "ratio": [a / b for a, b in zip(ttft[True], ttft[False], strict=True)],
+                         "cached_tokens": single[True]["cached"][0]},
+        "concurrent": {("cached" if c else "uncached"): {"seconds": r["seconds"], "tokens": r["tokens"],
+                                                           "tokens_per_second": r["tokens"] / r["seconds"],
+                                                           "cached_tokens": sum(map(sum, r["cached"]))}
+                       for c, r in batched.items()},
+        "answers_equal": single[True]["answers"] == single[False]["answers"]
+        and batched[True]["answers"] == batched[False]["answers"],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"multiturn_{args.backend}_{pipe.dtype}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    table = multi_turn_table(report)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    return report
+
+
+def multi_turn_table(report: dict) -> str:
+    t, c = report["ttft_by_turn"], report["concurrent"]
+    lines = [f"### multi-turn {report['backend']} {report['dtype']}, draft {Path(report['draft']).name}: "
+             f"{report['conversations']} conversations, {report['max_new_tokens']} new tokens a turn "
+             f"({report['machine']})", "",
+             "| turn | cached tokens | TTFT cached (ms) | TTFT uncached (ms) | ratio |", "|---|---|---|---|---|"]
+    for i, (n, a, b, r) in enumerate(zip(t["cached_tokens"], t["cached"], t["uncached"], t["ratio"], strict=True)):
+        lines.append(f"| {i + 1} | {n} | {1000 * a:.1f} | {1000 * b:.1f} | {r:.2f} |")
+    speed = c["cached"]["tokens_per_second"] / c["uncached"]["tokens_per_second"]
+    lines += ["", f"Concurrency {report['concurrency']}: {c['cached']['tokens_per_second']:.1f} tok/s with the cache, "
+              f"{c['uncached']['tokens_per_second']:.1f} without ({speed:.2f}x); answers equal: "
+              f"{report['answers_equal']}"]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(report: dict) -> str:

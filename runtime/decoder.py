@@ -15,6 +15,13 @@ engine, allocated once here). Each `step`:
 5. per request: verification (greedy, or lossless sampling), KV compaction (target and draft), stop conditions
    (end-of-sequence, length, stop words), `min_length` and bad words applied to the distribution verified.
 
+Prefix cache (`prefix_cache`, on by default): a finished request's KV (prompt + output) stays in its slot, indexed
+by its tokens (runtime/prefix.py); a new request starts from the slot holding its longest cached prefix (taking it
+over, or copying the rows into another free slot) and prefills only the rest; the drafts keep their rows of that
+prefix too (the EAGLE-3 head its pending target features). Reuse is exact because the engines' rows are invariant
+of the batch and chunk they were computed in; an engine whose rows are not (the torch reference path in fp) gets
+no reuse (`prefix_refusal` says why).
+
 Autoregressive decoding is the root-only tree, so the baseline runs on exactly the engine, caches and kernels that
 speculation uses. A step that fails is rolled back and each request retried alone: only the requests that fail
 alone end (finish "error"); the others continue with exactly the arithmetic of the batch (the engines' rows are
@@ -32,6 +39,7 @@ from functools import lru_cache
 import torch
 from spectrt.runtime.engine import Engine, Segment
 from spectrt.runtime.policy import Policy, allocate, choose_drafted
+from spectrt.runtime.prefix import PrefixIndex
 from spectrt.runtime.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
@@ -51,6 +59,7 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 @dataclass
 class DecodeStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     new_tokens: int = 0
     emitted_tokens: int = 0  # new tokens plus the end-of-sequence token, which a target pass also produced
     target_passes: int = 0
@@ -85,6 +94,7 @@ class DecodeStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "target_passes": self.target_passes,
             "draft_passes": self.draft_passes,
@@ -162,6 +172,19 @@ class StepInfo:
         self.finished += other.finished
 
 
+def prefix_refusal(target: Engine, draft: Engine | None) -> str | None:
+    """Why reused KV rows could differ from recomputed ones with these engines (None: they cannot, reuse is exact).
+
+    A row is reused exactly only if it does not depend on what else its forward computed: the native CPU forward
+    and the torch INT8 path are row invariant (`exact_rows`); the torch fp reference path's GEMM and attention
+    results change with the rows and chunk they ran in (~1e-7), and exported graphs are not checked for it."""
+    for role, engine in (("target", target), ("draft", draft)):
+        if engine is not None and not getattr(engine, "exact_rows", False):
+            return (f"the {role} ({type(engine).__name__}) is not row invariant: a reused KV row could differ from "
+                    "a recomputed one and change the output; prefix reuse needs the native CPU forward")
+    return None
+
+
 @lru_cache(maxsize=256)
 def cut_tree(tree: Tree, nodes: int) -> Tree:
     """The first `nodes` nodes of `tree` in top-1-first order (path rank sum, depth, index), as a Tree.
@@ -184,12 +207,12 @@ class Decoder:
 
     `policy` shapes dynamic trees (`AUTO` jobs) and holds this machine's cost curves that the budget rule weighs;
     `tree_budget` caps the rows a step spends on trees (static trees are cut by rank beyond it); `prefill_budget`
-    the prompt tokens prefilled per step.
+    the prompt tokens prefilled per step; `prefix_cache`: reuse cached prefixes across requests (where exact).
     """
 
     def __init__(self, target: Engine, draft: Engine | None, eos_ids: set[int], max_seq_len: int = 2048,
                  max_tree_tokens: int = 64, max_active: int = 1, policy: Policy | None = None,
-                 tree_budget: int | None = None, prefill_budget: int | None = None):
+                 tree_budget: int | None = None, prefill_budget: int | None = None, prefix_cache: bool = True):
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"draft vocabulary ({draft.config.vocab_size}) differs from the target's "
@@ -220,6 +243,8 @@ class Decoder:
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.policy = policy or Policy()
         self.free = list(range(max_active))[::-1]
+        self.prefix_refusal = prefix_refusal(target, draft)
+        self.prefix = PrefixIndex() if prefix_cache and self.prefix_refusal is None else None
         self.active: list[Job] = []
         self.record = False  # fill DecodeStats.trace (what `spectrt tune` measures acceptance from)
 
@@ -271,7 +296,7 @@ class Decoder:
         self.check(job)
         if not self.free:
             raise RuntimeError("no free slot: wait for a request to finish")
-        job.slot = self.free.pop()
+        job.slot, cached = self._take_slot(job.prompt_ids)
         if self.draft is None and isinstance(job.tree, Tree):
             job.tree = None  # no draft to fill a static tree: the target alone (suffix candidates stay possible)
         if job.suffix is None:
@@ -279,17 +304,42 @@ class Decoder:
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
         job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `_learn_draft_gain`
-        job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids))
+        job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids), cached_tokens=cached)
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
         job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
         job.verify_gen = torch.Generator().manual_seed(2 * seed + 1)
         job.started = time.perf_counter()
-        self.target_caches[job.slot].reset()
-        if self.drafter is not None:
-            self.drafter.start(job.slot)
         if job.suffix:
             self.suffix.start(job.slot, job.ids)
         self.active.append(job)
+
+    def _take_slot(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """(the free slot a new request decodes in, prompt tokens whose KV it already holds), its caches set up.
+
+        The cached prefix is matched on all prompt tokens but the last (that one is the first decode step's root, its
+        KV written by that step). The slot holding it is taken over when it is free and nothing of its sequence
+        beyond the match would be lost (or it is the only free slot); else its rows are copied into the slot the
+        index gives up (`PrefixIndex.victim`: empty, else least recently used), so a shared prefix stays for the
+        next request and an active request's prompt can serve a concurrent one."""
+        free, index = self.free, self.prefix
+        found = index.match(prompt_ids[:-1]) if index is not None else None
+        if found is None:
+            slot = index.victim(free) if index is not None else free[-1]
+            src, length = slot, 0
+        else:
+            src, length = found.slot, found.length
+            take_over = src in free and (found.whole or len(free) == 1)
+            slot = src if take_over else index.victim([s for s in free if s != src])
+        free.remove(slot)
+        if index is not None:
+            index.remove(slot)
+        cache = self.target_caches[slot]
+        if self.drafter is not None:
+            length = self.drafter.reuse(src, slot, length)
+        if length and src != slot:
+            cache.copy_prefix(self.target_caches[src], length)
+        cache.length = length
+        return slot, length
 
     def _release(self, job: Job, finish: str, exception: BaseException | None = None) -> None:
         job.finish = job.finish or finish
@@ -303,6 +353,9 @@ class Decoder:
             self.active.remove(job)
             self.free.append(job.slot)
             self.suffix.stop(job.slot)
+            if self.prefix is not None:  # its committed rows stay reusable; a failed request's are not trusted
+                held = min(self.target_caches[job.slot].length, len(job.ids))
+                self.prefix.insert(job.slot, job.ids[:held] if job.finish != "error" else [])
 
     def cancel(self, job: Job) -> None:
         """Drop a job now (between steps): its slot is free for the next `add`."""
@@ -402,6 +455,8 @@ class Decoder:
             if not job.decoding:
                 job.decoding = True
                 job.stats.prefill_seconds = now - job.started
+                if self.prefix is not None:  # its prompt's rows are final: concurrent requests may copy them
+                    self.prefix.insert(job.slot, job.ids[:self.target_caches[job.slot].length], pinned=True)
         segments, draft_prefill, chunks = [], [], []
         budget = self.prefill_budget
         draft_pays = self.drafter is not None and bool(prefill) and \

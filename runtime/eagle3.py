@@ -254,6 +254,11 @@ class Eagle3Head:
     def feature_layers(self) -> tuple[int, ...]:
         return self.config.feature_layers
 
+    @property
+    def exact_rows(self) -> bool:
+        """Row invariant on the native forward only (prefix reuse keeps the head's rows: runtime/decoder.py)."""
+        return self.native is not None
+
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """One static one-layer cache per concurrent request, allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here

@@ -144,6 +144,11 @@ class KVCache:
             )
         return start, end
 
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Rows [0, length) of `source` (another slot of this pool) become this cache's (prefix reuse)."""
+        self.k[:, :, :length] = source.k[:, :, :length]
+        self.v[:, :, :length] = source.v[:, :, :length]
+
     def compact(self, window_indices: list[int]) -> None:
         """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped."""
         n = self.length
@@ -284,6 +289,12 @@ class Transformer:
         return (f"the torch reference path is not row invariant in {str(self.dtype).removeprefix('torch.')} (a "
                 "verified row rounds differently from the same token decoded alone), so tree decoding would not "
                 f"equal AR: use --dtype fp32, or {native}")
+
+    @property
+    def exact_rows(self) -> bool:
+        """A row's K/V and logits do not depend on the other rows of its forward (the native forward, the INT8 row
+        invariant path): a KV row reused from an earlier request equals a recomputed one bitwise."""
+        return self.native is not None or self.row_invariant
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""

@@ -17,7 +17,9 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
 
 Responses carry `usage` (prompt tokens = the model's `num_input_tokens`, chat template included; completion tokens =
-the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted), `finish_reason`
+the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted;
+`prompt_tokens_details.cached_tokens` = the model's `num_cached_tokens`, prompt tokens read from its prefix cache,
+0 when the answer ended at a stop string before the model's final response), `finish_reason`
 ("stop": end-of-sequence or a stop string; "length": `max_tokens` or the context) and vLLM's per-request
 `metrics.speculative_decoding` block (non-streaming: in the body; streaming: in the usage chunk).
 """
@@ -310,13 +312,15 @@ class Outcome:
 
     text: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
     completion_tokens: int = 0
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def speculative_metrics(perf: dict) -> dict | None:

@@ -70,6 +70,7 @@ class Piece:
 
     text: str = ""
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache (final responses)
     tokens: int = 0
     final: bool = False
     finish_reason: str | None = None
@@ -81,7 +82,8 @@ class Piece:
         text = result.as_numpy("text_output")
         if text is not None and text.size:
             piece.text = b"".join(text.reshape(-1).tolist()).decode("utf-8")
-        for name, attr in (("num_output_tokens", "tokens"), ("num_input_tokens", "prompt_tokens")):
+        for name, attr in (("num_output_tokens", "tokens"), ("num_input_tokens", "prompt_tokens"),
+                           ("num_cached_tokens", "cached_tokens")):
             value = result.as_numpy(name)
             if value is not None and value.size:
                 setattr(piece, attr, int(value.reshape(-1)[0]))
@@ -265,6 +267,7 @@ class Frontend:
                 sent.append(response)
             while True:
                 outcome.prompt_tokens = piece.prompt_tokens or outcome.prompt_tokens
+                outcome.cached_tokens = piece.cached_tokens or outcome.cached_tokens
                 outcome.completion_tokens += piece.tokens
                 text = stop.feed(piece.text)  # "" once a stop string matched
                 if piece.final:

@@ -52,7 +52,7 @@ class Pipeline:
     def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "auto",
                  max_seq_len: int = 2048, max_tree_tokens: int = 64, policy: Policy | None = None,
                  artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True, max_active: int = 1,
-                 tree_budget: int | None = None, prefill_budget: int | None = None):
+                 tree_budget: int | None = None, prefill_budget: int | None = None, prefix_cache: bool = True):
         target = Path(target)
         self.dtype = dtype = resolve_dtype(dtype, backend, target)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
@@ -84,6 +84,7 @@ class Pipeline:
             policy=self.policy,
             tree_budget=tree_budget,
             prefill_budget=prefill_budget,
+            prefix_cache=prefix_cache,
         )
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:

@@ -85,6 +85,7 @@ class RowResult:
     accepted: int
     target_passes: int
     seconds: float
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (not prefilled)
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -268,9 +269,12 @@ class Scheduler:
             request = min(candidates, key=lambda r: r.active)  # stable: the oldest among equals
             i = request.waiting.pop(0)
             self.release(1)
-            self.decoder.add(request.rows[i].job)
+            job = request.rows[i].job
+            self.decoder.add(job)
             request.active += 1
             self.metrics.count("admitted")
+            self.metrics.count("prompt_tokens_cached", job.stats.cached_tokens)
+            self.metrics.count("prompt_tokens_computed", job.stats.prompt_tokens - job.stats.cached_tokens)
             self.metrics.observe("queue_seconds", now - request.arrived)
 
     def _emit(self, job: Job, new: list[int]) -> None:
@@ -325,7 +329,7 @@ class Scheduler:
         for a in stats.accepted:
             self.metrics.observe("tau", a + 1)
         result = RowResult(stream.text, job.finish, len(job.out), stats.proposed, accepted, stats.target_passes,
-                           time.monotonic() - request.arrived)
+                           time.monotonic() - request.arrived, stats.cached_tokens)
         last = request.remaining == 0
         if last:
             request.done = True

@@ -472,6 +472,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context per KV slot (prompt + output)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt in full (default: reuse the KV of cached prompt prefixes, exact)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances, each a full model copy batching up to max_active requests (config.pbtxt)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: cores / instances)")
@@ -500,7 +502,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def model_params(args: argparse.Namespace) -> dict[str, object]:
     """Resolve the CLI's model flags into the model's config.pbtxt parameters (absolute paths)."""
     params: dict[str, object] = {"backend": args.backend, "dtype": args.dtype, "max_seq_len": args.max_seq_len,
-                                 "max_tokens_limit": args.max_tokens_limit, "threads": args.threads}
+                                 "max_tokens_limit": args.max_tokens_limit, "threads": args.threads,
+                                 "prefix_cache": str(args.prefix_cache).lower()}
     if args.tree:
         params["tree"] = args.tree
     if args.engines:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from conftest import launch_serve, scrape_metrics
 from spectrt.runtime.client import GrpcSession
 from spectrt.runtime.openai_api import (
@@ -264,6 +265,119 @@ def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer)
     assert full.choices[0].finish_reason == reasons[0] == ("length" if grpc.tokens == 12 else "stop")
     assert full.usage.prompt_tokens == usage.prompt_tokens == len(tokenizer.encode(prompt))
     assert full.usage.completion_tokens == usage.completion_tokens == grpc.tokens
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir, draft_dir):
+    """The served decoder in process without the prefix cache (same engines, precision, tree, context)."""
+    from spectrt.runtime.pipeline import Pipeline
+
+    return Pipeline(target_dir, draft_dir, max_seq_len=256, measure_kernels=False, prefix_cache=False)
+
+
+def _uncached(reference, tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int], str]:
+    """(prompt ids, output ids, text) of a chat decoded in process without the cache, on one thread as served."""
+    from conftest import chat_ids
+    from spectrt.runtime.tree import Tree
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ids = chat_ids(tokenizer, messages)
+        out = reference.decoder.generate(ids, max_tokens, Tree.parse(TREE)).token_ids
+    finally:
+        torch.set_num_threads(before)
+    return ids, out, tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_multi_turn_reuses_the_history_and_answers_as_without_the_cache(server, client, tokenizer, reference):
+    """A greedy 3-turn chat: each answer equals the uncached decoder's; each turn's cached_tokens is the previous
+    turn's prompt + answer it shares (an answer cut by max_tokens may lack its last token's KV: a step's own next
+    token is computed by the next step); the Prometheus counters add up to the prompt tokens."""
+    turns = ["Name two fruits.", "Which one is sweeter?", "Say that in French."]
+    messages = [{"role": "system", "content": "You are a terse assistant for the prefix cache test."}]
+    before = scrape_metrics(server)
+    held, prompts, cached = None, [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        answer = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=24)
+        ids, out, text = _uncached(reference, tokenizer, messages, 24)
+        assert answer.choices[0].message.content == text
+        assert answer.usage.prompt_tokens == len(ids)
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        if held is not None:
+            assert cached[-1] in {min(_common(h, ids), len(ids) - 1) for h in held}
+            assert cached[-1] > len(prompts[-1])
+        prompts.append(ids)
+        # the output's last token has KV unless it was the step's own next token (cut by max_tokens, it may not)
+        held = [ids + out] if answer.choices[0].finish_reason == "stop" else [ids + out, (ids + out)[:-1]]
+        messages.append({"role": "assistant", "content": text})
+    assert cached[0] < len(prompts[0]) // 2  # only the chat template's opening is shared with earlier tests
+    after = scrape_metrics(server)
+    got = {k: after[k] - before.get(k, 0.0) for k in ("spectrt_prompt_tokens_cached_total",
+                                                       "spectrt_prompt_tokens_computed_total")}
+    assert got == {"spectrt_prompt_tokens_cached_total": sum(cached),
+                   "spectrt_prompt_tokens_computed_total": sum(map(len, prompts)) - sum(cached)}
+
+
+def test_concurrent_requests_share_a_cached_prefix_and_eviction_keeps_answers_exact(server, client, tokenizer,
+                                                                                      reference):
+    """A long system prompt cached by one chat, then read by two concurrent ones (one copies it into the other slot,
+    one takes the slot over), then more chats than the pool's two slots hold: every answer equals the uncached
+    decoder's, and the concurrent ones reused the shared prefix."""
+    import concurrent.futures
+
+    system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence. "
+                                           "Be kind, be precise, and never repeat the question."}
+    chats = [[system, {"role": "user", "content": q}] for q in
+             ("Name a planet.", "Describe a river in detail.", "Describe a mountain in detail.", "Name a color.")]
+    first = client.chat.completions.create(model="spectrt", messages=chats[0], max_tokens=16)
+    assert first.choices[0].message.content == _uncached(reference, tokenizer, chats[0], 16)[2]
+    shared = _common(*(_uncached(reference, tokenizer, c, 1)[0] for c in chats[:2]))  # the system prompt's
+    _wait_for(lambda: _active(server) == 0)
+    admitted = scrape_metrics(server)["spectrt_requests_admitted_total"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the second once the first holds a slot (queue of 1)
+        running = pool.submit(client.chat.completions.create, model="spectrt", messages=chats[1], max_tokens=LIMIT)
+        _wait_for(lambda: scrape_metrics(server)["spectrt_requests_admitted_total"] > admitted)
+        answers = [pool.submit(client.chat.completions.create, model="spectrt", messages=chats[2],
+                               max_tokens=LIMIT).result(), running.result()][::-1]
+    for chat, answer in zip(chats[1:3], answers, strict=True):
+        assert answer.choices[0].message.content == _uncached(reference, tokenizer, chat, LIMIT)[2]
+        assert answer.usage.prompt_tokens_details.cached_tokens >= shared
+    later = [chats[3], chats[0] + [{"role": "assistant", "content": first.choices[0].message.content},
+                                   {"role": "user", "content": "And another one?"}]]
+    for chat in later:  # a third and fourth sequence in a pool of two: evictions
+        answer = client.chat.completions.create(model="spectrt", messages=chat, max_tokens=16)
+        assert answer.choices[0].message.content == _uncached(reference, tokenizer, chat, 16)[2]
+
+
+def test_a_request_cancelled_mid_prefill_leaves_no_partial_prefix(server, client, tokenizer, reference):
+    """A long prompt whose client goes away at once: whatever it left is whole prefill chunks (64 tokens, after
+    what it reused itself: at most the chat template's opening) or its complete prompt, and the same prompt then
+    answers exactly."""
+    from conftest import chat_ids
+
+    messages = [{"role": "system", "content": "Cancel test."},
+                {"role": "user", "content": "Repeat after me: " + " ".join(f"item {i}," for i in range(40))}]
+    _wait_for(lambda: _active(server) == 0)
+    admitted = scrape_metrics(server)["spectrt_requests_admitted_total"]
+    sock = _open(server, {"messages": messages, "max_tokens": 8})
+    _wait_for(lambda: scrape_metrics(server)["spectrt_requests_admitted_total"] > admitted)
+    sock.close()
+    _wait_for(lambda: _active(server) == 0)
+    answer = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=8)
+    ids, _, text = _uncached(reference, tokenizer, messages, 8)
+    assert answer.choices[0].message.content == text
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    opening = _common(ids, chat_ids(tokenizer, [{"role": "system", "content": "x"}]))  # shared with every chat
+    assert cached % 64 <= opening or cached == len(ids) - 1, (cached, opening)
 
 
 def _post(server, path: str, body: bytes | str) -> tuple[int, dict]:

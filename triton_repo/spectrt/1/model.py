@@ -42,6 +42,10 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "target_passes": ("spectrt_target_passes_total", "Target verification passes (per request)"),
     "requests": ("spectrt_requests_total", "Generations completed (one per row of a request)"),
     "admitted": ("spectrt_requests_admitted_total", "Rows that took a decoding slot (prefill began)"),
+    "prompt_tokens_cached": ("spectrt_prompt_tokens_cached_total", "Prompt tokens of admitted rows whose KV came "
+                             "from the prefix cache"),
+    "prompt_tokens_computed": ("spectrt_prompt_tokens_computed_total", "Prompt tokens of admitted rows prefilled "
+                               "(not in the prefix cache)"),
     "overloaded": ("spectrt_requests_overloaded_total", "Rows refused: queue full, waited too long, or stopping"),
     "cancelled": ("spectrt_requests_cancelled_total", "Rows whose client went away"),
     "deadline_exceeded": ("spectrt_requests_deadline_exceeded_total", "Requests ended past their deadline"),
@@ -149,6 +153,9 @@ class TritonSink:
         if any(r.n_in for r in rows):
             tensors.append(pb_utils.Tensor("num_input_tokens",
                                            np.array([[len(r.job.prompt_ids)] for r in rows], np.uint32)))
+        if results is not None and any(r.n_in for r in rows):  # known once a row is done: final responses only
+            tensors.append(pb_utils.Tensor("num_cached_tokens",
+                                           np.array([[r.cached_tokens] for r in results], np.uint32)))
         if n_out is not None and any(r.n_out for r in rows):
             tensors.append(pb_utils.Tensor("num_output_tokens", np.array([[n] for n in n_out], np.uint32)))
         if finish is not None:
@@ -219,7 +226,8 @@ class TritonPythonModel:
         self.pipe = Pipeline(target, draft, backend, dtype, max_seq_len, max_tree_tokens,
                              measure_kernels=_truthy(params.get("measure_kernels", "true")),
                              max_active=number("max_active", 8), tree_budget=number("tree_budget", 0) or None,
-                             prefill_budget=number("prefill_chunk", 0) or None)
+                             prefill_budget=number("prefill_chunk", 0) or None,
+                             prefix_cache=_truthy(params.get("prefix_cache", "true")))
         decoder, tokenizer = self.pipe.decoder, self.pipe.tokenizer
         policy = self.pipe.policy
         # a token covers at most this many bytes of text: a longer prompt cannot fit, refuse it before tokenizing
@@ -252,7 +260,10 @@ class TritonPythonModel:
         pb_utils.Logger.log_info(
             f"spectrt {self.instance}: target {target}, draft {draft}, backend {backend}/{dtype}, tree "
             f"{mode.get(self.default_tree, self.default_tree)}, max_seq_len {max_seq_len}, max_active "
-            f"{decoder.max_active}, {threads} thread(s), loaded in {time.perf_counter() - load_start:.1f}s")
+            f"{decoder.max_active}, {threads} thread(s), prefix cache "
+            f"{'on' if decoder.prefix is not None else 'off'}, loaded in {time.perf_counter() - load_start:.1f}s")
+        if decoder.prefix is None and decoder.prefix_refusal and _truthy(params.get("prefix_cache", "true")):
+            pb_utils.Logger.log_warn(f"spectrt {self.instance}: no prefix cache: {decoder.prefix_refusal}")
 
     def _path(self, value: str) -> Path:
         path = Path(value).expanduser()
