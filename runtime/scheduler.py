@@ -95,7 +95,6 @@ class Request:
     streams: list[TextStream] = field(default_factory=list)
     stops: list[StopStrings] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)  # per row: its final response was handled
-    cut: list[bool] = field(default_factory=list)  # per row: its text ended at a stop string
     remaining: int = 0
     active: int = 0  # rows holding a slot
     waiting: list[int] = field(default_factory=list)  # rows not admitted yet
@@ -205,7 +204,6 @@ class Scheduler:
         request.streams = [TextStream(self.tokenizer) for _ in request.rows]
         request.stops = [StopStrings(r.stop_strings) for r in request.rows]
         request.ended = [False] * len(request.rows)
-        request.cut = [False] * len(request.rows)
         for i, row in enumerate(request.rows):
             row.job.tag = (request, i)
         try:
@@ -215,7 +213,7 @@ class Scheduler:
             self.release(len(request.rows))
             request.waiting = []
             request.done = True
-            request.sink.fail(str(e), "invalid")
+            self._send(request, "fail", str(e), "invalid")
             return
         self.requests.append(request)
 
@@ -244,10 +242,14 @@ class Scheduler:
     def _check(self, request: Request, now: float) -> None:
         if now - request.checked >= CANCEL_CHECK_SECONDS:
             request.checked = now
-            if self._safe(request, request.sink.cancelled, default=True):
+            try:
+                gone = request.sink.cancelled()
+            except Exception:  # cannot even ask: its client is gone
+                gone = True
+            if gone:
                 self.metrics.count("cancelled", len(request.rows))
                 self._drop(request)
-                self._safe(request, request.sink.close)
+                self._send(request, "close")
                 return
         if now >= request.deadline:
             self.metrics.count("deadline_exceeded")
@@ -278,15 +280,11 @@ class Scheduler:
         if request.done:
             return
         stream, stops = request.streams[i], request.stops[i]
-        before = len(stream.latest)
-        delta = stream.push(new)
-        end = stops.find(stream.latest, before)
-        if end is not None:  # a stop string in the text: the text ends with it, the row is done
-            delta += stream.finish(end)
-            request.cut[i] = True
-        if delta:
-            self._text(request, i, delta, len(new))
-        if end is not None:
+        kept = len(stream.ids)
+        delta = stream.push(new, stops if stops.stops else None)
+        if delta:  # a stop string in the text cut it (and the tokens after it) before anything was sent
+            self._text(request, i, delta, len(stream.ids) - kept)
+        if stream.stopped:  # the row is done
             if job.finish is None:
                 self.decoder.finish(job, "stop")
                 self._row_finished(job)
@@ -297,7 +295,7 @@ class Scheduler:
         if request.first_text is None:
             request.first_text = time.monotonic()
             self.metrics.observe("ttft", request.first_text - request.arrived)
-        self._safe(request, lambda: request.sink.text(i, delta, tokens))
+        self._send(request, "text", i, delta, tokens)
 
     def _row_finished(self, job: Job) -> None:
         request, i = job.tag
@@ -313,33 +311,48 @@ class Scheduler:
         request.active -= 1
         request.remaining -= 1
         stream, stats = request.streams[i], job.stats
-        rest = "" if request.cut[i] else stream.finish()
+        rest = "" if stream.stopped else stream.finish()
         if rest:
             self._text(request, i, rest, 0)
         accepted = sum(stats.accepted) if stats.proposed else 0
-        self.metrics.count("tokens", len(job.out))
+        tokens = len(stream.ids)  # the decoder's output up to the stop string's last token
+        self.metrics.count("tokens", tokens)
         self.metrics.count("proposed", stats.proposed)
         self.metrics.count("accepted", accepted)
         self.metrics.count("target_passes", stats.target_passes)
         self.metrics.count("requests")
         for a in stats.accepted:
             self.metrics.observe("tau", a + 1)
-        result = RowResult(stream.text, job.finish, len(job.out), stats.proposed, accepted, stats.target_passes,
+        result = RowResult(stream.text, job.finish, tokens, stats.proposed, accepted, stats.target_passes,
                            time.monotonic() - request.arrived)
         last = request.remaining == 0
         if last:
             request.done = True
             self.requests.remove(request)
-        self._safe(request, lambda: request.sink.row_done(i, result, last))
+        self._send(request, "row_done", i, result, last)
 
     # ------------------------------------------------------------------------------------ ending requests
-    def _safe(self, request: Request, call, default=None):
-        """Call into the sink; a sink that raises means its client is gone: end that request only."""
+    def _send(self, request: Request, name: str, *args) -> None:
+        """Every call into a sink (`text`, `row_done`, `fail`, `close`) goes through here: one that raises ends
+        its own request only (never another's), which still gets a final response: a short error, or else its
+        close, whichever the sink can still send."""
         try:
-            return call()
-        except Exception:
-            self._drop(request)
-            return default
+            getattr(request.sink, name)(*args)
+            return
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        self.metrics.count("send_failed")
+        self._drop(request)
+        endings = ("fail", "close")
+        for ending in endings[endings.index(name) + 1 if name in endings else 0:]:
+            try:
+                if ending == "fail":
+                    request.sink.fail(f"spectrt could not send a response ({error}): retry", "internal")
+                else:
+                    request.sink.close()
+                return
+            except Exception:
+                continue
 
     def _drop(self, request: Request) -> None:
         """Stop all work on a request (its rows leave the queue and their slots) without answering it."""
@@ -358,7 +371,4 @@ class Scheduler:
         if request.done:
             return
         self._drop(request)
-        try:
-            request.sink.fail(message, code)
-        except Exception:  # the client is gone: nothing left to tell it
-            pass
+        self._send(request, "fail", message, code)

@@ -48,6 +48,7 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "failed": ("spectrt_requests_failed_total", "Rows whose own step failed (the batch went on)"),
     "steps": ("spectrt_batch_steps_total", "Batched decoder steps (one target forward each)"),
     "scheduler_restarts": ("spectrt_scheduler_restarts_total", "Scheduler threads restarted after a crash"),
+    "send_failed": ("spectrt_send_failures_total", "Responses the sender refused (that request alone ended)"),
     "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
     "step_tree_tokens": ("spectrt_step_tree_tokens_total", "Target rows spent on trees, roots included (per step: "
                          "/ batch_steps_total)"),
