@@ -157,7 +157,8 @@ class Scheduler:
             self.restarts += 1
             self.metrics.count("scheduler_restarts")
             for request in list(self.requests):
-                self._fail(request, "the scheduler restarted after an internal error: retry", "internal")
+                self._fail(request, "spectrt failed: the scheduler restarted after an internal error: retry",
+                           "internal")
             for job in list(self.decoder.active):
                 self.decoder.cancel(job)
         self.thread = threading.Thread(target=self._run, name="spectrt-scheduler", daemon=True)
@@ -347,7 +348,7 @@ class Scheduler:
         for ending in endings[endings.index(name) + 1 if name in endings else 0:]:
             try:
                 if ending == "fail":
-                    request.sink.fail(f"spectrt could not send a response ({error}): retry", "internal")
+                    request.sink.fail(f"spectrt failed: a response could not be sent ({error})", "internal")
                 else:
                     request.sink.close()
                 return
