@@ -14,6 +14,7 @@ the text) and hand it to the sink.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from spectrt.runtime.decoder import Decoder, Job
 from spectrt.runtime.requests import Row
 from spectrt.runtime.text import StopStrings, TextStream
 
+LOG = logging.getLogger("spectrt.scheduler")
 CANCEL_CHECK_SECONDS = 0.1  # how often a request's sink is asked whether its client went away (an IPC round trip)
 IDLE_WAIT_SECONDS = 0.1  # how long an idle scheduler blocks waiting for work (the thread never spins)
 
@@ -91,6 +93,7 @@ class RowResult:
 class Request:
     rows: list[Row]
     sink: Sink
+    id: str = ""  # the client's request id: in every log line about this request
     arrived: float = field(default_factory=time.monotonic)
     streams: list[TextStream] = field(default_factory=list)
     stops: list[StopStrings] = field(default_factory=list)
@@ -156,6 +159,7 @@ class Scheduler:
         if self.thread is not None:  # it died: whatever it held cannot be trusted
             self.restarts += 1
             self.metrics.count("scheduler_restarts")
+            LOG.error("the scheduler thread died: restarting it, ending the %d request(s) it held", len(self.requests))
             for request in list(self.requests):
                 self._fail(request, "spectrt failed: the scheduler restarted after an internal error: retry",
                            "internal")
@@ -185,6 +189,7 @@ class Scheduler:
             try:
                 self.tick()
             except Exception as e:  # never leave a request without its final response: end what was in flight
+                LOG.exception("scheduler step failed; ending the %d request(s) in flight", len(self.requests))
                 for request in list(self.requests):
                     self._fail(request, f"spectrt failed: {type(e).__name__}: {e}", "internal")
                 for job in list(self.decoder.active):
@@ -305,6 +310,7 @@ class Scheduler:
         request.ended[i] = True
         if job.finish == "error":
             self.metrics.count("failed")
+            LOG.error("request %r row %d failed: %s", request.id, i, job.error, exc_info=job.exception)
             self._fail(request, f"spectrt failed: {job.error}", "internal")
             return
         if job.finish == "cancelled":  # ended from outside (a drop): nothing to send
@@ -343,6 +349,7 @@ class Scheduler:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         self.metrics.count("send_failed")
+        LOG.warning("request %r: sink.%s raised %s: ending that request", request.id, name, error)
         self._drop(request)
         endings = ("fail", "close")
         for ending in endings[endings.index(name) + 1 if name in endings else 0:]:

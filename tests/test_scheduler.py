@@ -306,8 +306,9 @@ class Scripted:
     """A decoder stand-in: job `prompt_ids[0]` emits its script, one chunk of tokens per step (a tree step accepts
     several at once), then finishes with "length"; `check` refuses the keys in `refuse`."""
 
-    def __init__(self, scripts: dict[int, list[list[int]]], max_active: int = 4, refuse=()):
-        self.scripts, self.refuse, self.active, self.free = scripts, set(refuse), [], list(range(max_active))
+    def __init__(self, scripts: dict[int, list[list[int]]], max_active: int = 4, refuse=(), broken=()):
+        self.scripts, self.refuse, self.broken = scripts, set(refuse), set(broken)
+        self.active, self.free = [], list(range(max_active))
 
     def check(self, job):
         if job.prompt_ids[0] in self.refuse:
@@ -320,6 +321,11 @@ class Scripted:
     def step(self):
         info = StepInfo(active=len(self.active))
         for job in list(self.active):
+            if job.prompt_ids[0] in self.broken:  # its forward failed alone: it ends, the others go on
+                job.error = "RuntimeError: a broken row"
+                self.finish(job, "error")
+                info.finished.append(job)
+                continue
             chunks = self.scripts[job.prompt_ids[0]]
             new = chunks[job.stats.target_passes]
             job.stats.target_passes += 1
@@ -440,3 +446,19 @@ def test_sixteen_streams_with_failing_sends_lose_no_final_response_and_cross_no_
         else:
             assert sink.events[-1][0] in ("fail", "close")
     assert sched.reserved == 0 and not sched.requests and not sched.decoder.active
+
+
+def test_failures_are_logged_with_the_request_id(tokenizer, caplog):
+    """A row's failure and a send that raises leave a log line naming the request (they used to be silent)."""
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    sched = Scheduler(Scripted({0: [ids], 1: [ids]}, broken={0}), tokenizer, CounterMetrics())
+    broken, flaky = Sink(), Flaky({"text"})
+    sched.reserve(2)
+    sched.submit(Request([_scripted_row(0)], broken, "req-broken"))
+    sched.submit(Request([_scripted_row(1)], flaky, "req-flaky"))
+    with caplog.at_level("WARNING", logger="spectrt.scheduler"):
+        _drive(sched, [broken, flaky])
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("'req-broken'" in m and "a broken row" in m for m in logged), logged
+    assert any("'req-flaky'" in m and "text send failed" in m for m in logged), logged
+    assert sched.metrics.counts["failed"] == 1 and sched.metrics.counts["send_failed"] == 1

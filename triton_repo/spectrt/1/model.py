@@ -367,7 +367,7 @@ class TritonPythonModel:
                                            self.chat_default, self.default_tree) for f in fields]
                 if len(made) != reserved:
                     self.scheduler.release(reserved - len(made))
-                self.scheduler.submit(self.Request(made, TritonSink(sender, made)))
+                self.scheduler.submit(self.Request(made, TritonSink(sender, made), request.request_id()))
             except self.Overloaded as e:
                 self._error(sender, str(e), "unavailable")
             except validator.RequestError as e:
