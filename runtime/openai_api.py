@@ -78,6 +78,7 @@ class Limits:
     max_tokens: int  # max_tokens_limit
     default_max_tokens: int
     max_seq_len: int
+    max_request_seconds: float = 300.0  # the model's longest timeout_seconds
 
 
 @dataclass
@@ -276,10 +277,11 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
     return Call("text", fields, stream, include_usage, stops, fields["max_tokens"])
 
 
-def upstream_fields(call: Call) -> dict:
-    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics."""
+def upstream_fields(call: Call, seconds: float) -> dict:
+    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics, ended
+    by the model itself once the `seconds` left of the request's deadline have passed."""
     return {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
-            "return_num_input_tokens": True, "return_num_output_tokens": True}
+            "return_num_input_tokens": True, "return_num_output_tokens": True, "timeout_seconds": seconds}
 
 
 # --------------------------------------------------------------------------- stop strings

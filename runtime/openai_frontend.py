@@ -125,7 +125,8 @@ class Triton:
                 params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
                 limit = int(params.get("max_tokens_limit") or 1024)
                 self.limits = Limits(limit, min(int(params.get("default_max_tokens") or 128), limit),
-                                     int(params.get("max_seq_len") or 2048))
+                                     int(params.get("max_seq_len") or 2048),
+                                     float(params.get("max_request_seconds") or 300.0))
         except InferenceServerException:
             up = False
         self.up, self.checked = bool(up), time.monotonic()
@@ -286,9 +287,9 @@ class Frontend:
 
     async def answer(self, request: web.Request, call: Call, prefix: str) -> web.StreamResponse:
         """Run the call under the request's deadline; past it, cancel upstream and answer 504."""
-        rid, sent = f"{prefix}-{uuid.uuid4().hex}", []
+        rid, sent, until = f"{prefix}-{uuid.uuid4().hex}", [], time.monotonic() + self.timeout
         try:
-            return await asyncio.wait_for(self._answer(request, call, rid, sent), self.timeout)
+            return await asyncio.wait_for(self._answer(request, call, rid, sent, until), self.timeout)
         except asyncio.TimeoutError:
             error = ApiError(504, f"the request's deadline passed ({self.timeout:g} s; raise it with "
                                   "`spectrt serve --openai-timeout`)", None, "deadline_exceeded")
@@ -297,9 +298,11 @@ class Frontend:
             await sent[0].write(Chunks.error(error))  # the stream began: its status is already 200
             return sent[0]
 
-    async def _answer(self, request: web.Request, call: Call, rid: str, sent: list) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, call: Call, rid: str, sent: list,
+                      until: float) -> web.StreamResponse:
         created, stop, outcome = int(time.time()), StopText(call.stop), Outcome()
-        pieces = self.triton.generate(upstream_fields(call), rid)
+        seconds = min(max(until - time.monotonic(), 1e-3), self.triton.limits.max_request_seconds)
+        pieces = self.triton.generate(upstream_fields(call, seconds), rid)  # the model ends it at the deadline too
         try:
             piece = await pieces.__anext__()  # the model's first answer (text or refusal) before any header
             chunks = Chunks(call, rid, created, self.served) if call.stream else None

@@ -186,21 +186,39 @@ def test_lone_surrogates_and_top_k_past_int32_are_refused():
 class _FakeGrpc:
     """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says."""
 
-    def __init__(self):
-        self.ready, self.asked = True, 0
+    def __init__(self, max_seconds: float = 300.0):
+        self.ready, self.asked, self.max_seconds, self.sent = True, 0, max_seconds, None
 
     async def is_model_ready(self, model):
         self.asked += 1
         return self.ready
 
     async def get_model_config(self, model, as_json=True):
-        return {"config": {"parameters": {"max_tokens_limit": {"string_value": str(LIMIT)}}}}
+        return {"config": {"parameters": {"max_tokens_limit": {"string_value": str(LIMIT)},
+                                          "max_request_seconds": {"string_value": str(self.max_seconds)}}}}
 
     async def close(self):
         pass
 
+    def stream_infer(self, requests):
+        return _RefusingStream(requests, self)
 
-def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None):
+
+class _RefusingStream:
+    """One upstream stream: records the request sent on it (`fake.sent`), then the model refuses it."""
+
+    def __init__(self, requests, fake):
+        self.requests, self.fake = requests, fake
+
+    async def __anext__(self):
+        self.fake.sent = await self.requests.__anext__()
+        return None, type("Error", (), {"message": lambda self: "invalid request: refused by the fake"})()
+
+    def cancel(self):
+        pass
+
+
+def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: _FakeGrpc | None = None):
     """Run `calls(client, triton, fake)` against an in-process frontend whose Triton is `_FakeGrpc`."""
     import asyncio
 
@@ -209,10 +227,10 @@ def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None):
     async def run():
         triton = Triton("127.0.0.1:1", "spectrt")
         await triton.client.close()
-        triton.client = fake = _FakeGrpc()
+        triton.client = grpc = fake or _FakeGrpc()
         app = Frontend(triton, None, "spectrt", 5.0, host, api_key).app()
         async with TestClient(TestServer(app)) as client:
-            return await calls(client, triton, fake)
+            return await calls(client, triton, grpc)
 
     return asyncio.run(run())
 
@@ -236,6 +254,23 @@ def test_health_follows_the_model_not_its_first_ready():
 
     statuses, asked, retry, code = _frontend(calls)
     assert statuses == [200, 200, 503, 503, 200] and asked == 1 and retry == "1" and code == "not_ready"
+
+
+@pytest.mark.parametrize("max_seconds", [2.0, 300.0])
+def test_the_request_deadline_is_forwarded_to_the_model(max_seconds):
+    """The model gets the frontend's deadline (here 5 s) as timeout_seconds, within its own limit, so it ends the
+    request itself; the frontend's deadline used to stay behind (the model's 300 s decided)."""
+    import numpy as np
+
+    async def calls(client, triton, fake):
+        answer = await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi"})
+        return answer.status, (await answer.json())["error"]["message"]
+
+    fake = _FakeGrpc(max_seconds)
+    assert _frontend(calls, fake=fake) == (400, "invalid request: refused by the fake")
+    sent = {i.name(): i for i in fake.sent["inputs"]}
+    seconds = float(np.frombuffer(sent["timeout_seconds"]._raw_content, np.float32)[0])
+    assert seconds == max_seconds if max_seconds < 5 else 4 < seconds <= 5
 
 
 def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
