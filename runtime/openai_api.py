@@ -5,7 +5,8 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
 
 - honoured: `model` (must be the served name), `messages` (system/developer/user/assistant turns, text content),
   `prompt` (one string), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (strings:
-  the text ends before the first one; also sent to the model as `stop_words` so it usually stops at once), `n` (1),
+  the text ends before the first one; those of up to 32 bytes also go to the model as `stop_words` so it usually
+  stops at once), `n` (1),
   `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens`, `ignore_eos`; the spectrt
   extension `tree` (per-request token tree, e.g. "2,1" or "none").
 - accepted at their no-op values only, refused otherwise: `logit_bias` ({}), `logprobs` (false/null),
@@ -44,14 +45,19 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_FIELDS = COMMON | {"prompt"}
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+# stop strings sent on to the model as stop_words: within its word limits (32 tokens, 512 bytes) whatever the
+# tokenizer (no token has less than a byte); a longer one is matched on the text here only, and the model cancelled
+MODEL_STOP_BYTES = 32
 SEED_MODULUS = 1 << 64  # the model's seed input is UINT64
+MAX_TOP_K = (1 << 31) - 1  # the model's top_k input is INT32
 
 
 class ApiError(Exception):
     """A request answered with an OpenAI error object: {"error": {message, type, param, code}} and an HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error",
              504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -74,6 +80,7 @@ class Limits:
     max_tokens: int  # max_tokens_limit
     default_max_tokens: int
     max_seq_len: int
+    max_request_seconds: float = 300.0  # the model's longest timeout_seconds
 
 
 @dataclass
@@ -98,6 +105,11 @@ def parse_body(raw: bytes) -> dict:
         raise bad(f"the request body is not valid JSON ({e}): send a JSON object") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:  # JSON may escape a lone surrogate ("\\ud800"): text that no UTF-8 (so no model input) can carry
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"the request body holds a lone surrogate ({e.object[e.start:e.end]!a}): send valid Unicode "
+                  "text") from None
     return body
 
 
@@ -182,7 +194,7 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None) -> 
     fields: dict = {"max_tokens": max_tokens if max_tokens is not None else limits.default_max_tokens}
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
-    top_k = _integer(body, "top_k", -1)
+    top_k = _integer(body, "top_k", -1, MAX_TOP_K)
     seed = _integer(body, "seed")
     min_tokens = _integer(body, "min_tokens", 0, fields["max_tokens"])
     ignore_eos = body.get("ignore_eos") or False
@@ -201,8 +213,9 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None) -> 
     if ignore_eos or min_tokens:  # end-of-sequence is masked until min_length tokens: ignore_eos = all of them
         fields["min_length"] = fields["max_tokens"] if ignore_eos else min_tokens
     stops = _stops(body)
-    if stops:
-        fields["stop_words"] = stops
+    words = [s for s in stops if len(s.encode("utf-8")) <= MODEL_STOP_BYTES]
+    if words:
+        fields["stop_words"] = words
     return fields, stream, include_usage, stops
 
 
@@ -266,10 +279,11 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
     return Call("text", fields, stream, include_usage, stops, fields["max_tokens"])
 
 
-def upstream_fields(call: Call) -> dict:
-    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics."""
+def upstream_fields(call: Call, seconds: float) -> dict:
+    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics, ended
+    by the model itself once the `seconds` left of the request's deadline have passed."""
     return {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
-            "return_num_input_tokens": True, "return_num_output_tokens": True}
+            "return_num_input_tokens": True, "return_num_output_tokens": True, "timeout_seconds": seconds}
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -409,18 +423,21 @@ class Chunks:
 DONE = b"data: [DONE]\n\n"
 
 
-def upstream_error(message: str) -> ApiError:
-    """The model's (or Triton's) error message -> the OpenAI error with the right status.
+UPSTREAM = (  # how the model's errors begin (runtime/scheduler.py, the model's refusals) -> status, code
+    ("overloaded", 503, "overloaded"), ("the server is stopping", 503, "overloaded"),
+    ("deadline exceeded", 504, "timeout"), ("spectrt failed", 500, "internal_error"),
+    ("invalid request: ", 400, "invalid_value"))
 
-    Triton's gRPC stream carries only the message, so it is classified by the scheduler's message prefixes
-    (runtime/scheduler.py): "overloaded" (queue full, or no slot within max_queue_seconds) and "the server is
-    stopping" -> 503 (clients retry); "deadline exceeded" -> 504; "spectrt failed" (an internal failure) -> 500;
-    anything else is the model refusing the request's values -> 400.
+
+def upstream_error(message: str) -> ApiError:
+    """The model's (or Triton's) error message -> the OpenAI error with the right status, by origin.
+
+    Triton's gRPC stream carries only the message, so the model begins each of its errors with words that say which
+    (UPSTREAM): overloaded or stopping -> 503 (clients retry), past the deadline -> 504, its own failure -> 500, a
+    refused request -> 400. Anything else is Triton's own (the model unknown, not ready, the server shutting down):
+    503, as the model is not there to serve.
     """
-    if "overloaded" in message or "server is stopping" in message:
-        return ApiError(503, message, None, "overloaded")
-    if message.startswith("deadline exceeded"):
-        return ApiError(504, message, None, "timeout")
-    if message.startswith("spectrt failed"):
-        return ApiError(500, message, None, "internal_error")
-    return ApiError(400, message, None, "invalid_value")
+    for prefix, status, code in UPSTREAM:
+        if message.startswith(prefix):
+            return ApiError(status, message, None, code)
+    return ApiError(503, f"Triton could not serve the request: {message}", None, "unavailable")

@@ -3,16 +3,17 @@
     client --HTTP/SSE--> this frontend (aiohttp) --gRPC stream (tritonclient.grpc.aio)--> tritonserver: spectrt
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions`, `GET /health`
-(200 once the model is ready). Each request becomes one request on its own Triton gRPC stream, always streamed
-upstream (so a stop string can end it early and streamed and non-streamed answers are assembled from the same
-deltas); the rules that map bodies to model inputs and responses to OpenAI JSON are in `openai_api.py`. The
-frontend holds only the target's tokenizer, to apply its chat template to `messages`.
+(200 while the model can serve, else 503). Each request becomes one request on its own Triton gRPC stream,
+always streamed upstream (so a stop string can end it early and streamed and non-streamed answers are assembled
+from the same deltas); the rules that map bodies to model inputs and responses to OpenAI JSON are in
+`openai_api.py`. The frontend holds only the target's tokenizer, to apply its chat template to `messages`.
 
 - A client that disconnects (stream or not) cancels its handler (aiohttp handler_cancellation), which cancels the
   gRPC stream; the model sees the cancellation and frees the slot within a step.
-- Errors are OpenAI error objects: 400 bad request (validated here, or refused by the model), 404 unknown route,
-  503 overloaded / not ready, 504 the request's deadline (`--timeout`); a failure after a stream began is an error
-  event followed by `data: [DONE]`.
+- Errors are OpenAI error objects: 400 bad request (validated here, or refused by the model), 401 no API key
+  (`--api-key`), 403 a foreign Host on a loopback bind, 404 unknown route, 415 not JSON, 503 overloaded / not
+  ready, 504 the request's deadline (`--timeout`); a failure after a stream began is an error event followed by
+  `data: [DONE]`.
 - HTTP stack: aiohttp, chosen by measurement (scripts/openai_overhead.py stacks, bench/results/openai/): a token
   reaches the client ~0.25 ms after it is made (30 µs more than a hand-written asyncio server; 2-4% of a decode
   step here), 27 µs of CPU per event in a burst; one dependency. End to end against the gRPC stream it adds
@@ -27,8 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
 import logging
+import math
+import os
 import sys
 import time
 import uuid
@@ -59,6 +64,8 @@ from tritonclient.utils import InferenceServerException
 LOG = logging.getLogger("spectrt.openai")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 8 << 20
+READY_CACHE_SECONDS = 1.0  # how long Triton's answer to "is the model ready?" is reused (health checks come often)
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
 # --------------------------------------------------------------------------- the Triton side
@@ -106,33 +113,40 @@ class Triton:
         self.client = grpcaio.InferenceServerClient(url)
         self.model = model
         self.limits: Limits | None = None
+        self.up, self.checked = False, -math.inf  # Triton's last answer and when it was asked
 
     async def ready(self) -> bool:
-        """Is the model ready? The first time it is, read its limits from its config."""
+        """Is the model ready to serve now (unloaded, reloading or its stub dead: no)? Triton is asked at most every
+        READY_CACHE_SECONDS; the first time it is ready, its limits are read from its config."""
+        if time.monotonic() - self.checked < READY_CACHE_SECONDS:
+            return self.up
         try:
-            if not await self.client.is_model_ready(self.model):
-                return False
-            if self.limits is None:
+            up = await self.client.is_model_ready(self.model)
+            if up and self.limits is None:
                 config = (await self.client.get_model_config(self.model, as_json=True))["config"]
                 params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
                 limit = int(params.get("max_tokens_limit") or 1024)
                 self.limits = Limits(limit, min(int(params.get("default_max_tokens") or 128), limit),
-                                     int(params.get("max_seq_len") or 2048))
-            return True
+                                     int(params.get("max_seq_len") or 2048),
+                                     float(params.get("max_request_seconds") or 300.0))
         except InferenceServerException:
-            return False
+            up = False
+        self.up, self.checked = bool(up), time.monotonic()
+        return self.up
 
     async def require(self) -> Limits:
-        if self.limits is None and not await self.ready():
-            raise ApiError(503, f"the model {self.model} is not ready yet: retry shortly", None, "not_ready")
+        """The model's limits, once it is ready to serve now (else 503)."""
+        if not await self.ready():
+            raise ApiError(503, f"the model {self.model} is not ready: retry shortly", None, "not_ready")
         return self.limits
 
     async def generate(self, fields: dict, request_id: str) -> AsyncIterator[Piece]:
         """The model's responses to one request, up to the final one; leaving early cancels the request upstream."""
         finished = asyncio.Event()
+        inputs = grpc_inputs(fields)  # before the stream opens: an error inside gRPC's request iterator has no answer
 
         async def requests():
-            yield {"model_name": self.model, "inputs": grpc_inputs(fields), "request_id": request_id,
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}
             await finished.wait()  # our half of the stream stays open until the final response
 
@@ -191,13 +205,26 @@ class ChatTemplate:
 # --------------------------------------------------------------------------- HTTP
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return host in LOOPBACK_HOSTS or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Frontend:
-    def __init__(self, triton: Triton, template: ChatTemplate | None, served: str, timeout: float):
+    """The routes. `host`: the address it is bound to; on a loopback one only loopback `Host` headers are served
+    (a web page that rebinds its DNS name to 127.0.0.1 cannot read answers). `api_key`: every route but /health
+    needs `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, triton: Triton, template: ChatTemplate | None, served: str, timeout: float,
+                 host: str = "127.0.0.1", api_key: str | None = None):
         self.triton, self.template, self.served, self.timeout = triton, template, served, timeout
+        self.loopback, self.api_key = is_loopback(host), api_key
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[errors, self.guard], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
@@ -209,7 +236,25 @@ class Frontend:
     async def _close(self, _app) -> None:
         await self.triton.client.close()
 
+    @web.middleware
+    async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Who may call: a loopback Host on a loopback bind, the API key if one is set, and JSON bodies only (a
+        cross-site page can POST text/plain without asking; application/json needs a CORS preflight, never granted)."""
+        if self.loopback and not is_loopback((request.url.host or "").strip("[]")):
+            raise ApiError(403, f"Host {request.host!r} is not served: this endpoint is bound to a loopback address "
+                                "(connect to 127.0.0.1 or localhost)", None, "forbidden_host")
+        if self.api_key is not None and request.path != "/health":
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                raise ApiError(401, "invalid or missing API key: send `Authorization: Bearer <key>`", None,
+                               "invalid_api_key")
+        if request.method == "POST" and request.content_type != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {request.content_type!r}", None,
+                           "unsupported_media_type")
+        return await handler(request)
+
     async def health(self, _request: web.Request) -> web.Response:
+        """200 only while the model can serve (asked of Triton, at most a second old), else 503."""
         await self.triton.require()
         return web.json_response({"status": "ok"})
 
@@ -220,14 +265,14 @@ class Frontend:
         return card
 
     async def models(self, _request: web.Request) -> web.Response:
-        await self.triton.ready()
+        await self.triton.require()  # listed only once servable: a client that polls it may then send requests
         return web.json_response({"object": "list", "data": [self._card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.served:
             raise ApiError(404, f"the model `{request.match_info['model']}` does not exist", "model",
                            "model_not_found")
-        await self.triton.ready()
+        await self.triton.require()
         return web.json_response(self._card())
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -244,9 +289,9 @@ class Frontend:
 
     async def answer(self, request: web.Request, call: Call, prefix: str) -> web.StreamResponse:
         """Run the call under the request's deadline; past it, cancel upstream and answer 504."""
-        rid, sent = f"{prefix}-{uuid.uuid4().hex}", []
+        rid, sent, until = f"{prefix}-{uuid.uuid4().hex}", [], time.monotonic() + self.timeout
         try:
-            return await asyncio.wait_for(self._answer(request, call, rid, sent), self.timeout)
+            return await asyncio.wait_for(self._answer(request, call, rid, sent, until), self.timeout)
         except asyncio.TimeoutError:
             error = ApiError(504, f"the request's deadline passed ({self.timeout:g} s; raise it with "
                                   "`spectrt serve --openai-timeout`)", None, "deadline_exceeded")
@@ -255,9 +300,11 @@ class Frontend:
             await sent[0].write(Chunks.error(error))  # the stream began: its status is already 200
             return sent[0]
 
-    async def _answer(self, request: web.Request, call: Call, rid: str, sent: list) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, call: Call, rid: str, sent: list,
+                      until: float) -> web.StreamResponse:
         created, stop, outcome = int(time.time()), StopText(call.stop), Outcome()
-        pieces = self.triton.generate(upstream_fields(call), rid)
+        seconds = min(max(until - time.monotonic(), 1e-3), self.triton.limits.max_request_seconds)
+        pieces = self.triton.generate(upstream_fields(call, seconds), rid)  # the model ends it at the deadline too
         try:
             piece = await pieces.__anext__()  # the model's first answer (text or refusal) before any header
             chunks = Chunks(call, rid, created, self.served) if call.stream else None
@@ -343,12 +390,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds (then 504)")
+    p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $SPECTRT_API_KEY; "
+                        "a flag's value is visible in the process list, the variable or --api-key-file is not)")
+    p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     template = ChatTemplate(args.tokenizer) if args.tokenizer else None
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
 
     async def make_app() -> web.Application:  # the gRPC aio channel belongs to the server's event loop
-        return Frontend(Triton(args.grpc_url, args.model), template, args.model, args.timeout).app()
+        return Frontend(Triton(args.grpc_url, args.model), template, args.model, args.timeout, args.host,
+                        api_key or None).app()
 
     LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", args.host, args.port, args.grpc_url,
              args.model)

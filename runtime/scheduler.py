@@ -14,6 +14,7 @@ the text) and hand it to the sink.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ from spectrt.runtime.decoder import Decoder, Job
 from spectrt.runtime.requests import Row
 from spectrt.runtime.text import StopStrings, TextStream
 
+LOG = logging.getLogger("spectrt.scheduler")
 CANCEL_CHECK_SECONDS = 0.1  # how often a request's sink is asked whether its client went away (an IPC round trip)
 IDLE_WAIT_SECONDS = 0.1  # how long an idle scheduler blocks waiting for work (the thread never spins)
 
@@ -92,11 +94,11 @@ class RowResult:
 class Request:
     rows: list[Row]
     sink: Sink
+    id: str = ""  # the client's request id: in every log line about this request
     arrived: float = field(default_factory=time.monotonic)
     streams: list[TextStream] = field(default_factory=list)
     stops: list[StopStrings] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)  # per row: its final response was handled
-    cut: list[bool] = field(default_factory=list)  # per row: its text ended at a stop string
     remaining: int = 0
     active: int = 0  # rows holding a slot
     waiting: list[int] = field(default_factory=list)  # rows not admitted yet
@@ -158,8 +160,10 @@ class Scheduler:
         if self.thread is not None:  # it died: whatever it held cannot be trusted
             self.restarts += 1
             self.metrics.count("scheduler_restarts")
+            LOG.error("the scheduler thread died: restarting it, ending the %d request(s) it held", len(self.requests))
             for request in list(self.requests):
-                self._fail(request, "the scheduler restarted after an internal error: retry", "internal")
+                self._fail(request, "spectrt failed: the scheduler restarted after an internal error: retry",
+                           "internal")
             for job in list(self.decoder.active):
                 self.decoder.cancel(job)
         self.thread = threading.Thread(target=self._run, name="spectrt-scheduler", daemon=True)
@@ -186,6 +190,7 @@ class Scheduler:
             try:
                 self.tick()
             except Exception as e:  # never leave a request without its final response: end what was in flight
+                LOG.exception("scheduler step failed; ending the %d request(s) in flight", len(self.requests))
                 for request in list(self.requests):
                     self._fail(request, f"spectrt failed: {type(e).__name__}: {e}", "internal")
                 for job in list(self.decoder.active):
@@ -206,7 +211,6 @@ class Scheduler:
         request.streams = [TextStream(self.tokenizer) for _ in request.rows]
         request.stops = [StopStrings(r.stop_strings) for r in request.rows]
         request.ended = [False] * len(request.rows)
-        request.cut = [False] * len(request.rows)
         for i, row in enumerate(request.rows):
             row.job.tag = (request, i)
         try:
@@ -216,7 +220,7 @@ class Scheduler:
             self.release(len(request.rows))
             request.waiting = []
             request.done = True
-            request.sink.fail(str(e), "invalid")
+            self._send(request, "fail", str(e), "invalid")
             return
         self.requests.append(request)
 
@@ -245,10 +249,14 @@ class Scheduler:
     def _check(self, request: Request, now: float) -> None:
         if now - request.checked >= CANCEL_CHECK_SECONDS:
             request.checked = now
-            if self._safe(request, request.sink.cancelled, default=True):
+            try:
+                gone = request.sink.cancelled()
+            except Exception:  # cannot even ask: its client is gone
+                gone = True
+            if gone:
                 self.metrics.count("cancelled", len(request.rows))
                 self._drop(request)
-                self._safe(request, request.sink.close)
+                self._send(request, "close")
                 return
         if now >= request.deadline:
             self.metrics.count("deadline_exceeded")
@@ -282,15 +290,11 @@ class Scheduler:
         if request.done:
             return
         stream, stops = request.streams[i], request.stops[i]
-        before = len(stream.latest)
-        delta = stream.push(new)
-        end = stops.find(stream.latest, before)
-        if end is not None:  # a stop string in the text: the text ends with it, the row is done
-            delta += stream.finish(end)
-            request.cut[i] = True
-        if delta:
-            self._text(request, i, delta, len(new))
-        if end is not None:
+        kept = len(stream.ids)
+        delta = stream.push(new, stops if stops.stops else None)
+        if delta:  # a stop string in the text cut it (and the tokens after it) before anything was sent
+            self._text(request, i, delta, len(stream.ids) - kept)
+        if stream.stopped:  # the row is done
             if job.finish is None:
                 self.decoder.finish(job, "stop")
                 self._row_finished(job)
@@ -301,7 +305,7 @@ class Scheduler:
         if request.first_text is None:
             request.first_text = time.monotonic()
             self.metrics.observe("ttft", request.first_text - request.arrived)
-        self._safe(request, lambda: request.sink.text(i, delta, tokens))
+        self._send(request, "text", i, delta, tokens)
 
     def _row_finished(self, job: Job) -> None:
         request, i = job.tag
@@ -310,6 +314,7 @@ class Scheduler:
         request.ended[i] = True
         if job.finish == "error":
             self.metrics.count("failed")
+            LOG.error("request %r row %d failed: %s", request.id, i, job.error, exc_info=job.exception)
             self._fail(request, f"spectrt failed: {job.error}", "internal")
             return
         if job.finish == "cancelled":  # ended from outside (a drop): nothing to send
@@ -317,33 +322,49 @@ class Scheduler:
         request.active -= 1
         request.remaining -= 1
         stream, stats = request.streams[i], job.stats
-        rest = "" if request.cut[i] else stream.finish()
+        rest = "" if stream.stopped else stream.finish()
         if rest:
             self._text(request, i, rest, 0)
         accepted = sum(stats.accepted) if stats.proposed else 0
-        self.metrics.count("tokens", len(job.out))
+        tokens = len(stream.ids)  # the decoder's output up to the stop string's last token
+        self.metrics.count("tokens", tokens)
         self.metrics.count("proposed", stats.proposed)
         self.metrics.count("accepted", accepted)
         self.metrics.count("target_passes", stats.target_passes)
         self.metrics.count("requests")
         for a in stats.accepted:
             self.metrics.observe("tau", a + 1)
-        result = RowResult(stream.text, job.finish, len(job.out), stats.proposed, accepted, stats.target_passes,
+        result = RowResult(stream.text, job.finish, tokens, stats.proposed, accepted, stats.target_passes,
                            time.monotonic() - request.arrived, stats.cached_tokens)
         last = request.remaining == 0
         if last:
             request.done = True
             self.requests.remove(request)
-        self._safe(request, lambda: request.sink.row_done(i, result, last))
+        self._send(request, "row_done", i, result, last)
 
     # ------------------------------------------------------------------------------------ ending requests
-    def _safe(self, request: Request, call, default=None):
-        """Call into the sink; a sink that raises means its client is gone: end that request only."""
+    def _send(self, request: Request, name: str, *args) -> None:
+        """Every call into a sink (`text`, `row_done`, `fail`, `close`) goes through here: one that raises ends
+        its own request only (never another's), which still gets a final response: a short error, or else its
+        close, whichever the sink can still send."""
         try:
-            return call()
-        except Exception:
-            self._drop(request)
-            return default
+            getattr(request.sink, name)(*args)
+            return
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        self.metrics.count("send_failed")
+        LOG.warning("request %r: sink.%s raised %s: ending that request", request.id, name, error)
+        self._drop(request)
+        endings = ("fail", "close")
+        for ending in endings[endings.index(name) + 1 if name in endings else 0:]:
+            try:
+                if ending == "fail":
+                    request.sink.fail(f"spectrt failed: a response could not be sent ({error})", "internal")
+                else:
+                    request.sink.close()
+                return
+            except Exception:
+                continue
 
     def _drop(self, request: Request) -> None:
         """Stop all work on a request (its rows leave the queue and their slots) without answering it."""
@@ -362,7 +383,4 @@ class Scheduler:
         if request.done:
             return
         self._drop(request)
-        try:
-            request.sink.fail(message, code)
-        except Exception:  # the client is gone: nothing left to tell it
-            pass
+        self._send(request, "fail", message, code)

@@ -197,7 +197,7 @@ class TritonServer:
                  ready_timeout: float = 180.0, exit_timeout: int = 10, run_dir: Path | None = None,
                  log_verbose: int = 0, console: bool = False, admin_key: str | None = None,
                  openai_port: int | None = None, openai_host: str | None = None, openai_timeout: float = 600.0,
-                 tokenizer: Path | None = None):
+                 tokenizer: Path | None = None, api_key: str | None = None):
         # Path values are made absolute here (the deployed copy lives elsewhere); strings are written as given,
         # and the model resolves relative ones against the model repository's parent directory
         self.params = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in (params or {}).items()}
@@ -216,6 +216,7 @@ class TritonServer:
         self.openai_host = openai_host or host
         self.openai_port = None if openai_port is None else (openai_port or free_port(self.openai_host))
         self.openai_timeout = openai_timeout
+        self.api_key = api_key  # the OpenAI endpoint's; handed over in a file of the run dir, not on a command line
         self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
         if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
             raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
@@ -290,7 +291,8 @@ class TritonServer:
         tokenizer = self.tokenizer or tokenizer_dir(self.params)
         return [sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={grpc_host}:{self.grpc_port}",
                 f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
-                f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}"]
+                f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}",
+                *([f"--api-key-file={self.run_dir / 'api-key'}"] if self.api_key else [])]
 
     def prepare(self) -> None:
         """A fresh run directory (never one that exists: we delete only what we made) with the model and backends."""
@@ -301,6 +303,8 @@ class TritonServer:
                                  self.served_name)
         prepare_backends(self.run_dir / "backends")
         (self.run_dir / "admin-key").write_text(self.admin_key + "\n")
+        if self.api_key:
+            (self.run_dir / "api-key").write_text(self.api_key + "\n")
 
     def start(self) -> TritonServer:
         if self.supervisor is not None:
@@ -488,6 +492,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--openai-host", default=None, help="address of the OpenAI endpoint (default: --host)")
     p.add_argument("--openai-timeout", type=float, default=600.0,
                    help="deadline of one OpenAI request, seconds (then 504 and the request is cancelled)")
+    p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
+                   help="the OpenAI endpoint requires `Authorization: Bearer KEY` on every route but /health "
+                        "(default: $SPECTRT_API_KEY, which keeps it out of the process list)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
@@ -542,7 +549,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
                               console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
                               openai_port=args.openai_port, openai_host=args.openai_host,
-                              openai_timeout=args.openai_timeout)
+                              openai_timeout=args.openai_timeout, api_key=args.api_key)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ space-cleaning tokenizer removes before punctuation), so the streamed deltas alw
 
 `StopStrings` finds stop strings in the text as it grows (a stop word can appear in the text even when its token
 sequence does not, e.g. "\\n" inside a "\\n\\n" token), looking only at the new text and the few characters before.
+`TextStream.push(ids, stops)` matches them before anything of the push is sent, so the text ends right after the
+stop string even when it ends inside a token or more tokens followed it in the same step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class TextStream:
         self.pending = ""  # text sent beyond `settled`, from the window
         self.latest = ""  # all text decoded so far, held-back characters included (what stop strings search)
         self.decodes = 0  # tokens decoded in all (what a step costs; tests check it stays linear)
+        self.stopped = False  # a stop string ended the text (`push` with stops): nothing more is sent
 
     @property
     def text(self) -> str:
@@ -46,16 +49,22 @@ class TextStream:
         base, text = self._decode(self.ids[start - 1:start]), self._decode(self.ids[start - 1:end])
         return text[len(base):] if text.startswith(base) else None
 
-    def push(self, new_ids: list[int]) -> str:
-        """Append accepted tokens; return the text that is now certain (may be empty)."""
+    def push(self, new_ids: list[int], stops: StopStrings | None = None) -> str:
+        """Append accepted tokens; return the text that is now certain (may be empty). With `stops`, a stop string
+        in the new text ends the text right after it: `stopped` is set, the returned text ends with the stop string
+        and `ids` keeps only the tokens up to the one that completes it (the rest were never part of the answer)."""
+        searched = len(self.latest.rstrip("\ufffd"))  # a placeholder's character may complete (and match) now
+        kept = len(self.ids)
         self.ids.extend(new_ids)
-        tail = self._window(self.start)
-        if tail is None:  # rare: re-anchor on a full decode
-            full = self._decode(self.ids)
-            if not full.startswith(self.settled):
-                return ""
-            tail = full[len(self.settled):]
+        tail = self._tail()
+        if tail is None:
+            return ""
         self.latest = self.settled + tail
+        end = None if stops is None else stops.find(self.latest, searched)
+        if end is not None:
+            self._keep_until(kept, stops, searched)
+            self.stopped = True
+            return self.finish(end)
         certain = tail.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD until its last byte
         certain = certain[:len(certain.rstrip())]  # trailing whitespace: a following "." may remove it
         if not certain.startswith(self.pending) or len(certain) <= len(self.pending):
@@ -64,6 +73,24 @@ class TextStream:
         if len(self.ids) - self.start > CHECKPOINT_EVERY:
             self._checkpoint()
         return delta
+
+    def _tail(self, end: int | None = None) -> str | None:
+        """The text of ids[start:end] after `settled`, None if it no longer continues what was settled."""
+        tail = self._window(self.start, end)
+        if tail is None:  # rare: re-anchor on a full decode
+            full = self._decode(self.ids[:end])
+            if not full.startswith(self.settled):
+                return None
+            tail = full[len(self.settled):]
+        return tail
+
+    def _keep_until(self, kept: int, stops: StopStrings, searched: int) -> None:
+        """Drop the pushed tokens after the first one whose text completes the stop string (decodes only then)."""
+        for end in range(kept + 1, len(self.ids)):
+            tail = self._tail(end)
+            if tail is not None and stops.find(self.settled + tail, searched) is not None:
+                del self.ids[end:]
+                return
 
     def _checkpoint(self) -> None:
         """Move the window start up to CONTEXT_TOKENS behind the end, if the text before it is what was sent."""

@@ -31,11 +31,13 @@ from spectrt.runtime.openai_api import (
     StopText,
     bad,
     chat_messages,
+    parse_body,
     parse_chat,
     parse_completion,
     speculative_metrics,
     upstream_error,
 )
+from spectrt.runtime.openai_frontend import Frontend, Triton
 from spectrt.runtime.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"
@@ -83,6 +85,14 @@ def test_chat_fields_become_model_inputs():
                                                                           {"type": "text", "text": "b"}]},
                                        {"role": "assistant", "content": "c", "refusal": None}]}) == [
         {"role": "system", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+
+
+def test_stop_strings_the_model_would_refuse_are_matched_here_only():
+    """256 characters pass the API's limit but not the model's (32 tokens, 512 bytes): such a stop string is not
+    sent as a stop word (the model used to refuse the request), only matched on the text."""
+    call = _chat(stop=["日" * 256, "\n", "x" * 33])
+    assert call.stop == ["日" * 256, "\n", "x" * 33] and call.fields["stop_words"] == ["\n"]
+    assert "stop_words" not in _chat(stop="y" * 40).fields
 
 
 def test_completion_prompt_is_sent_as_is():
@@ -148,7 +158,144 @@ def test_speculative_metrics_and_upstream_errors():
     assert upstream_error("spectrt failed: boom").status == 500
     assert upstream_error("the server is stopping: retry on another instance").status == 503
     assert upstream_error("deadline exceeded: the request ran past its 5 s limit (timeout_seconds)").status == 504
-    assert upstream_error("tree '2,x' is malformed").status == 400
+
+
+def test_upstream_errors_are_mapped_by_origin_not_by_words_inside():
+    """A refusal that quotes "overloaded" is still the client's error (400: the SDK would retry a 503); Triton's own
+    errors (the model unknown or not ready) and the scheduler's restart are not the client's (503, 500)."""
+    statuses = {message: upstream_error(message).status for message in (
+        "invalid request: tree 'overloaded' is malformed: give branching per depth as integers, e.g. 2,1",
+        "invalid request: max_tokens must be in [1, 48] (this model's limit), got 49",
+        "Request for unknown model: 'spectrt' is not found",
+        "spectrt failed: the scheduler restarted after an internal error: retry")}
+    assert list(statuses.values()) == [400, 400, 503, 500]
+
+
+def test_lone_surrogates_and_top_k_past_int32_are_refused():
+    """Either used to reach gRPC's request iterator and end the connection with no answer (or wrap in int32)."""
+    for raw in ('{"model": "spectrt", "prompt": "\\ud800"}', '{"stop": ["a\\udfff"]}', '{"\\ud800": 1}'):
+        with pytest.raises(type(bad(""))) as refused:
+            parse_body(raw.encode())
+        assert refused.value.status == 400 and "lone surrogate" in refused.value.message
+    for top_k in (1 << 31, 1 << 63):
+        with pytest.raises(type(bad(""))) as refused:
+            _chat(top_k=top_k)
+        assert refused.value.status == 400 and refused.value.param == "top_k"
+    assert _chat(top_k=(1 << 31) - 1).fields["top_k"] == (1 << 31) - 1
+
+
+class _FakeGrpc:
+    """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says."""
+
+    def __init__(self, max_seconds: float = 300.0):
+        self.ready, self.asked, self.max_seconds, self.sent = True, 0, max_seconds, None
+
+    async def is_model_ready(self, model):
+        self.asked += 1
+        return self.ready
+
+    async def get_model_config(self, model, as_json=True):
+        return {"config": {"parameters": {"max_tokens_limit": {"string_value": str(LIMIT)},
+                                          "max_request_seconds": {"string_value": str(self.max_seconds)}}}}
+
+    async def close(self):
+        pass
+
+    def stream_infer(self, requests):
+        return _RefusingStream(requests, self)
+
+
+class _RefusingStream:
+    """One upstream stream: records the request sent on it (`fake.sent`), then the model refuses it."""
+
+    def __init__(self, requests, fake):
+        self.requests, self.fake = requests, fake
+
+    async def __anext__(self):
+        self.fake.sent = await self.requests.__anext__()
+        return None, type("Error", (), {"message": lambda self: "invalid request: refused by the fake"})()
+
+    def cancel(self):
+        pass
+
+
+def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: _FakeGrpc | None = None):
+    """Run `calls(client, triton, fake)` against an in-process frontend whose Triton is `_FakeGrpc`."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def run():
+        triton = Triton("127.0.0.1:1", "spectrt")
+        await triton.client.close()
+        triton.client = grpc = fake or _FakeGrpc()
+        app = Frontend(triton, None, "spectrt", 5.0, host, api_key).app()
+        async with TestClient(TestServer(app)) as client:
+            return await calls(client, triton, grpc)
+
+    return asyncio.run(run())
+
+
+def test_health_follows_the_model_not_its_first_ready():
+    """/health (and /v1/models) ask Triton, at most a second apart: 503 once the model is unloaded or its stub died,
+    200 again when it is back; it used to stay 200 forever after the first ready."""
+
+    async def calls(client, triton, fake):
+        statuses = [(await client.get("/health")).status]
+        fake.ready = False
+        statuses.append((await client.get("/health")).status)  # within the second: Triton is not asked again
+        asked = fake.asked
+        triton.checked -= 2  # the cached answer is older than a second (no waiting on the clock)
+        down = await client.get("/health")
+        statuses += [down.status, (await client.get("/v1/models")).status]
+        fake.ready = True
+        triton.checked -= 2
+        statuses.append((await client.get("/health")).status)
+        return statuses, asked, down.headers.get("Retry-After"), (await down.json())["error"]["code"]
+
+    statuses, asked, retry, code = _frontend(calls)
+    assert statuses == [200, 200, 503, 503, 200] and asked == 1 and retry == "1" and code == "not_ready"
+
+
+@pytest.mark.parametrize("max_seconds", [2.0, 300.0])
+def test_the_request_deadline_is_forwarded_to_the_model(max_seconds):
+    """The model gets the frontend's deadline (here 5 s) as timeout_seconds, within its own limit, so it ends the
+    request itself; the frontend's deadline used to stay behind (the model's 300 s decided)."""
+    import numpy as np
+
+    async def calls(client, triton, fake):
+        answer = await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi"})
+        return answer.status, (await answer.json())["error"]["message"]
+
+    fake = _FakeGrpc(max_seconds)
+    assert _frontend(calls, fake=fake) == (400, "invalid request: refused by the fake")
+    sent = {i.name(): i for i in fake.sent["inputs"]}
+    seconds = float(np.frombuffer(sent["timeout_seconds"]._raw_content, np.float32)[0])
+    assert seconds == max_seconds if max_seconds < 5 else 4 < seconds <= 5
+
+
+def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
+    """A text/plain POST (a web page may send one without a CORS preflight) is 415; on a loopback bind a Host that
+    is not loopback (DNS rebinding) is 403; with an API key every route but /health needs it (401)."""
+    body = json.dumps({"model": "nope", "prompt": "hi"})
+
+    async def calls(client, triton, fake):
+        plain = await client.post("/v1/completions", data=body, headers={"Content-Type": "text/plain"})
+        foreign = await client.get("/v1/models", headers={"Host": "attacker.example"})
+        local = await client.get("/v1/models", headers={"Host": "localhost:9000"})
+        json_post = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        return [(r.status, (await r.json()).get("error", {}).get("code")) for r in (plain, foreign, local, json_post)]
+
+    assert _frontend(calls) == [(415, "unsupported_media_type"), (403, "forbidden_host"), (200, None),
+                                (400, "model_not_found")]
+
+    async def keyed(client, triton, fake):
+        return [(await client.get("/v1/models", headers=h)).status for h in
+                ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer s3cret"})] + [
+            (await client.get("/health")).status, (await client.get("/v1/models", headers={
+                "Host": "attacker.example", "Authorization": "Bearer s3cret"})).status]
+
+    assert _frontend(keyed, host="0.0.0.0", api_key="s3cret") == [401, 401, 200, 200, 200]  # any Host off loopback
 
 
 # --------------------------------------------------------------------------- end to end
@@ -248,6 +395,12 @@ def test_stop_strings_end_the_text(client):
         assert full.choices[0].message.content == want == text, stop
         assert full.choices[0].finish_reason == "stop" and reasons == ["stop"]
         assert 0 < full.usage.completion_tokens <= whole.usage.completion_tokens
+
+
+def test_a_long_stop_string_is_served(client):
+    """A 256-character stop string (768 bytes): the model refused it as a stop word, so the request got 400."""
+    full = client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=4, stop=["日" * 256])
+    assert full.choices[0].message.content and full.choices[0].finish_reason == "length"
 
 
 def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer):
@@ -398,6 +551,11 @@ BAD_HTTP = [
     ("unknown model", "/v1/chat/completions", {"model": "gpt-4o"}, "does not exist"),
     ("max_tokens out of range", "/v1/chat/completions", {"max_tokens": 100000}, r"max_tokens must be in \[1, 48\]"),
     ("refused by the model", "/v1/chat/completions", {"tree": "2,x"}, "malformed"),
+    ("a refusal quoting overloaded", "/v1/chat/completions", {"tree": "overloaded"}, "malformed"),
+    ("lone surrogate", "/v1/chat/completions",
+     '{"model": "spectrt", "messages": [{"role": "user", "content": "\\ud800"}]}', "lone surrogate"),
+    ("top_k past int64", "/v1/chat/completions", {"top_k": 1 << 63}, "top_k must be in"),
+    ("top_k past int32", "/v1/completions", {"prompt": "Hi", "messages": None, "top_k": 1 << 31}, "top_k must be in"),
     ("completions without a prompt", "/v1/completions", {"messages": None}, "prompt must be"),
 ]
 
@@ -411,6 +569,20 @@ def test_bad_request_gets_400_and_the_server_keeps_serving(server, client, name,
     assert set(answer["error"]) == {"message", "type", "param", "code"} and re.search(message,
                                                                                         answer["error"]["message"])
     assert client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=2).choices[0].message.content
+
+
+def test_cross_site_post_and_foreign_host_are_refused_over_the_wire(server):
+    """The loopback endpoint: a text/plain POST (which a web page may send cross-site) is 415, a request naming
+    another Host (DNS rebinding) is 403; both used to be served."""
+    body = json.dumps({"model": "spectrt", "messages": CHAT, "max_tokens": 2})
+    answers = []
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/json", "Host": "attacker.example"}):
+        conn = http.client.HTTPConnection(server.openai_host, server.openai_port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/chat/completions", body, headers)
+        response = conn.getresponse()
+        answers.append((response.status, json.loads(response.read())["error"]["code"]))
+        conn.close()
+    assert answers == [(415, "unsupported_media_type"), (403, "forbidden_host")]
 
 
 def test_unknown_route_and_method_are_error_objects(server):
@@ -438,7 +610,7 @@ def _open(server, body: dict, path: str = "/v1/chat/completions") -> socket.sock
     sock = socket.create_connection((server.openai_host, server.openai_port), timeout=TIMEOUT)
     data = json.dumps({"model": "spectrt", "messages": [{"role": "user", "content": "Count from one to fifty."}],
                        **body}).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
@@ -498,7 +670,8 @@ def test_deadline_is_504_and_cancels_upstream(server, target_dir):
         before = scrape_metrics(server)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
         conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "spectrt", "messages": CHAT, "max_tokens": LIMIT, "min_tokens": LIMIT}))
+            {"model": "spectrt", "messages": CHAT, "max_tokens": LIMIT, "min_tokens": LIMIT}),
+            {"Content-Type": "application/json"})
         response = conn.getresponse()
         answer = json.loads(response.read())
         conn.close()

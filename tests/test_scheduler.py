@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from spectrt.runtime.decoder import AUTO, Decoder
+from spectrt.runtime.decoder import AUTO, Decoder, Job, StepInfo
 from spectrt.runtime.policy import Policy
-from spectrt.runtime.requests import Limits, RequestError, make_row
+from spectrt.runtime.requests import Limits, RequestError, Row, make_row
 from spectrt.runtime.scheduler import CounterMetrics, Overloaded, Request, Scheduler
 
 FLAT = Policy(budget=6, depth=2, width=2, verify_ms=((1, 1.0), (64, 1.0)), draft_ms=((1, 1e-6),))
@@ -196,6 +196,27 @@ def test_text_stop_string_ends_the_row_where_tokens_do_not_match(target, draft, 
     assert stopped.result().text == cut == stopped.texts[0] and stopped.result().finish_reason == "stop"
 
 
+@pytest.mark.parametrize("tree", [b"none", b"auto"])
+def test_a_stop_string_ending_inside_a_token_cuts_the_answer_there(target, draft, tokenizer, encode, tree):
+    """The stop string is the start of a later word: it ends inside that word's token. The answer (streamed and
+    whole) ends right after it and counts the tokens up to the one that completes it, nothing decoded later."""
+    sched = _scheduler(target, draft, tokenizer, max_active=1)
+    free, row = Sink(), _row(encode, tokenizer, max_tokens=24, tree=tree)
+    _submit(sched, [row], free)
+    _drive(sched, [free])
+    out, text = row.job.out, free.result().text
+    stop = next(w for w in text.split()[2:] if len(w) >= 4 and w.isalpha())[:2]
+    cut = text[:text.index(stop) + len(stop)]
+    tokens = next(k for k in range(1, len(out) + 1) if stop in tokenizer.decode(out[:k]))
+    assert tokenizer.decode(out[:tokens]) != cut  # the stop string ends inside a token
+    stopped = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=24, tree=tree, stop_words=[stop.encode()])], stopped)
+    _drive(sched, [stopped])
+    result = stopped.result()
+    assert stopped.texts[0] == result.text == cut and result.finish_reason == "stop"
+    assert result.output_tokens == tokens
+
+
 def test_drain_finishes_or_ends_in_flight_requests_and_refuses_new_ones(target, draft, tokenizer, encode):
     sched = _scheduler(target, draft, tokenizer, max_active=2)
     sched.start()
@@ -276,3 +297,168 @@ def test_auto_tree_falls_back_to_the_target_alone_without_speculation(tokenizer,
     limits = Limits(speculation=False)
     assert _row(encode, tokenizer, limits, tree=b"auto").job.tree is None
     assert _row(encode, tokenizer, Limits(), tree=b"auto").job.tree == AUTO
+
+
+# --------------------------------------------------------------------------- a scripted decoder (no model)
+
+
+class Scripted:
+    """A decoder stand-in: job `prompt_ids[0]` emits its script, one chunk of tokens per step (a tree step accepts
+    several at once), then finishes with "length"; `check` refuses the keys in `refuse`."""
+
+    def __init__(self, scripts: dict[int, list[list[int]]], max_active: int = 4, refuse=(), broken=()):
+        self.scripts, self.refuse, self.broken = scripts, set(refuse), set(broken)
+        self.active, self.free = [], list(range(max_active))
+
+    def check(self, job):
+        if job.prompt_ids[0] in self.refuse:
+            raise ValueError("refused by the scripted decoder")
+
+    def add(self, job):
+        job.slot = self.free.pop()
+        self.active.append(job)
+
+    def step(self):
+        info = StepInfo(active=len(self.active))
+        for job in list(self.active):
+            if job.prompt_ids[0] in self.broken:  # its forward failed alone: it ends, the others go on
+                job.error = "RuntimeError: a broken row"
+                self.finish(job, "error")
+                info.finished.append(job)
+                continue
+            chunks = self.scripts[job.prompt_ids[0]]
+            new = chunks[job.stats.target_passes]
+            job.stats.target_passes += 1
+            job.out += new
+            info.emitted.append((job, new))
+            if job.stats.target_passes == len(chunks):
+                self.finish(job, "length")
+                info.finished.append(job)
+        return info
+
+    def finish(self, job, reason="stop"):
+        job.finish = job.finish or reason
+        if job in self.active:
+            self.active.remove(job)
+            self.free.append(job.slot)
+
+    def cancel(self, job):
+        self.finish(job, "cancelled")
+
+
+def _scripted_row(key: int, stops=(), stream=True) -> Row:
+    return Row(Job([key], 1000), "p", stream=stream, stop_strings=list(stops))
+
+
+def test_a_stop_string_inside_a_token_cuts_the_text_and_the_tokens_after_it(tokenizer):
+    """One step accepts " Paris", " is", " big"; the stop string "Par" ends inside the first token: the client sees
+    " Par" and nothing after it, streamed and in the result, and one output token is counted."""
+    ids = tokenizer.encode(" Paris is big", add_special_tokens=False)
+    sched = Scheduler(Scripted({0: [ids], 1: [ids[:1], ids[1:]]}), tokenizer, CounterMetrics())
+    first, second = Sink(), Sink()
+    _submit(sched, [_scripted_row(0, ["Par"])], first)
+    _submit(sched, [_scripted_row(1, ["s b"])], second)  # ends inside the step's last token, after another one
+    _drive(sched, [first, second])
+    assert first.texts[0] == first.result().text == " Par" and first.result().output_tokens == 1
+    assert second.texts[0] == second.result().text == " Paris is b" and second.result().output_tokens == 3
+    assert first.result().finish_reason == second.result().finish_reason == "stop"
+    assert sched.metrics.counts["tokens"] == 4
+
+
+class Flaky(Sink):
+    """A sink whose calls named in `raises` raise (the client or the transport failed mid-request)."""
+
+    def __init__(self, raises=(), rows: int = 1):
+        super().__init__(rows)
+        self.raises = set(raises)
+
+    def text(self, row, delta, tokens):
+        if "text" in self.raises:
+            raise RuntimeError("text send failed")
+        super().text(row, delta, tokens)
+
+    def row_done(self, row, result, last):
+        if "row_done" in self.raises:
+            raise RuntimeError("final send failed")
+        super().row_done(row, result, last)
+
+    def fail(self, message, code):
+        if "fail" in self.raises:
+            raise RuntimeError("error send failed")
+        super().fail(message, code)
+
+
+def test_a_send_that_raises_still_ends_its_request_once_and_no_other(tokenizer):
+    """A raising text send gets a final error; a raising final send too; a raising error send (a refused request)
+    its close; the request next to them finishes normally whatever they do."""
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    sched = Scheduler(Scripted({k: [[t] for t in ids] for k in range(5)}, refuse={3, 4}), tokenizer,
+                      CounterMetrics())
+    good, texting, final, refused, silent = (Flaky(), Flaky({"text"}), Flaky({"row_done"}), Flaky({"fail"}),
+                                             Flaky({"fail", "text"}))
+    for key, sink in enumerate((good, texting, final, refused, silent)):
+        _submit(sched, [_scripted_row(key)], sink)
+    _drive(sched, [good, texting, final, refused, silent])
+    assert [s.finals for s in (good, texting, final, refused, silent)] == [1] * 5
+    assert good.result().text == " one two three four"
+    assert texting.events[-1][:2] == ("fail", "internal") and "text send failed" in texting.events[-1][2]
+    assert final.events[-1][:2] == ("fail", "internal") and "final send failed" in final.events[-1][2]
+    assert refused.events == [("close",)] and silent.events == [("close",)]
+    assert not sched.requests and not sched.decoder.active and sched.reserved == 0
+
+
+def test_sixteen_streams_with_failing_sends_lose_no_final_response_and_cross_no_tokens(tokenizer):
+    """16 client threads x 20 requests against the scheduler thread; some sinks raise on text, on the final
+    response or on the error too: every request gets exactly one final response and every text is its own."""
+    streams, requests = 16, 20
+    scripts, want = {}, {}
+    for s in range(streams):
+        for k in range(requests):
+            ids = tokenizer.encode(f" stream {s} request {k} ends here", add_special_tokens=False)
+            scripts[s * requests + k] = [ids[i:i + 1 + (s + k) % 3] for i in range(0, len(ids), 1 + (s + k) % 3)]
+            want[s * requests + k] = tokenizer.decode(ids)
+    refuse = {s * requests + 13 for s in range(streams)}
+    sched = Scheduler(Scripted(scripts, max_active=8, refuse=refuse), tokenizer, CounterMetrics(), max_queue=64)
+    sched.start()
+    sinks: dict[int, Flaky] = {}
+    modes = [(), ("text",), (), ("row_done",), (), ("row_done", "fail"), ("text", "fail")]
+
+    def client(s: int) -> None:
+        for k in range(requests):
+            key = s * requests + k
+            sinks[key] = sink = Flaky(modes[(s + k) % len(modes)])
+            _submit(sched, [_scripted_row(key)], sink)
+            assert sink.done.wait(60)
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    sched.stop()
+    assert len(sinks) == streams * requests and all(s.finals == 1 for s in sinks.values())
+    for key, sink in sinks.items():
+        assert want[key].startswith(sink.texts[0]), key  # never another request's text
+        if key in refuse:
+            assert sink.events[-1][0] == ("close" if "fail" in sink.raises else "fail")
+        elif not sink.raises:
+            assert sink.texts[0] == sink.result().text == want[key]
+        else:
+            assert sink.events[-1][0] in ("fail", "close")
+    assert sched.reserved == 0 and not sched.requests and not sched.decoder.active
+
+
+def test_failures_are_logged_with_the_request_id(tokenizer, caplog):
+    """A row's failure and a send that raises leave a log line naming the request (they used to be silent)."""
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    sched = Scheduler(Scripted({0: [ids], 1: [ids]}, broken={0}), tokenizer, CounterMetrics())
+    broken, flaky = Sink(), Flaky({"text"})
+    sched.reserve(2)
+    sched.submit(Request([_scripted_row(0)], broken, "req-broken"))
+    sched.submit(Request([_scripted_row(1)], flaky, "req-flaky"))
+    with caplog.at_level("WARNING", logger="spectrt.scheduler"):
+        _drive(sched, [broken, flaky])
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("'req-broken'" in m and "a broken row" in m for m in logged), logged
+    assert any("'req-flaky'" in m and "text send failed" in m for m in logged), logged
+    assert sched.metrics.counts["failed"] == 1 and sched.metrics.counts["send_failed"] == 1

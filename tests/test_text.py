@@ -55,3 +55,30 @@ def test_stop_strings_find_the_earliest_match_in_new_text():
     assert stops.find("abcEN", 3) is None and stops.find("abcEND more", 5) == 6  # a match across two pushes
     assert stops.find("x\nyEND", 2) == 6  # the old newline was already seen: only new matches count
     assert StopStrings([]).find("anything", 0) is None
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_stop_string_inside_a_token_cuts_the_text_and_the_tokens_after_it(tokenizer):
+    """" Par" ends inside " Paris", and two more tokens came in the same push: the text ends right after the stop
+    string, nothing past it is ever returned, and only the token that completes it is kept."""
+    ids = _tokens(tokenizer, " Paris is big")
+    stream = TextStream(tokenizer)
+    assert stream.push(ids, StopStrings(["Par"])) == " Par" and stream.stopped
+    assert stream.text == " Par" and stream.ids == ids[:1]
+    stream = TextStream(tokenizer)
+    sent = stream.push(ids[:1], StopStrings(["is b"])) + stream.push(ids[1:], StopStrings(["is b"]))
+    assert sent == stream.text == " Paris is b" and stream.ids == ids and stream.stopped
+
+
+def test_a_stop_string_ending_in_a_character_split_over_pushes_is_found(tokenizer):
+    """語 is three byte tokens: until its last one it reads as U+FFFD, which must not count as already searched."""
+    ids = _tokens(tokenizer, "日本語 ok")
+    stream, sent = TextStream(tokenizer), ""
+    for t in ids:
+        sent += stream.push([t], StopStrings(["本語"]))
+        if stream.stopped:
+            break
+    assert sent == "日本語" and stream.ids == _tokens(tokenizer, "日本語")

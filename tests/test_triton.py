@@ -487,6 +487,25 @@ def test_min_length_stop_and_bad_words_and_token_counts(server, session, pipe):
     assert unary.n_out == len(plain.out[:6]) and len(unary.chunks) == 1
 
 
+def test_stop_word_ending_inside_a_token_cuts_text_and_token_count(server, session, pipe):
+    """A stop word that ends inside a generated token (the start of a later word): streamed and non-streamed, the
+    text ends right after it and num_output_tokens counts up to the token that completes it; the rest of that
+    token and the tokens accepted after it in the same step used to be sent and counted."""
+    tok = pipe.tokenizer
+    prompt = PROMPTS[4]
+    out = _batch_reference(pipe, prompt, LIMIT).out
+    text = tok.decode(out, skip_special_tokens=True)
+    stop = next(w for w in text.split()[2:] if len(w) >= 4 and w.isalpha())[:2]
+    cut = text[:text.index(stop) + len(stop)]
+    tokens = next(k for k in range(1, len(out) + 1) if stop in tok.decode(out[:k], skip_special_tokens=True))
+    assert tok.decode(out[:tokens], skip_special_tokens=True) != cut  # it ends inside a token
+    for stream in (True, False):
+        r = _stream(server, session, {**request_fields(prompt, LIMIT, stream), "stop_words": [stop],
+                                      "return_num_output_tokens": True}).wait()
+        r.close()
+        assert not r.errors and r.text == cut and r.n_out == tokens, (stream, r.text, r.n_out, cut, tokens)
+
+
 def test_queued_request_cancelled_never_prefills_and_slots_free(server, session):
     """Every slot busy: a queued request that is cancelled never takes a slot (the admitted counter does not
     move) and leaves the queue; a full queue refuses with "overloaded"; cancelling a running request frees its

@@ -33,6 +33,10 @@ for _name in ("", "C.UTF-8", "en_US.UTF-8"):
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "deadline": "UNAVAILABLE", "internal": "INTERNAL"}
+# Triton's gRPC stream carries an error's message only: a refusal says so in its first words, as the scheduler's other
+# errors do ("overloaded", "the server is stopping", "deadline exceeded", "spectrt failed"), so a client (the OpenAI
+# frontend) tells the model's errors by origin from Triton's own
+INVALID_PREFIX = "invalid request: "
 PERF = (("acceptance_rate", np.float32), ("total_accepted_draft_tokens", np.int32), ("total_draft_tokens", np.int32),
         ("target_passes", np.int32), ("output_tokens", np.int32), ("generation_seconds", np.float32))
 COUNTERS = {  # scheduler metric -> (Prometheus name, help)
@@ -52,6 +56,7 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "failed": ("spectrt_requests_failed_total", "Rows whose own step failed (the batch went on)"),
     "steps": ("spectrt_batch_steps_total", "Batched decoder steps (one target forward each)"),
     "scheduler_restarts": ("spectrt_scheduler_restarts_total", "Scheduler threads restarted after a crash"),
+    "send_failed": ("spectrt_send_failures_total", "Responses the sender refused (that request alone ended)"),
     "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
     "step_tree_tokens": ("spectrt_step_tree_tokens_total", "Target rows spent on trees, roots included (per step: "
                          "/ batch_steps_total)"),
@@ -128,6 +133,13 @@ class TritonMetrics:
         self.metrics, self.families = {}, []  # metrics first, then their families
 
 
+def error_response(message: str, code: str) -> pb_utils.InferenceResponse:
+    """A final error response; `code` is the scheduler's ("invalid", "unavailable", "deadline", "internal")."""
+    error = pb_utils.TritonError(INVALID_PREFIX + message if code == "invalid" else message,
+                                 getattr(pb_utils.TritonError, CODES[code]))  # set up once the stub runs
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
 class TritonSink:
     """One Triton request's response sender behind the scheduler's Sink interface."""
 
@@ -185,8 +197,7 @@ class TritonSink:
                                             [r.finish_reason for r in self.results]), flags=FINAL)
 
     def fail(self, message: str, code: str) -> None:
-        error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, CODES[code]))  # set up once the stub runs
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error), flags=FINAL)
+        self.sender.send(error_response(message, code), flags=FINAL)
 
     def close(self) -> None:
         self.sender.send(flags=FINAL)
@@ -367,23 +378,22 @@ class TritonPythonModel:
                                            self.chat_default, self.default_tree) for f in fields]
                 if len(made) != reserved:
                     self.scheduler.release(reserved - len(made))
-                self.scheduler.submit(self.Request(made, TritonSink(sender, made)))
+                self.scheduler.submit(self.Request(made, TritonSink(sender, made), request.request_id()))
             except self.Overloaded as e:
-                self._error(sender, str(e), pb_utils.TritonError.UNAVAILABLE)
+                self._error(sender, str(e), "unavailable")
             except validator.RequestError as e:
                 self.scheduler.release(reserved)
-                self._error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                self._error(sender, str(e), "invalid")
             except Exception as e:  # never leave a client without a final response
                 self.scheduler.release(reserved)
                 pb_utils.Logger.log_error(f"spectrt {self.instance}: request failed: {e!r}")
-                self._error(sender, f"spectrt failed: {e}", pb_utils.TritonError.INTERNAL)
+                self._error(sender, f"spectrt failed: {e}", "internal")
         return None
 
     @staticmethod
-    def _error(sender, message: str, code) -> None:
+    def _error(sender, message: str, code: str) -> None:
         try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code)),
-                        flags=FINAL)
+            sender.send(error_response(message, code), flags=FINAL)
         except Exception as e:  # the client is gone: nothing left to tell it
             pb_utils.Logger.log_warn(f"spectrt: could not send the error response ({e!r}): {message}")
 
