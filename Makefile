@@ -57,7 +57,7 @@ demo: draft $(TUNED)  ## the main job on the embedded default: tree speculative 
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" --no-spec
 
 test: setup  ## the test suite (CPU)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
 ifeq ($(BACKEND),torch)
