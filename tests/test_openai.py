@@ -42,6 +42,10 @@ from spectrt.runtime.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"
 LIMIT = 48
+# The served module's own cap, far above what answers use: a request held busy (min_tokens = BUSY) lasts seconds on
+# any CPU, so a test that fills every slot sees them all taken (48 tokens ran out in under a second on a fast CPU,
+# before a scrape could see two active) and is cancelled the moment its socket closes.
+BUSY = 448
 TIMEOUT = 180.0
 MAX_ACTIVE = 2
 MAX_QUEUE = 1
@@ -303,8 +307,8 @@ def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
 
 @pytest.fixture(scope="module")
 def server(target_dir, draft_dir):
-    params = {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": 256,
-              "max_tokens_limit": LIMIT, "default_max_tokens": 16, "threads": 1, "measure_kernels": "false",
+    params = {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": 512,
+              "max_tokens_limit": BUSY, "default_max_tokens": 16, "threads": 1, "measure_kernels": "false",
               "max_active": MAX_ACTIVE, "max_queue_size": MAX_QUEUE}
     srv = TritonServer(params, instances=1, ready_timeout=300, openai_port=0)
     srv.start()
@@ -425,7 +429,7 @@ def reference(target_dir, draft_dir):
     """The served decoder in process without the prefix cache (same engines, precision, tree, context)."""
     from spectrt.runtime.pipeline import Pipeline
 
-    return Pipeline(target_dir, draft_dir, max_seq_len=256, measure_kernels=False, prefix_cache=False)
+    return Pipeline(target_dir, draft_dir, max_seq_len=512, measure_kernels=False, prefix_cache=False)
 
 
 def _uncached(reference, tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int], str]:
@@ -549,7 +553,7 @@ BAD_HTTP = [
     ("not an object", "/v1/chat/completions", "[1, 2]", "must be a JSON object"),
     ("messages not a list", "/v1/chat/completions", {"messages": "hello"}, "messages must be a non-empty list"),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-4o"}, "does not exist"),
-    ("max_tokens out of range", "/v1/chat/completions", {"max_tokens": 100000}, r"max_tokens must be in \[1, 48\]"),
+    ("max_tokens out of range", "/v1/chat/completions", {"max_tokens": 100000}, r"max_tokens must be in \[1, 448\]"),
     ("refused by the model", "/v1/chat/completions", {"tree": "2,x"}, "malformed"),
     ("a refusal quoting overloaded", "/v1/chat/completions", {"tree": "overloaded"}, "malformed"),
     ("lone surrogate", "/v1/chat/completions",
@@ -620,7 +624,7 @@ def test_client_disconnect_frees_its_slot(server, stream):
     """A client that goes away mid-generation: its request is cancelled upstream (not completed), its slot freed."""
     _wait_for(lambda: _active(server) == 0)
     before = scrape_metrics(server)
-    sock = _open(server, {"max_tokens": LIMIT, "stream": stream, "min_tokens": LIMIT, "tree": "none"})
+    sock = _open(server, {"max_tokens": BUSY, "stream": stream, "min_tokens": BUSY, "tree": "none"})
     try:
         if stream:
             received = b""
@@ -640,7 +644,7 @@ def test_overloaded_is_503_and_clears(server, client):
     """Every slot and the queue taken: the next request gets 503 (overloaded) with Retry-After; afterwards the
     server serves again."""
     _wait_for(lambda: _active(server) == 0)
-    busy = [_open(server, {"max_tokens": LIMIT, "min_tokens": LIMIT, "stream": True, "tree": "none"})
+    busy = [_open(server, {"max_tokens": BUSY, "min_tokens": BUSY, "stream": True, "tree": "none"})
             for _ in range(MAX_ACTIVE)]
     try:
         _wait_for(lambda: _active(server) == MAX_ACTIVE)
