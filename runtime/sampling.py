@@ -98,12 +98,29 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if params.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p  # mass before it suffices
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, params.top_p)
     return probs
+
+
+NUCLEUS_CANDIDATES = 1024  # a nucleus is almost always among a row's top 1,024 tokens
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` [..., V] kept on the smallest prefix of its sorted distribution reaching `top_p`, renormalized.
+
+    The prefix is found among the top `NUCLEUS_CANDIDATES` (then 8x as many) tokens when they already hold `top_p`
+    (a partial top-k: ~0.3 ms against 4 ms for sorting a 49k-wide row on this CPU, a cost every sampled token paid),
+    else by the full sort; all give the same prefix (same tokens in the same order, so the same running sums)."""
+    for k in (NUCLEUS_CANDIDATES, 8 * NUCLEUS_CANDIDATES, probs.shape[-1]):
+        if k >= probs.shape[-1]:
+            top, order = probs.sort(dim=-1, descending=True)
+            break
+        top, order = probs.topk(k, dim=-1)
+        if bool((top.sum(-1) >= top_p).all()):
+            break
+    keep_sorted = top.cumsum(-1) - top < top_p  # the mass before it does not suffice yet
+    kept = torch.zeros_like(probs).scatter(-1, order, torch.where(keep_sorted, top, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -258,7 +275,19 @@ def verify_sampled_batch(
             "a child token has zero draft probability: with q given, children must be drawn "
             "from q without replacement (draw_children); pass q=None for top-k children"
         )
-    return path, torch.multinomial(emit_from, 1, generator=generator).squeeze(1)
+    return path, draw(emit_from, generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (nonnegative, any scale), by the inverse CDF of one uniform each: exact,
+    and ~50 us a 49k-wide float64 row against 1.2 ms for `torch.multinomial` (every sampled token pays it). A
+    zero-mass token is never drawn: its running sum equals its predecessor's."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(len(probs), 1, generator=generator, device=probs.device, dtype=torch.float64)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    if not bool((probs.gather(1, token[:, None]) > 0).all()):  # u * sum rounded up to the total: the last with mass
+        token = torch.minimum(token, probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1))
+    return token
 
 
 def _normalize(probs: torch.Tensor) -> torch.Tensor:
