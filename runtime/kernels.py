@@ -87,7 +87,10 @@ def _build(isa: str):
         return None
     texts = {p.name: p.read_text() for p in (SOURCE, HEADER)}
     cflags = CFLAGS + flags
-    key = hashlib.sha256("\0".join([*texts.values(), " ".join(cflags), torch.__version__]).encode()).hexdigest()[:16]
+    # torch's own location is in the key: the build reads its headers by path, so two environments sharing one cache
+    # directory (a checkout's and a worktree's .venv) would otherwise rebuild it in turn, a minute each time
+    key = hashlib.sha256("\0".join([*texts.values(), " ".join(cflags), torch.__version__,
+                                     str(Path(torch.__file__).parent)]).encode()).hexdigest()[:16]
     build_dir = Path(os.environ.get("SPECTRT_CACHE", Path.home() / ".cache" / "spectrt")) / f"kernels-{isa}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # Compiled from a copy in the cache: the build depends on the sources' content only, not on where the package
