@@ -7,10 +7,10 @@ generation prompt, exactly as served), with sampling several answers per prompt.
    tokens, keyed by the target's weights checksum: a fresh machine spends its draft budget training, and another
    target, or other settings, never reads them;
 2. the corpus cache (per target checksum and settings, in the draft's work dir): answers generated earlier;
-3. generation, batched on the native forward (one `forward_many` per step for all live answers), within a budget.
-Every sampled answer draws from its own generator, seeded by (seed, conversation, round): an answer does not depend
-on the batch it was generated in (the native forward is row invariant), so any answer can be regenerated alone, which
-is how the shipped file is tested.
+3. generation through the decode loop (build/generation.py: plain batched decoding, as served), within a budget.
+Every sampled answer has its own seed, from (seed, conversation, round): an answer does not depend on the batch it
+was generated in (the native forward is row invariant), so any answer can be regenerated alone, which is how the
+shipped file is tested.
 
 Teacher forcing (`teacher_force`) turns answers into training records: one batched target forward over prompt +
 answer gives, per answer token, the target's top-k log-probabilities (on the full vocabulary, so the k probabilities
@@ -41,6 +41,7 @@ from spectrt.runtime.resources import package_path
 PROMPTS_DIR = package_path("build/prompts")
 DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
 HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
+SYNTH_PROMPTS = PROMPTS_DIR / "synth.txt"  # the target's own user turns (build/synth.py)
 ANSWERS_DIR = package_path("build/answers")
 SHIPPED_FORMAT = 1
 
@@ -119,123 +120,16 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def answer_generator(seed: int, key: str, sample: int) -> torch.Generator:
-    """The sampling stream of one answer: (seed, conversation key, round) alone decide it."""
-    digest = hashlib.sha256(f"{seed}:{key}:{sample}".encode()).hexdigest()
-    return torch.Generator().manual_seed(int(digest[:15], 16))
+ENGINE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def _sample(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Next token per row of fp32 `logits`: drawn at `temperature` from the row's own generator, else the argmax."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = (logits / temperature).softmax(-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)])
+def answer_seed(seed: int, key: str, sample: int) -> int:
+    """The sampling seed of one answer: (seed, conversation key, round) alone decide it."""
+    return int(hashlib.sha256(f"{seed}:{key}:{sample}".encode()).hexdigest()[:15], 16)
 
 
 def _record(prompt: Sequence[int], answer: Sequence[int]) -> dict:
     return {"input_ids": torch.tensor(list(prompt) + list(answer), dtype=torch.int32), "prompt_len": len(prompt)}
-
-
-class _TargetGenerator:
-    """The target through transformers in `dtype` (body and LM head); batched left-padded generation. Used only where
-    the native forward cannot run (its batched rows are not row invariant: answers may depend on their batch)."""
-
-    def __init__(self, target: Path, dtype: str):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-        if model.get_output_embeddings() is None:
-            raise ValueError(f"{target} has no LM head: the draft needs the target's logits")
-        self.head = model.get_output_embeddings().weight.detach().to(_dtype(dtype)).contiguous()
-        self.body = model.model.to(_dtype(dtype)).eval()
-        self.config = model.config
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int, temperature: float, eos: Sequence[int],
-                 pad_id: int, generators: Sequence[torch.Generator]) -> list[dict]:
-        from transformers import DynamicCache
-
-        batch = len(prompts)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((batch, width), pad_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=True).last_hidden_state[:, -1]
-        next_pos = pos[:, -1] + 1
-        rows = list(range(batch))  # original index of each live row
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        eos_t = torch.tensor(list(eos), dtype=torch.long)
-        for step in range(max_new_tokens):
-            # mm(W, h^T)^T: MKL's faster path for skinny products (DESIGN.md), 46 vs 67 ms in fp32 at batch 32
-            logits = torch.mm(self.head, hidden.to(self.head.dtype).T).T.float()
-            tok = _sample(logits, temperature, [generators[r] for r in rows])
-            for j, r in enumerate(rows):
-                tokens[r].append(int(tok[j]))
-            live = ~torch.isin(tok, eos_t)
-            if step == max_new_tokens - 1 or not live.any():
-                break
-            if not live.all():
-                keep = live.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                rows = [rows[j] for j in keep.tolist()]
-                tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
-            hidden = self.body(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                               past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
-            next_pos = next_pos + 1
-        return [_record(p, t) for p, t in zip(prompts, tokens, strict=True)]
-
-
-class _NativeGenerator:
-    """The target on the native CPU forward (runtime/kernels.py): every live answer of a batch advances in one
-    `forward_many` per step, which streams the weights once for all of them with no per-op dispatch, and in
-    `dtype` weights with fp32 activations (bf16: half the memory traffic, closer to the fp32 target than a bf16
-    body). Rows are computed identically whatever the batch, so an answer depends only on its prompt and generator."""
-
-    def __init__(self, target: Path, dtype: str):
-        from spectrt.runtime.model import Transformer
-
-        self.model = Transformer.load(target, _dtype(dtype))
-
-    @torch.inference_mode()
-    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int, temperature: float, eos: Sequence[int],
-                 pad_id: int, generators: Sequence[torch.Generator]) -> list[dict]:
-        model, window = self.model, 64
-        capacity = max(len(p) for p in prompts) + max_new_tokens + window
-        caches = model.new_caches(len(prompts), capacity, window)
-        causal = torch.ones(window, window, dtype=torch.bool).tril()
-        last = []
-        for prompt, cache in zip(prompts, caches, strict=True):  # prefill: compute-bound chunks, one prompt each
-            for start in range(0, len(prompt), window):
-                chunk = torch.tensor(prompt[start:start + window])
-                logits = model.forward(chunk, torch.arange(start, start + len(chunk)),
-                                       causal[:len(chunk), :len(chunk)], cache)
-                cache.commit(len(chunk))
-            last.append(logits[-1])
-        logits = torch.stack(last)
-        live = list(range(len(prompts)))
-        tokens: list[list[int]] = [[] for _ in prompts]
-        eos_set, one = set(eos), torch.ones(1, 1, dtype=torch.bool)
-        for step in range(max_new_tokens):
-            tok = _sample(logits, temperature, [generators[r] for r in live])
-            for j, r in enumerate(live):
-                tokens[r].append(int(tok[j]))
-            keep = [j for j, r in enumerate(live) if tokens[r][-1] not in eos_set]
-            if step == max_new_tokens - 1 or not keep:
-                break
-            live = [live[j] for j in keep]
-            segments = [(tok[j:j + 1], torch.tensor([caches[r].length]), one, caches[r])
-                        for j, r in zip(keep, live, strict=True)]
-            logits = torch.cat(model.forward_many(segments))
-            for r in live:
-                caches[r].commit(1)
-        return [_record(p, t) for p, t in zip(prompts, tokens, strict=True)]
 
 
 def _sample_key(key: str, sample: int) -> str:
@@ -302,37 +196,42 @@ def generate_distill_data(
             time_budget_s is not None and spent_before + now - t0 >= time_budget_s)
 
     if todo and not out_of_time():
+        from spectrt.build.generation import Request, generate
+        from spectrt.runtime.engine import load_engine
+        from spectrt.runtime.sampling import SamplingParams
+
         tokenizer = AutoTokenizer.from_pretrained(target)
         eos = _eos_ids(target, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-        from spectrt.runtime.kernels import native_unavailable
-
-        gen = (_NativeGenerator if native_unavailable() is None else _TargetGenerator)(target, key["dtype"])
+        engine = load_engine(target, "torch", ENGINE_DTYPES[key["dtype"]], measure_kernels=False)
         encoded = {k: _encode(tokenizer, unique[k], cfg.max_prompt_tokens) for k in {t[1] for t in todo}}
-        bs = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
-        # sort by prompt length within groups of 4 batches of one round: little padding, order stays random
-        group = 4 * bs
-        todo = [t for r in range(rounds) for part in [[t for t in todo if t[2] == r]]
-                for g in range(0, len(part), group)
-                for t in sorted(part[g:g + group], key=lambda t: len(encoded[t[1]]))]
+        requests = [Request(encoded[conv], SamplingParams(key["temperature"], seed=answer_seed(cfg.seed, conv, r))
+                            if key["temperature"] > 0 else SamplingParams(), key["max_new_tokens"], tag=ck)
+                    for ck, conv, r in todo]
         bar = tqdm(total=len(todo), desc="target answers" + (" (held-out)" if eval_set else ""),
                    unit="answer", disable=not progress)
-        for s in range(0, len(todo), bs):
+        saved = time.monotonic()
+
+        def save() -> None:
+            nonlocal generation_s, saved
+            atomic_save(cache, path)
+            generation_s, saved = time.monotonic() - t0, time.monotonic()
+            spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
+
+        batch = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
+        for request, ids, finish in generate(engine, requests, set(eos), batch):
+            # the end-of-sequence token is part of the answer (the draft learns where answers end); with several,
+            # the one that ended it is not known, and the answer keeps none
+            ended = [eos[0]] if finish == "stop" and len(eos) == 1 else []
+            cache[request.tag] = known[request.tag] = _record(request.prompt_ids, ids + ended)
+            generated_tokens += len(ids) + len(ended)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
+            if time.monotonic() - saved > 30:
+                save()
             if out_of_time():
                 break
-            chunk = todo[s:s + bs]
-            recs = gen.generate([encoded[t[1]] for t in chunk], key["max_new_tokens"], key["temperature"], eos, pad,
-                                [answer_generator(cfg.seed, t[1], t[2]) for t in chunk])
-            for (ck, _, _), rec in zip(chunk, recs, strict=True):
-                cache[ck] = known[ck] = rec
-                generated_tokens += len(rec["input_ids"]) - rec["prompt_len"]
-            atomic_save(cache, path)
-            generation_s = time.monotonic() - t0
-            spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
+        save()
         bar.close()
-        del gen
     keys = [_sample_key(k, r) for r in range(rounds) for k in unique if _sample_key(k, r) in known]
     records = [known[k] for k in keys]
     stats = {
@@ -528,35 +427,39 @@ def teacher_force(
 
 
 # --------------------------------------------------------------------------------------------------
-# Making the shipped answers: `python -m spectrt.build.corpus` (resumable: run it again until it says done)
+# Making the shipped answers: `python -m spectrt.build.corpus` (resumable: each call adds to the shipped file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from spectrt.build.checkpoint import resolve_target
 
-    p = argparse.ArgumentParser(description="generate the target's answers to the distillation and held-out prompts "
-                                "(resumable) and, once complete, write them as shipped package data")
+    p = argparse.ArgumentParser(description="generate the target's answers to the held-out and training prompts "
+                                "for a while and write every answer made so far as shipped package data (run it "
+                                "again to add more: answers already shipped are kept)")
     p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
     p.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
     p.add_argument("--out", type=Path, help="output stem (default: build/answers/<target name>)")
-    p.add_argument("--minutes", type=float, default=8.0, help="generation time for this call (then run it again)")
+    p.add_argument("--minutes", type=float, default=8.0, help="generation time for this call")
+    p.add_argument("--rounds", type=int, default=DistillConfig.samples_per_prompt,
+                   help="sampled answers per training prompt")
+    p.add_argument("--prompts", type=Path, nargs="+", default=[DISTILL_PROMPTS, SYNTH_PROMPTS],
+                   help="training prompt files")
     args = p.parse_args(argv)
     target = resolve_target(args.target)
-    cfg = DistillConfig()
+    cfg = DistillConfig(samples_per_prompt=args.rounds)
     deadline = time.monotonic() + 60 * args.minutes
-    sets = {}
-    for name, prompts, eval_set in (("eval", HELDOUT_PROMPTS, True), ("distill", DISTILL_PROMPTS, False)):
-        convs = read_prompts(prompts)
-        records, stats = generate_distill_data(target, convs, args.work_dir, cfg, eval_set=eval_set,
-                                               deadline=deadline, shipped=False)
+    fingerprint, sets = target_fingerprint(target), {}
+    train = [c for path in args.prompts for c in read_prompts(path)]
+    for name, convs, eval_set in (("eval", read_prompts(HELDOUT_PROMPTS), True), ("distill", train, False)):
+        _, stats = generate_distill_data(target, convs, args.work_dir, cfg, eval_set=eval_set, deadline=deadline)
+        key = cfg.generation_key(eval_set)
         rounds = 1 if eval_set else cfg.samples_per_prompt
-        print(f"{name}: {stats['answers']} of {len(convs) * rounds} answers, {stats['tokens']} answer tokens")
-        if stats["answers"] < len(convs) * rounds:
-            print("not complete yet: run the same command again")
-            return 1
-        cache = torch.load(stats["cache"], weights_only=True)
         wanted = {_sample_key(conv_key(c), r) for c in convs for r in range(rounds)}
-        sets[name] = (cfg.generation_key(eval_set), {k: v for k, v in cache.items() if k in wanted})
+        cached = torch.load(stats["cache"], weights_only=True) if Path(stats["cache"]).is_file() else {}
+        answers = {**load_shipped(fingerprint, key), **cached}
+        sets[name] = (key, {k: v for k, v in answers.items() if k in wanted})
+        print(f"{name}: {len(sets[name][1])} of {len(wanted)} answers, "
+              f"{sum(len(r['input_ids']) - r['prompt_len'] for r in sets[name][1].values())} answer tokens")
     out = write_shipped(args.out or ANSWERS_DIR / Path(target).name, target, sets)
     print(f"wrote {out}.json and {out}.tokens.xz")
     return 0

@@ -51,8 +51,8 @@ class DistillConfig:
     max_new_tokens: int = 128
     temperature: float = 0.7  # 0 = greedy
     samples_per_prompt: int = 4  # with sampling: more answers per prompt while the data budget lasts
-    gen_batch_size: int = 48
-    gen_dtype: str = "bfloat16"  # target precision for training data (see _TargetGenerator)
+    gen_batch_size: int = 32  # requests decoded together (build/generation.py)
+    gen_dtype: str = "bfloat16"  # target precision for training data: the fastest exact one on the native forward
     eval_dtype: str = "float32"  # held-out answers are the fp32 target's, as served
     eval_max_new_tokens: int = 96
     top_k: int = 32  # target log-probs kept per generated token
@@ -91,12 +91,12 @@ class DistillConfig:
 
     def generation_key(self, eval_set: bool) -> dict:
         """What decides the target's answers besides the target and the conversation (corpus caches, shipped data).
-        v5: answers only (log-probs come from teacher forcing), one sampling generator per answer."""
+        v6: answers only (log-probs come from teacher forcing), made by the decode loop with one seed per answer."""
         if eval_set:
             return {"dtype": self.eval_dtype, "temperature": 0.0, "max_new_tokens": self.eval_max_new_tokens,
-                    "max_prompt_tokens": self.max_prompt_tokens, "v": 5}
+                    "max_prompt_tokens": self.max_prompt_tokens, "v": 6}
         return {"dtype": self.gen_dtype, "temperature": self.temperature, "max_new_tokens": self.max_new_tokens,
-                "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 5}
+                "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 6}
 
 
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of CPUs with bf16 arithmetic

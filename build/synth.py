@@ -1,0 +1,127 @@
+"""Self-synthesized prompts (Magpie): the target writes the user turns its own draft will be trained on.
+
+Given only its pre-query template (the chat template's default system turn, then `<|im_start|>user\\n`), an instruct
+model writes a user message of the kind it was tuned on; answered by the same target, these give on-distribution
+training data at any scale with no download. Follow-up turns the same way: the template up to the next user turn of
+a conversation the target already answered. Every message is sampled through the one decode loop
+(build/generation.py) with its own seed, so a seed gives the same prompts on every machine the native forward runs
+on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable ASCII (English),
+not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
+
+`python -m spectrt.build.synth --count N` writes `build/prompts/synth.txt` (read by build/corpus.py like any corpus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from spectrt.build.corpus import HELDOUT_PROMPTS, SYNTH_PROMPTS, Conversation, read_prompts
+from spectrt.build.generation import Request, generate
+from spectrt.runtime.sampling import SamplingParams
+
+MARK = "\x00"  # a placeholder user message: the template up to it is the pre-query template
+TEMPERATURE, TOP_P = 1.0, 0.95  # Magpie samples the user turn at T=1 (top-p keeps the tail from derailing)
+MAX_USER_TOKENS = 96
+MIN_CHARS, MAX_CHARS = 12, 400
+CHUNK = 256  # requests per round of generation
+
+
+def pre_query_ids(tokenizer, history: Conversation = ()) -> list[int]:
+    """Token ids of the chat template up to where the next user message begins (after `history`, if any)."""
+    text = tokenizer.apply_chat_template([*history, {"role": "user", "content": MARK}], tokenize=False)
+    return tokenizer(text[:text.index(MARK)], add_special_tokens=False)["input_ids"]
+
+
+def normalized(text: str) -> str:
+    """What two messages share when one near-duplicates the other: lowercase words, the first 12."""
+    return " ".join(re.findall(r"[a-z0-9']+", text.lower())[:12])
+
+
+def acceptable(text: str) -> bool:
+    """A user message worth answering: not empty or runaway, mostly printable ASCII, a few letters."""
+    if not MIN_CHARS <= len(text) <= MAX_CHARS or MARK in text or "<|" in text:
+        return False
+    ascii_share = sum(32 <= ord(c) < 127 or c == "\n" for c in text) / len(text)
+    return ascii_share >= 0.95 and sum(c.isalpha() for c in text) >= 8
+
+
+def message_seed(seed: int, index: int, history: Conversation = ()) -> int:
+    """The sampling seed of message `index` (and of its conversation): the same on every machine."""
+    digest = hashlib.sha256(f"synth:{seed}:{index}:{json.dumps(history, sort_keys=True)}".encode()).hexdigest()
+    return int(digest[:15], 16)
+
+
+def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conversation] = (),
+               dtype: str = "auto", progress: bool = True, exclude: Sequence[Conversation] = ()) -> list[Conversation]:
+    """`count` new single-turn conversations, or with `histories` a follow-up user turn for each history that yields
+    an acceptable one; deduplicated against each other and `exclude`, in the seed's order."""
+    from spectrt.runtime.engine import load_engine
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    engine = load_engine(Path(target), "torch", dtype, measure_kernels=False)
+    end = {tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                                      if "<|im_end|>" in tokenizer.get_vocab() else set())
+    seen = {normalized(m["content"]) for conv in exclude for m in conv if m["role"] == "user"}
+    wanted = len(histories) if histories else count
+    out: list[Conversation] = []
+    bar = tqdm(total=wanted, desc="synthesizing user turns", unit="prompt", disable=not progress)
+    index = 0
+    while (index < len(histories)) if histories else (len(out) < count):
+        # single-turn: oversample 1.5x what is missing (about a third is filtered out); follow-ups: one per history;
+        # at most CHUNK a round, so the bar moves
+        todo = list(histories[index:index + CHUNK]) if histories else [
+            () for _ in range(min(CHUNK, max(8, int(1.5 * (count - len(out))))))]
+        requests = [Request(pre_query_ids(tokenizer, h), SamplingParams(TEMPERATURE, top_p=TOP_P,
+                                                                         seed=message_seed(seed, index + i, h)),
+                            MAX_USER_TOKENS, tag=index + i) for i, h in enumerate(todo)]
+        done = {request.tag: (ids, finish) for request, ids, finish in generate(engine, requests, end)}
+        for i, history in enumerate(todo):  # the seed's order, whatever order they finished in
+            ids, finish = done[index + i]
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            finished, key = finish == "stop", normalized(text)
+            if finished and acceptable(text) and key not in seen and (histories or len(out) < count):
+                seen.add(key)
+                out.append([*history, {"role": "user", "content": text}])
+                bar.update(0 if histories else 1)
+            bar.update(1 if histories else 0)
+        index += len(todo)
+    bar.close()
+    return out
+
+
+def write_prompts(path: Path, convs: Sequence[Conversation], header: str) -> None:
+    """A corpus file (build/corpus.py's format): a plain line per single-turn prompt without newlines, else JSON."""
+    lines = [f"# {h}" for h in header.splitlines()]
+    for conv in convs:
+        text = conv[0]["content"]
+        plain = len(conv) == 1 and "\n" not in text and not text.startswith(("[", "#")) and text == text.strip()
+        lines.append(text if plain else json.dumps(conv, ensure_ascii=False))
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from spectrt.build.checkpoint import resolve_target
+
+    p = argparse.ArgumentParser(description="self-synthesize user prompts with the target (Magpie)")
+    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
+    p.add_argument("--count", type=int, default=4000, help="single-turn prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=SYNTH_PROMPTS)
+    args = p.parse_args(argv)
+    target = resolve_target(args.target)
+    convs = synthesize(target, args.count, args.seed, exclude=read_prompts(HELDOUT_PROMPTS))
+    write_prompts(args.out, convs, f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
+                  f"python -m spectrt.build.synth --count {args.count} --seed {args.seed} (build/synth.py)")
+    print(f"wrote {len(convs)} prompts to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
