@@ -18,7 +18,7 @@ INSTANCES   ?= 1
 CONCURRENCY ?=
 OPENAI_PORT ?= 9000
 
-.PHONY: setup demo test bench profile tune draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
+.PHONY: setup demo test bench profile tune draft ship-draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,8 +37,14 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint
 	$(BIN)/python -c "from spectrt.build.checkpoint import resolve_target; print(resolve_target())"
 
-draft: setup  ## distilled draft for the embedded target (built once, then reused)
+draft: setup  ## the target's draft: the shipped one for the embedded target (installed in seconds), else trained
 	$(BIN)/spectrt draft
+
+ship-draft: setup  ## remake the shipped draft (about 2 hours on 2 cores): prompts and answers at scale, one long run
+	$(BIN)/python -m spectrt.build.synth --count 2000
+	$(BIN)/python -m spectrt.build.corpus --minutes 30
+	$(BIN)/spectrt draft --kind eagle3 --train --force --budget-minutes 55 --out artifacts/ship-eagle3
+	$(BIN)/python -m spectrt.build.draft artifacts/ship-eagle3
 
 TUNED := artifacts/.tuned-default
 

@@ -140,7 +140,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
-    from spectrt.build.draft import make_draft
+    from spectrt.build.draft import install_shipped, make_draft
     from spectrt.runtime.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
@@ -151,6 +151,17 @@ def cmd_draft(args: argparse.Namespace) -> int:
     if (out / "config.json").is_file() and report_path.is_file() and not args.force:
         print(f"reusing the draft in {out} (--force rebuilds it)")
         return 0
+    if not args.train and args.out is None:  # the draft trained once at scale for this very target, if shipped
+        try:
+            installed = install_shipped(target, default)
+        except ValueError as e:
+            print(f"{e}; training one here instead", file=sys.stderr)
+            installed = None
+        if installed is not None:
+            held = json.loads((installed / "draft_report.json").read_text())["heldout"]["distilled"]
+            print(f"installed the shipped draft in {installed} (held-out top-1 {held['top1']:.1%}; "
+                  "--train makes one here instead)")
+            return 0
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
                vocab_subset=args.vocab_subset)
     if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (runtime/propose.py)
@@ -309,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft head over the K most frequent ids of the target's answers (0: full vocabulary)")
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
+    d.add_argument("--train", action="store_true",
+                   help="train a draft here even where the package ships one for this target")
     d.set_defaults(func=cmd_draft)
 
     from spectrt.quant.quantize import CALIBRATION_PROMPTS, DEFAULT_SAMPLES

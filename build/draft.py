@@ -7,8 +7,9 @@
 
 Pipeline (`make_draft`), all inside one wall-clock budget, one job per module:
 
-1. **answers** (build/corpus.py): the target's answers to the distillation and held-out prompts, shipped with the
-   package for the embedded target (no generation), cached or generated for any other.
+1. **answers** (build/corpus.py): the target's answers to the written (`build/prompts/distill.txt`) and its own
+   self-synthesized prompts (`build/prompts/synth.txt`, build/synth.py) and to the held-out ones, shipped with the
+   package for the embedded target (no generation), cached or generated (build/generation.py) for any other.
 2. **teacher forcing** (build/corpus.py): one batched target forward per group of answers gives their top-k
    log-probs (and, for a head, the target's features), until the data share of the budget is spent.
 3. **subset** (`frequent_ids`): the K ids most frequent in the target's answers (FR-Spec): the draft's
@@ -21,11 +22,16 @@ A saved slice is a normal HF checkpoint plus, for a subset head, `draft_head.wei
 bit-identical to the target's) and `draft_head.ids` (their target ids) in model.safetensors and
 `spectrt_draft.vocab_subset = K` in config.json; runtime/model.py and build/export.py read them. A saved head is
 SpecForge's layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; runtime/eagle3.py).
+
+The shipped draft (`build/drafts/<target>/`, `ship_draft`): the best draft trained once at scale for the embedded
+target, bf16 weights, keyed by the target's weights checksum with a sha256 per file; `spectrt draft` installs it
+(`install_shipped`) instead of training, so every machine gets the same draft in seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -38,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from spectrt.build.corpus import (
     DISTILL_PROMPTS,
     HELDOUT_PROMPTS,
+    SYNTH_PROMPTS,
     conv_key,
     generate_distill_data,
     read_prompts,
@@ -47,12 +54,18 @@ from spectrt.build.corpus import (
 from spectrt.build.distill import DistillConfig, evaluate, frozen_names, load_draft, train_draft, trainable_names
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
 from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS, ModelConfig
+from spectrt.runtime.resources import package_path
 
 KINDS = ("slice", "eagle3")
+DRAFTS_DIR = package_path("build/drafts")  # drafts shipped with the package, one directory per target
+SHIP_NAME = "ship.json"
 
 DEFAULT_BUDGET_MINUTES = 10.0
 REPORT_NAME = "draft_report.json"
 STATE_NAME = "train_state.pt"
+SHIPPED_FILES = ("config.json", "model.safetensors", REPORT_NAME)
+SHIPPED_LIMIT_MB = 30
+TRAIN_PROMPTS = (DISTILL_PROMPTS, SYNTH_PROMPTS)  # the written prompts, then the target's own (build/synth.py)
 
 
 def frequent_ids(records: Sequence[dict], k: int, vocab: int) -> torch.Tensor:
@@ -110,7 +123,7 @@ def make_draft(
     kind: str = "slice",
     layers: int = 4,
     budget_minutes: float = DEFAULT_BUDGET_MINUTES,
-    prompts: Path = DISTILL_PROMPTS,
+    prompts: Path | Sequence[Path] = TRAIN_PROMPTS,
     heldout: Path = HELDOUT_PROMPTS,
     work_dir: Path | None = None,
     resume: bool = True,
@@ -140,11 +153,13 @@ def make_draft(
         raise ValueError(f"budget_minutes must be positive, got {budget_minutes}")
     if not (target / "config.json").is_file():
         raise ValueError(f"{target} is not a Hugging Face checkpoint (no config.json): pass the target's directory")
-    train_convs = read_prompts(prompts)
+    prompt_files = [Path(prompts)] if isinstance(prompts, (str, Path)) else [Path(p) for p in prompts]
+    train_convs = [conv for path in prompt_files for conv in read_prompts(path)]
     eval_convs = read_prompts(heldout)
     overlap = {conv_key(c) for c in train_convs} & {conv_key(c) for c in eval_convs}
     if overlap:
-        raise ValueError(f"{len(overlap)} held-out conversations also appear in {prompts}: remove them from one file")
+        raise ValueError(f"{len(overlap)} held-out conversations also appear in "
+                         f"{', '.join(map(str, prompt_files))}: remove them from one file")
     work_dir = Path(work_dir) if work_dir else out_dir.with_name(out_dir.name + ".work")
     slice_dir = slice_target(target, layers, work_dir / f"slice-{layers}") if kind == "slice" else None
     target_config = ModelConfig.from_dir(target)
@@ -243,9 +258,91 @@ def _train_eagle3(target, target_config, out_dir, features, records, eval_record
         work_dir / f"{STATE_NAME[:-3]}-{out_dir.name}-eagle3.pt", cfg,
         budget_s=_train_budget(deadline, untrained["tokens"]), max_steps=max_steps, resume=resume,
         progress=progress, tag=fingerprint, pad_id=pad,
+        evaluate=lambda m: evaluate_head(m, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad),
     )
     distilled = evaluate_head(model, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad)
     extra = {"distilled": True, "sliced_from": None, "target": str(target), "heldout_top1": distilled["top1"],
              "heldout_top3": distilled["top3"]}
     save_head(model, target, out_dir, features, extra)
     return untrained, distilled, train_stats, {"feature_layers": list(features)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The shipped draft: trained once at scale for the embedded target, installed instead of trained
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def ship_draft(draft_dir: Path, target: Path, out_dir: Path, command: str) -> Path:
+    """Write `draft_dir` (a trained draft of `target`) as package data in `out_dir`: its weights in bf16 (half the
+    bytes; the runtime casts them to its precision), config and report, and `ship.json` with the target's weights
+    checksum (no other target ever reads it), a sha256 per file and the `command` that remakes it."""
+    draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in load_file(draft_dir / "model.safetensors").items()}
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    for name in ("config.json", REPORT_NAME):
+        shutil.copy(draft_dir / name, out_dir / name)
+    size_mb = sum((out_dir / n).stat().st_size for n in SHIPPED_FILES) / 2**20
+    if size_mb > SHIPPED_LIMIT_MB:
+        raise ValueError(f"the draft takes {size_mb:.1f} MB: a shipped draft must stay under {SHIPPED_LIMIT_MB} MB")
+    meta = {"target": target_fingerprint(target), "target_name": Path(target).name, "command": command,
+            "sha256": {n: _sha256(out_dir / n) for n in SHIPPED_FILES}}
+    (out_dir / SHIP_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def shipped_draft(target: Path, drafts_dir: Path = DRAFTS_DIR) -> Path | None:
+    """The shipped draft made for exactly this target (its weights checksum), else None."""
+    metas = sorted(Path(drafts_dir).glob(f"*/{SHIP_NAME}")) if Path(drafts_dir).is_dir() else []
+    if not metas:
+        return None
+    fingerprint = target_fingerprint(target)
+    return next((m.parent for m in metas if json.loads(m.read_text()).get("target") == fingerprint), None)
+
+
+def install_shipped(target: Path, out_dir: Path, drafts_dir: Path = DRAFTS_DIR) -> Path | None:
+    """Copy the shipped draft of `target` into `out_dir` (with the target's tokenizer files), checked against its
+    sha256s; None when none was shipped for this target. Raises ValueError naming the file when one is corrupted."""
+    source = shipped_draft(target, drafts_dir)
+    if source is None:
+        return None
+    meta = json.loads((source / SHIP_NAME).read_text())
+    for name, digest in meta["sha256"].items():
+        if not (source / name).is_file() or _sha256(source / name) != digest:
+            raise ValueError(f"the shipped draft's {source / name} fails its sha256 (a corrupted package): "
+                             "reinstall spectrt")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in meta["sha256"]:
+        shutil.copy(source / name, out_dir / name)
+    for name in TOKENIZER_FILES:
+        if (Path(target) / name).is_file():
+            shutil.copy(Path(target) / name, out_dir / name)
+    return out_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m spectrt.build.draft DRAFT_DIR`: ship a trained draft of the embedded (or `--target`) target."""
+    import argparse
+
+    from spectrt.build.checkpoint import resolve_target
+
+    p = argparse.ArgumentParser(description="write a trained draft as the package's shipped draft for its target")
+    p.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
+    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
+    p.add_argument("--command", default="make ship-draft", help="the command that remade it (recorded)")
+    args = p.parse_args(argv)
+    target = resolve_target(args.target)
+    out = ship_draft(args.draft, target, DRAFTS_DIR / Path(target).name, args.command)
+    size = sum((out / n).stat().st_size for n in SHIPPED_FILES) / 2**20
+    print(f"shipped {args.draft} as {out} ({size:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -241,10 +241,14 @@ def train_head(
     on_step: Callable[[int, dict], None] | None = None,
     tag: str = "",
     pad_id: int = 0,
+    evaluate: Callable[[Eagle3Module], dict] | None = None,
+    evaluate_every_s: float = 300.0,
 ) -> tuple[Eagle3Module, dict]:
     """Train a head on teacher-forced `records` (with `features`, `top_ids`, `top_logp`); returns (module, stats).
 
-    Budget, checkpoint/resume, schedule and progress bar as `train_draft` (build/distill.py) for the slice.
+    Budget, checkpoint/resume, schedule and progress bar as `train_draft` (build/distill.py) for the slice. With
+    `evaluate` (module -> held-out metrics) the learning curve is measured every `evaluate_every_s` of training and
+    returned as `stats["curve"]`: minutes, steps, answer tokens seen, held-out top-1 by draft depth.
     """
     from tqdm.auto import tqdm
 
@@ -292,10 +296,28 @@ def train_head(
                desc=f"train EAGLE-3 head (ttt {cfg.ttt_steps})", unit="s" if budget_s else "step",
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
     stopped_by = "budget"
+    curve: list[dict] = []
+    evaluating_s = 0.0  # time spent measuring the curve, not counted against the training budget
+    last_eval = t0
+
+    def measure() -> None:
+        nonlocal evaluating_s, last_eval
+        start = time.monotonic()
+        model.eval()
+        metrics = evaluate(model)
+        model.train()
+        curve.append({"minutes": round((start - t0 - evaluating_s) / 60, 2), "steps": step,
+                      "answer_tokens_seen": seen, "heldout_top1": metrics["top1"],
+                      "heldout_top1_by_step": metrics["top1_by_step"]})
+        evaluating_s += time.monotonic() - start
+        last_eval = time.monotonic()
+
     model.train()
     try:
         while True:
-            elapsed = time.monotonic() - t0
+            if evaluate is not None and (not curve or time.monotonic() - last_eval > evaluate_every_s):
+                measure()
+            elapsed = time.monotonic() - t0 - evaluating_s
             if max_steps is not None and step >= max_steps:
                 stopped_by = "max_steps"
                 break
@@ -346,7 +368,7 @@ def train_head(
                 on_step(step, dict(run))
             now = time.monotonic()
             if budget_s:
-                bar.n = min(round(now - t0), bar.total)
+                bar.n = min(round(now - t0 - evaluating_s), bar.total)
             else:
                 bar.update(1)
             bar.set_postfix_str(f"step {step} loss {run['loss']:.3f} top1 {run['top1']:.2f} "
@@ -360,6 +382,8 @@ def train_head(
         raise
     bar.close()
     _save_state(state_path, model, names, opt, step, epoch, pos, meta, finished=True)
+    if evaluate is not None and curve[-1]["steps"] != step:
+        measure()
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -368,6 +392,8 @@ def train_head(
              "answer_tokens_this_run": seen, "epochs": round(epoch + pos / len(batches), 2),
              "batches_per_epoch": len(batches), "stopped_by": stopped_by,
              "final_running": {k_: round(v, 4) for k_, v in run.items()}}
+    if evaluate is not None:
+        stats["curve"] = curve
     return model, stats
 
 

@@ -524,17 +524,33 @@ def test_closed_form_gradient_matches_autograd(temperature):
     torch.testing.assert_close(grad, z.grad.float(), rtol=1e-4, atol=1e-5)
 
 
-def test_native_generator_greedy_answers_equal_the_decoder(target_dir):
-    """Target answers for distillation come from the native batched forward: greedy ones are the served AR output."""
-    from spectrt.build.corpus import _NativeGenerator
+def test_batched_generation_equals_each_request_alone(target_dir):
+    """Corpus answers and synthesized prompts come from the decode loop in batched mode: every output (greedy, and
+    sampled with its own seed) is what that request decodes alone, whatever else shared its steps."""
+    from spectrt.build.generation import Request, generate
     from spectrt.runtime.decoder import Decoder
+    from spectrt.runtime.engine import load_engine
+    from spectrt.runtime.sampling import SamplingParams
 
+    engine = load_engine(target_dir, "torch", "auto", measure_kernels=False)
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:8 + 3 * i]
                for i in range(3)]
-    gen = _NativeGenerator(target_dir, "float32")
-    records = gen.generate(prompts, 24, 0.0, [2], 0, [torch.Generator().manual_seed(0)] * len(prompts))
-    decoder = Decoder(gen.model, None, {2}, max_seq_len=128)
-    for prompt, rec in zip(prompts, records, strict=True):
-        answer = rec["input_ids"][rec["prompt_len"]:].tolist()
-        assert answer[:len(answer) - (answer[-1] == 2)] == decoder.generate(prompt, 24).token_ids
-        assert rec["prompt_len"] == len(prompt)
+    params = [SamplingParams(), SamplingParams(0.8, seed=11), SamplingParams(1.0, top_p=0.9, seed=12)]
+    requests = [Request(p, q, 20, tag=i) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
+    requests += [Request(prompts[0], params[1], 20, tag=3)]  # a prefix shared with a running request
+    batched = {r.tag: (ids, finish) for r, ids, finish in generate(engine, requests, {2}, batch=3)}
+    assert sorted(batched) == [0, 1, 2, 3]
+    for r in requests:
+        alone = Decoder(engine, None, {2}, max_seq_len=64).generate(r.prompt_ids, 20, params=r.params)
+        assert batched[r.tag] == (alone.token_ids, alone.finish_reason), r.tag
+    assert batched[1] == batched[3]  # same prompt, same seed
+
+
+def test_generated_answers_end_with_their_end_of_sequence_token(tiny, corpora, tmp_path):
+    """A finished answer keeps the end-of-sequence token (the draft learns where answers end); a cut one does not."""
+    cfg = T.DistillConfig(max_new_tokens=48, temperature=0.0)
+    records, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:6], tmp_path, cfg, progress=False)
+    ends = [(r["input_ids"][r["prompt_len"]:].tolist(), len(r["input_ids"]) - r["prompt_len"]) for r in records]
+    for answer, n in ends:
+        assert (answer[-1] == 2) or n == 48, answer
+        assert 2 not in answer[:-1]

@@ -504,18 +504,25 @@ def test_eagle3_resume_continues(tiny, corpora, tmp_path):
 
 
 def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path):
-    """The shipped answers are this generator's output for the embedded target: a few regenerated alone match token
-    for token (sampled training answers and greedy held-out answers), and their checksum holds."""
+    """The shipped answers are the decode loop's output for the embedded target: a few regenerated alone match token
+    for token (sampled training answers to a written and a synthesized prompt, a greedy held-out answer), every
+    training conversation and round has its shipped answer, and their checksum holds."""
     cfg = DistillConfig()
     fingerprint = C.target_fingerprint(target_dir)
-    cases = ((False, C.DISTILL_PROMPTS, [(0, 0), (17, 3)]), (True, C.HELDOUT_PROMPTS, [(5, 0)]))
-    for eval_set, prompts, picks in cases:
+    written, synth = C.read_prompts(C.DISTILL_PROMPTS), C.read_prompts(C.SYNTH_PROMPTS)
+    train = written + synth
+    held = C.read_prompts(C.HELDOUT_PROMPTS)
+    for eval_set, convs in ((False, train), (True, held)):
         shipped = C.load_shipped(fingerprint, cfg.generation_key(eval_set))
-        convs = C.read_prompts(prompts)
         rounds = 1 if eval_set else cfg.samples_per_prompt
-        assert len(shipped) == len(convs) * rounds  # every conversation, every round
-        for conv_index, sample in picks:
-            conv = convs[conv_index]
+        wanted = {C.conv_key(c) + (f"#{r}" if r else "") for c in convs for r in range(rounds)}
+        assert set(shipped) == wanted  # every conversation, every round
+        if eval_set:
+            picks = [(held[5], 0)]
+        else:  # the first shipped answer to a written prompt, and a second-round one to a synthesized prompt
+            picks = [next((c, 0) for c in written if C.conv_key(c) in shipped),
+                     next((c, 1) for c in synth[::-1] if C.conv_key(c) + "#1" in shipped)]
+        for conv_index, (conv, sample) in enumerate(picks):
             key = C.conv_key(conv) + (f"#{sample}" if sample else "")
             one = DistillConfig(samples_per_prompt=sample + 1)
             fresh, _ = C.generate_distill_data(target_dir, [conv], tmp_path / f"regen-{eval_set}-{conv_index}",
