@@ -130,12 +130,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------ any thread
     def reserve(self, rows: int) -> None:
-        """Room for `rows` more rows, checked before the request is parsed or tokenized (backpressure first)."""
+        """Room for `rows` more rows, checked before the request is parsed or tokenized (backpressure first).
+
+        Room is the free decoding slots plus `max_queue`: rows accepted but not admitted yet take the free slots
+        first (two requests arriving before the scheduler thread admitted the first both get a slot; counting
+        them against the queue alone refused the second whenever the thread was busy in a forward)."""
         with self.lock:
             if not self.accepting:
                 self.metrics.count("overloaded", rows)
                 raise Overloaded("the server is stopping: retry on another instance")
-            if self.reserved + rows > self.max_queue:
+            if self.reserved + rows > self.max_queue + len(self.decoder.free):
                 self.metrics.count("overloaded", rows)
                 raise Overloaded(f"overloaded: {self.reserved} requests are already queued (max_queue_size="
                                  f"{self.max_queue}); retry later")
@@ -276,9 +280,11 @@ class Scheduler:
                 return
             request = min(candidates, key=lambda r: r.active)  # stable: the oldest among equals
             i = request.waiting.pop(0)
-            self.release(1)
             job = request.rows[i].job
-            self.decoder.add(job)
+            try:  # the slot is taken before the reservation is given back: room is never counted twice
+                self.decoder.add(job)
+            finally:
+                self.release(1)
             request.active += 1
             self.metrics.count("admitted")
             self.metrics.count("prompt_tokens_cached", job.stats.cached_tokens)

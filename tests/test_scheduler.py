@@ -180,6 +180,24 @@ def test_fair_admission_and_overload(target, draft, tokenizer, encode):
     assert big.finals == small.finals == 1 and sched.metrics.counts["overloaded"] == 3
 
 
+def test_requests_arriving_before_admission_take_the_free_slots_first(target, draft, tokenizer, encode):
+    """Two slots, a queue of one: three requests reserved before the scheduler thread admits any are all accepted
+    (two slots and the queue), the fourth is refused. Counting unadmitted rows against the queue alone refused the
+    second whenever the thread was in a forward (the served overload test failed so on a busy machine)."""
+    sched = _scheduler(target, draft, tokenizer, max_active=2, max_queue=1)
+    sinks = [Sink() for _ in range(3)]
+    for sink in sinks:
+        _submit(sched, [_row(encode, tokenizer, max_tokens=4)], sink)
+    with pytest.raises(Overloaded, match="max_queue_size=1"):
+        sched.reserve(1)
+    sched.tick()
+    assert len(sched.decoder.active) == 2 and sched.reserved == 1
+    with pytest.raises(Overloaded):
+        sched.reserve(1)
+    _drive(sched, sinks)
+    assert all(s.finals == 1 for s in sinks) and sched.reserved == 0 and sched.metrics.counts["overloaded"] == 2
+
+
 def test_text_stop_string_ends_the_row_where_tokens_do_not_match(target, draft, tokenizer, encode):
     """A stop string found in the detokenized text (here: the answer's own second word) ends the row there, with the
     stop string included, whether or not its tokens appear as such."""
