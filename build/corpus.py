@@ -157,7 +157,7 @@ def generate_distill_data(
     Each conversation is answered once (round 0, in a seeded random order so that a deadline leaves a
     representative subset); with sampling (temperature > 0), further rounds draw new answers to the
     same prompts, up to `samples_per_prompt`. Answers shipped for this target and settings (`shipped`) and
-    cached ones are used first; the rest are generated, starting no new batch after `deadline`
+    cached ones are used first; the rest are generated, starting no new answer after `deadline`
     (time.monotonic()) or once this cache's generation seconds, summed over all calls, reach `time_budget_s`
     (so a rerun whose cache already holds its data budget generates nothing). Generated answers are cached (per
     target weights checksum, generation settings and conversation). Returns (records, stats).
@@ -218,7 +218,7 @@ def generate_distill_data(
             spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
 
         batch = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
-        for request, ids, finish in generate(engine, requests, set(eos), batch):
+        for request, ids, finish in generate(engine, requests, set(eos), batch, admit=lambda: not out_of_time()):
             # the end-of-sequence token is part of the answer (the draft learns where answers end); with several,
             # the one that ended it is not known, and the answer keeps none
             ended = [eos[0]] if finish == "stop" and len(eos) == 1 else []
@@ -228,8 +228,6 @@ def generate_distill_data(
             bar.set_postfix(tok_s=f"{generated_tokens / (time.monotonic() - t0):.0f}")
             if time.monotonic() - saved > 30:
                 save()
-            if out_of_time():
-                break
         save()
         bar.close()
     keys = [_sample_key(k, r) for r in range(rounds) for k in unique if _sample_key(k, r) in known]

@@ -9,7 +9,7 @@ regenerated alone (how the shipped files are tested).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from spectrt.runtime.decoder import Decoder, Job
@@ -32,17 +32,19 @@ class Request:
 
 
 def generate(target: Engine, requests: Sequence[Request], eos_ids: set[int], batch: int = DEFAULT_BATCH,
-             ) -> Iterator[tuple[Request, list[int], str]]:
-    """Yield (request, output ids, finish reason) as requests finish, admitting them in order as slots free up.
-    The output leaves out the end-of-sequence token (finish "stop") as every surface of the loop does."""
+             admit: Callable[[], bool] = lambda: True) -> Iterator[tuple[Request, list[int], str]]:
+    """Yield (request, output ids, finish reason) as requests finish, admitting them in order as slots free up
+    while `admit()` says so (a deadline: once it says no, what runs finishes and nothing new starts, so no
+    generated token is thrown away). The output leaves out the end-of-sequence token (finish "stop") as every
+    surface of the loop does."""
     if not requests:
         return
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     decoder = Decoder(target, None, eos_ids, max_seq_len=longest + 1, max_tree_tokens=64,
                       max_active=min(batch, len(requests)))
     waiting = list(requests)[::-1]
-    while waiting or decoder.active:
-        while waiting and decoder.free:
+    while (waiting and admit()) or decoder.active:
+        while waiting and decoder.free and admit():
             r = waiting.pop()
             decoder.add(Job(list(r.prompt_ids), r.max_new_tokens, None, r.params, tag=r))
         info = decoder.step()

@@ -537,7 +537,8 @@ def test_batched_generation_equals_each_request_alone(target_dir):
                for i in range(3)]
     params = [SamplingParams(), SamplingParams(0.8, seed=11), SamplingParams(1.0, top_p=0.9, seed=12)]
     requests = [Request(p, q, 20, tag=i) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
-    requests += [Request(prompts[0], params[1], 20, tag=3)]  # a prefix shared with a running request
+    # request 1's prompt and seed again, admitted when a slot frees (its prompt's KV may be reused): the same answer
+    requests += [Request(prompts[1], params[1], 20, tag=3)]
     batched = {r.tag: (ids, finish) for r, ids, finish in generate(engine, requests, {2}, batch=3)}
     assert sorted(batched) == [0, 1, 2, 3]
     for r in requests:
