@@ -30,6 +30,16 @@ CANCEL_CHECK_SECONDS = 0.1  # how often a request's sink is asked whether its cl
 IDLE_WAIT_SECONDS = 0.1  # how long an idle scheduler blocks waiting for work (the thread never spins)
 
 
+def warm_up(decoder: Decoder, prompts: list[list[int]], tree) -> None:
+    """Decode a few tokens of each prompt before serving (first forwards: allocator, scratch growth), raising
+    RuntimeError with the reason if any of them failed: a model whose forward fails would fail every request, so it
+    must not load READY (the decoder ends a failing job with finish "error" instead of raising)."""
+    jobs = decoder.run([Job(list(p), 4, tree) for p in prompts])
+    failed = next((job for job in jobs if job.finish == "error"), None)
+    if failed is not None:
+        raise RuntimeError(f"the warm-up request failed: {failed.error}") from failed.exception
+
+
 class Overloaded(Exception):
     """No room: the queue is full or the server is stopping (UNAVAILABLE; the client may retry)."""
 
@@ -241,6 +251,11 @@ class Scheduler:
         if not self.decoder.active:
             return
         info = self.decoder.step()
+        if info.fallback is not None:  # this step only: the next one is batched again
+            self.metrics.count("step_fallbacks")
+            LOG.warning("the batched step of %d row(s) failed (%s): each row was retried alone (requests %s)",
+                        info.active, info.fallback, sorted({job.tag[0].id for job in self.decoder.active}
+                                                           | {job.tag[0].id for job in info.finished}))
         self.metrics.count("steps")
         self.metrics.count("step_tokens", info.tokens)
         self.metrics.count("step_tree_tokens", info.tree_tokens)

@@ -137,11 +137,31 @@ def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, token
     assert sinks[2].events[-1][:2] == ("fail", "internal") and "a broken row" in sinks[2].events[-1][2]
     assert sinks[0].result().finish_reason in ("stop", "length") and sinks[1].result().output_tokens == 1
     assert sched.metrics.counts["failed"] == 1
+    fallbacks = sched.metrics.counts["step_fallbacks"]  # counted (and logged) for each batched step that failed
+    assert fallbacks >= 1
     monkeypatch.setattr(target, "forward_many", real)
     again = Sink()
     _submit(sched, [_row(encode, tokenizer, max_tokens=12)], again)
     _drive(sched, [again])
+    assert sched.metrics.counts["step_fallbacks"] == fallbacks  # batched again: no fallback is permanent
     assert again.result().text == sinks[0].result().text  # the same request, the same answer afterwards
+
+
+def test_a_warm_up_whose_forward_fails_raises_with_the_reason(target, draft, tokenizer, encode, monkeypatch):
+    """The served model warms up before it loads READY: a failing forward must fail the load, not end the warm-up
+    jobs with finish "error" and leave a READY model whose every request fails."""
+    from spectrt.runtime.scheduler import warm_up
+
+    sched = _scheduler(target, draft, tokenizer)
+    warm_up(sched.decoder, [encode("Hi"), encode("Hello")], None)  # a working model warms up silently
+
+    def broken(segments):
+        raise RuntimeError("no kernel for this CPU")
+
+    monkeypatch.setattr(target, "forward_many", broken)
+    with pytest.raises(RuntimeError, match="warm-up request failed: RuntimeError: no kernel for this CPU"):
+        warm_up(sched.decoder, [encode("Hi"), encode("Hello")], None)
+    assert not sched.decoder.active and len(sched.decoder.free) == 2
 
 
 def test_cancelled_and_expired_requests_free_their_slots(target, draft, tokenizer, encode):

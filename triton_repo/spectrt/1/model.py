@@ -55,6 +55,8 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "deadline_exceeded": ("spectrt_requests_deadline_exceeded_total", "Requests ended past their deadline"),
     "failed": ("spectrt_requests_failed_total", "Rows whose own step failed (the batch went on)"),
     "steps": ("spectrt_batch_steps_total", "Batched decoder steps (one target forward each)"),
+    "step_fallbacks": ("spectrt_batch_step_fallbacks_total", "Batched steps whose forward failed, each row then "
+                       "retried alone"),
     "scheduler_restarts": ("spectrt_scheduler_restarts_total", "Scheduler threads restarted after a crash"),
     "send_failed": ("spectrt_send_failures_total", "Responses the sender refused (that request alone ended)"),
     "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
@@ -63,6 +65,7 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
 }
 PER_STEP = {"steps", "step_tokens", "step_tree_tokens"}  # counted every step: sent to Triton in batches
 FLUSH_SECONDS = 0.5
+OBSERVATIONS_PER_FLUSH = 64
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
 HISTOGRAMS = {
@@ -86,6 +89,9 @@ class TritonMetrics:
     every one of them competes with the forward. So the per-step counters are summed here and sent at most every
     FLUSH_SECONDS, gauges only when their value changes, and any other event (a request admitted, finished,
     cancelled, refused) sends everything at once: a client holding its final response reads exact counters.
+    Histogram observations are queued and sent at most OBSERVATIONS_PER_FLUSH at a time with the counters and at
+    idle ticks: a finished request observes τ once per target pass (up to ~1,000), one round trip each, which
+    stalled the decode thread for every other request; they reach Prometheus within a few flushes.
     """
 
     def __init__(self, model: str):
@@ -98,6 +104,7 @@ class TritonMetrics:
                 extra = {"buckets": buckets[0]} if buckets else {}
                 self.metrics[key] = self.families[-1].Metric(labels=labels, **extra)
         self.pending: dict[str, float] = {}
+        self.observed: list[tuple[str, float]] = []  # histogram observations not sent yet
         self.gauges: dict[str, float] = {}
         self.flushed = time.monotonic()
         self.lock = threading.Lock()  # execute() counts refusals while the scheduler thread counts the rest
@@ -111,25 +118,34 @@ class TritonMetrics:
                 self.flush()
 
     def observe(self, name: str, value: float) -> None:
-        self.metrics[name].observe(value)
+        with self.lock:
+            self.observed.append((name, value))
 
     def gauge(self, name: str, value: float) -> None:
+        """Set a gauge (the scheduler sets its gauges every tick, busy or idle: queued observations drain here
+        too once FLUSH_SECONDS have passed)."""
         with self.lock:
-            if self.gauges.get(name) == value:
-                return
+            changed = self.gauges.get(name) != value
             self.gauges[name] = value
-        self.metrics[name].set(value)
+            due = bool(self.observed) and time.monotonic() - self.flushed >= FLUSH_SECONDS
+        if changed:
+            self.metrics[name].set(value)
+        if due:
+            self.flush()
 
-    def flush(self) -> None:
+    def flush(self, observations: int = OBSERVATIONS_PER_FLUSH) -> None:
         with self.lock:
             pending, self.pending = self.pending, {}
+            observed, self.observed = self.observed[:observations], self.observed[observations:]
             self.flushed = time.monotonic()
         for name, value in pending.items():
             self.metrics[name].increment(value)
+        for name, value in observed:
+            self.metrics[name].observe(value)
 
     def close(self) -> None:
         if self.metrics:
-            self.flush()
+            self.flush(len(self.observed))
         self.metrics, self.families = {}, []  # metrics first, then their families
 
 
@@ -257,10 +273,12 @@ class TritonPythonModel:
         except validator.RequestError as e:
             raise pb_utils.TritonModelException(f"model parameter tree: {e}") from None
         if _truthy(params.get("warmup", "true")):  # first forwards (allocator, scratch growth): now, not in a request
-            from spectrt.runtime.decoder import Job
+            from spectrt.runtime.scheduler import warm_up
 
-            decoder.run([Job(self.pipe.encode("Hi"), 4, self.default_tree),
-                         Job(self.pipe.encode("Hello"), 4, self.default_tree)])
+            try:
+                warm_up(decoder, [self.pipe.encode("Hi"), self.pipe.encode("Hello")], self.default_tree)
+            except RuntimeError as e:  # not READY: every request would fail the same way
+                raise pb_utils.TritonModelException(f"spectrt {self.instance}: {e}") from None
         self.drain_seconds = number("drain_seconds", 5.0, float)
         self.metrics = TritonMetrics(args["model_name"])
         self.scheduler = Scheduler(decoder, tokenizer, self.metrics, number("max_queue_size", 64),
