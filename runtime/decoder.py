@@ -47,8 +47,8 @@ from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
 AUTO = "auto"  # a job's tree: dynamic trees under the decoder's policy
-SCALE_PRIOR = 4.0  # pseudo-tokens behind the score scale's start at 1 (the tuned calibration taken as right)
-SCALE_DECAY = 0.98  # per dynamic tree verified: the scale follows the last ~50 request-steps
+SCALE_PRIOR = 4.0  # pseudo-tokens behind a job's score scale's start at 1 (the tuned calibration taken as right)
+SCALE_DECAY = 0.98  # per dynamic tree the job verified: its scale follows its last ~50 steps
 DRAFT_GAIN_PRIOR_STEPS = 4.0  # pseudo-steps of the policy's expected draft gain behind a job's estimate
 DRAFT_GAIN_DECAY = 0.95  # per drafted step: a job's estimate follows its last ~20 drafted steps
 DRAFT_GAIN_FORGET = 0.98  # per step not drafted: old evidence fades (half in ~35 steps) back to the prior
@@ -111,6 +111,31 @@ class DecodeStats:
 
 
 @dataclass
+class StepClock:
+    """Where the loop's time goes, summed over steps (seconds): the forwards, and the host work around them that a
+    speculative step must keep small (`spectrt profile` reports it per step at batch 1 and 8)."""
+
+    steps: int = 0
+    rows: int = 0  # active requests, summed over steps
+    total: float = 0.0
+    target: float = 0.0  # the target forward
+    draft: float = 0.0  # draft forwards (inside proposing)
+    propose: float = 0.0  # candidates, gate, drafting and the budget, draft forwards included
+    accept: float = 0.0  # verification, compaction, stop checks
+
+    def per_step_ms(self) -> dict[str, float]:
+        """ms per step: total, forwards, host (total - forwards) split into proposing, acceptance and the rest."""
+        n = max(self.steps, 1)
+        host = self.total - self.target - self.draft
+        parts = {"total": self.total, "target forward": self.target, "draft forwards": self.draft, "host": host,
+                 "host: propose": self.propose - self.draft, "host: accept": self.accept,
+                 "host: other": host - (self.propose - self.draft) - self.accept}
+        out = {k: round(1e3 * v / n, 3) for k, v in parts.items()}
+        out["host per request"] = round(1e3 * host / max(self.rows, 1), 3)
+        return out
+
+
+@dataclass
 class DecodeResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (end-of-sequence token or stop word) or "length" (max_new_tokens / max_seq_len)
@@ -151,6 +176,17 @@ class Job:
     exception: BaseException | None = field(default=None, repr=False)  # what ended it with "error"
     draft_gain: float | None = None  # expected tokens the draft adds per step, learned (set by `Decoder.add`)
     draft_evidence: tuple[float, float] = (0.0, 0.0)  # decayed (draft-only accepted tokens, drafted steps)
+    score_evidence: tuple[float, float] = (SCALE_PRIOR, SCALE_PRIOR)  # decayed (expected, accepted) tree tokens
+
+    @property
+    def score_scale(self) -> float:
+        """Accepted over expected tokens of this job's recent dynamic trees, applied to its candidate scores before
+        the budget. Why: scores are calibrated on single requests (`spectrt tune`); in a batch the budget verified
+        nodes whose calibrated promise was not kept (measured at batch 8, bf16: 0.80x plain batched decoding), and a
+        node only pays when its real acceptance beats the batched step's tokens per row. Per job, so one tenant's
+        hot sampled requests never shrink another's trees."""
+        expected, accepted = self.score_evidence
+        return min(max(accepted / expected, 0.2), 1.5)
 
 
 @dataclass
@@ -160,6 +196,7 @@ class StepInfo:
     tree_tokens: int = 0  # target rows spent on decoding trees (roots included)
     emitted: list[tuple[Job, list[int]]] = field(default_factory=list)  # new tokens per job, in order
     finished: list[Job] = field(default_factory=list)
+    fallback: str | None = None  # the batched forward failed and every job was retried alone: why
 
     @property
     def tokens(self) -> int:
@@ -237,9 +274,6 @@ class Decoder:
         elif draft is not None:
             self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens)
         self.suffix = SuffixProposer(max_active)
-        # online calibration of candidate scores: decayed sums of the tokens dynamic trees were expected to get
-        # accepted (the chosen nodes' scores) and of those they did; `_score_scale` is their ratio
-        self.expected_tokens, self.accepted_tokens = SCALE_PRIOR, SCALE_PRIOR
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
         self.policy = policy or Policy()
         self.free = list(range(max_active))[::-1]
@@ -247,6 +281,7 @@ class Decoder:
         self.prefix = PrefixIndex() if prefix_cache and self.prefix_refusal is None else None
         self.active: list[Job] = []
         self.record = False  # fill DecodeStats.trace (what `spectrt tune` measures acceptance from)
+        self.clock = StepClock()
 
     @property
     def policy(self) -> Policy:
@@ -304,6 +339,7 @@ class Decoder:
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
         job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `_learn_draft_gain`
+        job.score_evidence = (SCALE_PRIOR, SCALE_PRIOR)  # `Job.score_scale`
         job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids), cached_tokens=cached)
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
         job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
@@ -404,8 +440,17 @@ class Decoder:
     # ------------------------------------------------------------------------------------- one step
     def step(self) -> StepInfo:
         """One batched step over all active jobs: what each emitted and which finished (for streaming and metrics)."""
+        start = time.perf_counter()
         info = StepInfo(active=len(self.active))
         jobs = list(self.active)
+        try:
+            return self._step(jobs, info)
+        finally:
+            clock = self.clock
+            clock.steps, clock.rows = clock.steps + 1, clock.rows + len(jobs)
+            clock.total += time.perf_counter() - start
+
+    def _step(self, jobs: list[Job], info: StepInfo) -> StepInfo:
         snapshot = self._lengths(jobs)
         try:
             planned = self._forward(jobs, info)
@@ -416,7 +461,7 @@ class Decoder:
                 info.finished.append(jobs[0])
                 return info
             # isolate: each job alone; the ones that fail alone end, the rest advance as they would have
-            info = StepInfo(active=len(jobs))
+            info = StepInfo(active=len(jobs), fallback=f"{type(exc).__name__}: {exc}")
             for job in jobs:
                 alone = StepInfo()
                 one = self._lengths([job])
@@ -475,7 +520,12 @@ class Decoder:
                 seg = self.drafter.chunk(job.slot, job.ids, n + t)
                 if seg is not None:
                     draft_prefill.append(seg)
+        start = time.perf_counter()
+        drafted = self.drafter.forward_seconds if self.drafter is not None else 0.0
         cands = self._propose(decode, draft_prefill, len(prefill))
+        self.clock.propose += time.perf_counter() - start
+        if self.drafter is not None:
+            self.clock.draft += self.drafter.forward_seconds - drafted
         plans = []
         for cand in cands:
             trie = cand.trie
@@ -491,10 +541,12 @@ class Decoder:
             info.tree_tokens += len(tree)
         layers = self.drafter.feature_layers if self.drafter is not None else None
         features = [None] * len(segments)
+        start = time.perf_counter()
         if layers and segments:  # the head's inputs come out of the same target forward
             logits, features = self.target.forward_features(segments, layers)
         else:
             logits = self.target.forward_many(segments) if segments else []
+        self.clock.target += time.perf_counter() - start
         for (job, t), feats in zip(chunks, features[:len(chunks)], strict=True):
             cache = self.target_caches[job.slot]
             if feats is not None and self._drafts(job):
@@ -559,20 +611,13 @@ class Decoder:
                 if cand.job.suffix:
                     self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
                     cand.budget = len(cand.trie)
-        scale = self._score_scale()
-        sizes, _ = allocate([[x * scale for x in c.scores] for c in dynamic], [c.budget for c in dynamic], sunk, verify,
+        sizes, _ = allocate([[x * c.job.score_scale for x in c.scores] for c in dynamic], [c.budget for c in dynamic],
+                            sunk, verify,
                             sum(len(c.trie) for c in cands if c.static is not None), prefilling)
         for cand, size in zip(dynamic, sizes, strict=True):
             cand.chosen = size
             cand.expected = sum(cand.scores[:size - 1])
         return cands
-
-    def _score_scale(self) -> float:
-        """Accepted over expected tokens of recent dynamic trees, applied to every candidate score before the
-        budget. Why: scores are calibrated on single requests (`spectrt tune`); in a batch the budget verified
-        nodes whose calibrated promise was not kept (measured at batch 8, bf16: 0.80x plain batched decoding),
-        and a node only pays when its real acceptance beats the batched step's tokens per row."""
-        return min(max(self.accepted_tokens / self.expected_tokens, 0.2), 1.5)
 
     def _draft_may_pay(self, active: int, context: int) -> bool:
         """Whether one request's draft, at the policy's expected gain, pays for its pass at this load: else a prompt
@@ -607,8 +652,7 @@ class Decoder:
         if not grow:
             return drafting
         caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
-        scale = self._score_scale()
-        scores = [[x * scale for x in c.scores] for c in dynamic]
+        scores = [[x * c.job.score_scale for x in c.scores] for c in dynamic]
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
         gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
         catch_up = [self._catch_up(c.job) for c in grow]
@@ -639,6 +683,13 @@ class Decoder:
 
     # ------------------------------------------------------------------------------------- acceptance
     def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:
+        start = time.perf_counter()
+        try:
+            self._accept_each(planned, info)
+        finally:
+            self.clock.accept += time.perf_counter() - start
+
+    def _accept_each(self, planned: list[tuple], info: StepInfo) -> None:
         for cand, tree, order, tokens, logits, features in planned:
             job = cand.job
             try:
@@ -703,8 +754,8 @@ class Decoder:
                                          point, sampled)
         stats.accepted.append(len(path) - 1)
         if cand.static is None and cand.chosen > 1:  # the score scale's evidence
-            self.expected_tokens = SCALE_DECAY * self.expected_tokens + cand.expected
-            self.accepted_tokens = SCALE_DECAY * self.accepted_tokens + len(path) - 1
+            expected, accepted = job.score_evidence
+            job.score_evidence = (SCALE_DECAY * expected + cand.expected, SCALE_DECAY * accepted + len(path) - 1)
         if cand.drafted:  # what the draft alone brought this step: accepted nodes no other proposer offered
             kinds = [{kind for kind, _ in cand.keys.get(order[i], ())} for i in path[1:]]
             realized = sum(k == {"draft"} for k in kinds)

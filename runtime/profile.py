@@ -214,16 +214,68 @@ def load_cost_profile(target: Path, dtype: str, artifacts: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+class HeadRows:
+    """An EAGLE-3 head seen as an engine of (tokens, positions, mask, cache) segments, for the cost curves: each row's
+    input hidden state is random (a forward's cost does not depend on its values). The loop's draft pass of a head is
+    this forward: one level of rows after the committed ones (its catch-up rows are rows like any other)."""
+
+    def __init__(self, head):
+        self.head, self.config, self.native = head, head.config.model, None
+        self.hidden = torch.randn(max(T_VALUES) * max(SEGMENTS), self.config.hidden_size,
+                                  generator=torch.Generator().manual_seed(0))
+
+    def new_caches(self, slots: int, capacity: int, max_window: int) -> list:
+        return self.head.new_caches(slots, capacity, max_window)
+
+    def forward_many(self, segments) -> list[torch.Tensor]:
+        rows = [len(s[0]) for s in segments]
+        hidden = self.hidden[:sum(rows)].split(rows)
+        return [logits for logits, _ in self.head.forward_many([(*s, h) for s, h in zip(segments, hidden,
+                                                                                        strict=True)])]
+
+    def forward(self, tokens, positions, tree_mask, cache) -> torch.Tensor:
+        return self.forward_many([(tokens, positions, tree_mask, cache)])[0]
+
+
+def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, batches=(1, 8), tokens: int = 64,
+              prompts: int = 8) -> dict[str, dict[str, float]]:
+    """{batch: ms per step by part} of the decode loop itself under its default policy (`Decoder.clock`): the target
+    and draft forwards and the host work around them (proposing, acceptance, the rest), greedy, `prompts` chat
+    prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together."""
+    from spectrt.runtime.bench import DEFAULT_PROMPTS, read_prompts
+    from spectrt.runtime.decoder import AUTO, Job, StepClock
+    from spectrt.runtime.pipeline import Pipeline
+
+    pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches))
+    decoder = pipe.decoder
+    ids = [pipe.encode(p) for p in read_prompts(DEFAULT_PROMPTS)[:prompts]]
+    decoder.run([Job(ids[0], 8, AUTO)])  # warm-up
+    report = {}
+    for batch in batches:
+        decoder.clock = StepClock()
+        for start in range(0, len(ids), batch):
+            decoder.run([Job(list(p), tokens, AUTO, min_length=tokens) for p in ids[start:start + batch]])
+        report[str(batch)] = decoder.clock.per_step_ms()
+    return report
+
+
 def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, out_dir: Path,
                 repeats: int = 15) -> dict:
-    """Measure target (and draft) curves + breakdowns; save the cost profile and the report files."""
+    """Measure target (and draft) curves + breakdowns; save the cost profile and the report files. The draft is a
+    sliced model or an EAGLE-3 head (its forwards timed as `HeadRows`; no per-component breakdown)."""
+    from spectrt.runtime.eagle3 import Eagle3Head, is_eagle3
     from spectrt.runtime.engine import DTYPES, draft_dtype
 
     report = {"backend": "torch", "dtype": dtype, "threads": torch.get_num_threads(), "cpu": _cpu_name(),
               "cores": os.cpu_count(), "target_name": Path(target).name}
     engines = {"target": Transformer.load(target, DTYPES[dtype])}
-    if draft is not None:
-        engines["draft"] = Transformer.load(draft, DTYPES[draft_dtype("torch", dtype)])  # as the pipeline runs it
+    if draft is not None:  # in the precision the pipeline runs it
+        if is_eagle3(Path(draft)):
+            engines["draft"] = HeadRows(Eagle3Head.load(Path(draft), engines["target"],
+                                                        DTYPES[draft_dtype("torch", dtype)]))
+            report["draft_kind"] = "eagle3"
+        else:
+            engines["draft"] = Transformer.load(draft, DTYPES[draft_dtype("torch", dtype)])
         report["draft_dtype"] = draft_dtype("torch", dtype)
     report["native"] = engines["target"].native is not None
     report["breakdown"] = {}
@@ -232,7 +284,10 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
         before = one_pass(others[role]) if others[role] is not None else None
         report[role] = cost_curve(engine, repeats=repeats, label=role, before=before)
         report[f"{role}_batched"] = batched_curve(engine, repeats=max(5, repeats // 2), label=role, before=before)
-        report["breakdown"][role] = {str(t): breakdown(engine, t, repeats=repeats) for t in (1, 8)}
+        if not isinstance(engine, HeadRows):
+            report["breakdown"][role] = {str(t): breakdown(engine, t, repeats=repeats) for t in (1, 8)}
+    del engines, others
+    report["loop"] = loop_host(target, draft, dtype, artifacts)
     path = cost_profile_path(target, dtype, artifacts)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
@@ -271,8 +326,16 @@ def to_markdown(report: dict) -> str:
                 lines.append(f"| {segments} | " + " | ".join(f"{rows[str(r)]:.1f}" if str(r) in rows else "–"
                                                            for r in all_rows) + " |")
             lines.append("")
-        for t, parts in report["breakdown"][role].items():
+        for t, parts in report["breakdown"].get(role, {}).items():
             lines.append(f"breakdown at T={t}, context 128: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items()))
+        lines.append("")
+    loop = report.get("loop")
+    if loop:
+        names = list(next(iter(loop.values())))
+        lines += ["**the decode loop** (default policy, greedy, chat prompts; `Decoder.clock`) — ms per step", "",
+                  "| batch | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for batch, parts in loop.items():
+            lines.append(f"| {batch} | " + " | ".join(f"{parts[n]:.2f}" for n in names) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
 

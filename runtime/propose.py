@@ -20,6 +20,7 @@ decode loop (runtime/decoder.py) owns the order: suffix first (free), then the d
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,6 +113,7 @@ class DraftProposer:
 
     def __init__(self, engine: Engine, slots: int, capacity: int, window: int):
         self.engine, self.window = engine, window
+        self.forward_seconds = 0.0  # wall time of this proposer's engine calls (the decoder's `StepClock`)
         self.caches = engine.new_caches(slots, capacity, window)
         self.causal = torch.ones(window, window, dtype=torch.bool).tril()
 
@@ -203,7 +205,14 @@ class DraftProposer:
 
     def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
         """One draft forward over the segments: logits per segment."""
-        return self.engine.forward_many(segments)
+        return self._forward(segments)
+
+    def _forward(self, segments: list[Segment]) -> list:
+        start = time.perf_counter()
+        try:
+            return self.engine.forward_many(segments)
+        finally:
+            self.forward_seconds += time.perf_counter() - start
 
     def _children(self, drafting: list[_Drafting], depth: int) -> None:
         """Add this level's children under each request's frontier (one softmax/top-k for the batch where possible)."""
@@ -260,8 +269,9 @@ class DraftProposer:
         """
         cands = [d.cand for d in grow]
         budgets = [min(c.policy.budget, c.budget) for c in cands]
-        sizes, rate = allocate([c.scores for c in cands], budgets, sunk, verify, base_rows, plain)
-        gain = float(len(cands) + plain) + sum(sum(c.scores[:b - 1]) for c, b in zip(cands, sizes, strict=True))
+        scores = [[x * c.job.score_scale for x in c.scores] for c in cands]  # as the budget weighs them
+        sizes, rate = allocate(scores, budgets, sunk, verify, base_rows, plain)
+        gain = float(len(cands) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
         want, added, rows = {}, 0.0, 0
         for d, c, b, cap in zip(grow, cands, sizes, budgets, strict=True):
             if depth >= c.policy.depth:
@@ -272,7 +282,7 @@ class DraftProposer:
                      and (trie.parents[i] == 0 or trie.draft_slot[trie.parents[i]] >= 0)][:c.policy.width]
             if not picks or len(d.fed) + len(picks) > self.window:
                 continue
-            added += sum(trie.scores[i] for i in picks) * c.policy.calibration.draft_edge(d.top1)
+            added += sum(trie.scores[i] for i in picks) * c.policy.calibration.draft_edge(d.top1) * c.job.score_scale
             want[id(d)] = picks
             rows += min(b + len(picks), cap) - b
         if not want:
@@ -371,7 +381,7 @@ class Eagle3Proposer(DraftProposer):
 
     def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
         logits = []
-        for seg, (lg, hidden) in zip(segments, self.engine.forward_many(segments), strict=True):
+        for seg, (lg, hidden) in zip(segments, self._forward(segments), strict=True):
             nodes = self.fed_nodes.pop(id(seg[3]), None)
             if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
                 self.node_hidden[id(seg[3])] = {0: hidden[-1]}

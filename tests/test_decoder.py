@@ -280,7 +280,7 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
         for job, expected in zip(jobs, ar_outputs[:4], strict=True):
             assert job.out == expected[:64], name
         jobs_of[name] = jobs
-        scales[name] = decoder._score_scale()
+        scales[name] = sum(j.score_scale for j in jobs) / len(jobs)
     share = {name: sum(j.stats.draft_passes for j in jobs) / sum(j.stats.target_passes for j in jobs)
              for name, jobs in jobs_of.items()}
     accepted = sum(a for j in jobs_of["self"] for a in j.stats.accepted)
@@ -288,6 +288,21 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
     assert share["contrary"] < 0.5 * share["self"], share
     assert max(j.draft_gain for j in jobs_of["contrary"]) < min(j.draft_gain for j in jobs_of["self"])
     assert scales["contrary"] < min(1.0, scales["self"]), scales  # the wrong draft's promises were not kept
+
+
+def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
+    """The score scale is learned per request: hot sampled requests whose trees miss shrink their own scale, not that
+    of the greedy requests decoded beside them (a global scale let one tenant's traffic shrink everyone's trees)."""
+    from spectrt.runtime.decoder import SCALE_PRIOR
+
+    costs = Policy(budget=8, depth=2, width=2, suffix=False, verify_ms=((1, 1.0), (4, 1.2), (16, 1.8), (64, 4.0)),
+                   draft_ms=((1, 0.2), (64, 2.0)))
+    decoder = Decoder(target, target, EOS, max_seq_len=512, max_active=4, policy=costs)
+    greedy = [Job(list(ids), 48, AUTO) for ids in prompt_ids[:2]]
+    hot = [Job(list(ids), 48, AUTO, SamplingParams(2.0, seed=i)) for i, ids in enumerate(prompt_ids[2:4])]
+    decoder.run(greedy + hot)
+    assert all(j.score_evidence != (SCALE_PRIOR, SCALE_PRIOR) for j in greedy + hot)  # each learned its own
+    assert max(j.score_scale for j in hot) < min(j.score_scale for j in greedy)
 
 
 class Counting:
@@ -304,13 +319,16 @@ class Counting:
         return self.engine.forward_many(segments)
 
 
-def test_under_load_a_draft_that_cannot_pay_never_runs(target, prompt_ids, ar_outputs):
+@pytest.mark.parametrize("suffix", [False, True])
+def test_under_load_a_draft_that_cannot_pay_never_runs(target, prompt_ids, ar_outputs, suffix):
     """The costs a step weighs are the batched profile's at its own segment count: on a table where a speculative
-    row is free for one request and dear for four, four requests decode with no draft forward at all (not even
-    reading their prompts), and the same request alone drafts; outputs equal AR both ways."""
+    row is free for one request and dear for four, four requests decode exactly as plain batched decoding does: no
+    draft forward at all (not even reading their prompts, and no draft time on the loop's clock), one target row
+    per decoding request (suffix candidates, which cost no forward, add none either); the same request alone
+    drafts; outputs equal AR both ways."""
     flat = {str(r): 1.0 for r in (1, 2, 4, 8, 16, 32, 64)}
     steep = {s: {str(r): float(r) for r in (1, 2, 4, 8, 16, 32, 64) if r >= s} for s in (2, 4, 8)}
-    costs = Policy(budget=8, depth=2, width=2, suffix=False, draft_gain=0.9,
+    costs = Policy(budget=8, depth=2, width=2, suffix=suffix, draft_gain=0.9,
                    verify_batched=BatchedCost.from_json({"128": {"1": flat, **{str(s): t for s, t in steep.items()}}}),
                    draft_batched=BatchedCost.from_json({"128": {"1": {"1": 0.05, "64": 0.05}}}))
     draft = Counting(target)  # the target as its own draft: every node it proposes is accepted
@@ -319,8 +337,10 @@ def test_under_load_a_draft_that_cannot_pay_never_runs(target, prompt_ids, ar_ou
     for job in jobs:
         decoder.add(job)
     while len(decoder.active) == 4:
-        decoder.step()
+        info = decoder.step()
         assert draft.calls == 0 and all(decoder.drafter.caches[j.slot].length == 0 for j in jobs)
+        assert info.tree_tokens == sum(j.decoding for j in jobs)  # the roots alone
+    assert decoder.clock.draft == 0.0 and decoder.clock.steps > 0 and decoder.clock.target > 0
     decoder.run([])
     alone = Job(list(prompt_ids[0]), 64, AUTO)
     decoder.run([alone])

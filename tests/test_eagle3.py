@@ -561,3 +561,24 @@ def test_shipped_answers_are_never_used_by_another_target(tiny, corpora, tmp_pat
     (answers_dir / "tiny.tokens.xz").write_bytes(lzma.compress(bytes(data)))
     with pytest.raises(ValueError, match="fail their sha256"):
         C.load_shipped(fp, cfg.generation_key(False), answers_dir)
+
+
+def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
+    """`spectrt profile` with an EAGLE-3 head as the draft (the shipped draft is one): its cost curves come from the
+    head's own forwards, and the loop section splits a step into forwards and host work that add up."""
+    from spectrt.runtime import profile as P
+    from spectrt.runtime.eagle3 import Eagle3Head
+    from spectrt.runtime.model import Transformer
+
+    head = P.HeadRows(Eagle3Head.load(trained, Transformer.load(tiny), torch.float32))
+    curve = P.cost_curve(head, contexts=(16,), t_values=(1, 4), repeats=2)
+    batched = P.batched_curve(head, contexts=(16,), segments=(2,), repeats=2)
+    assert set(curve["16"]) == {"1", "4"} and all(ms > 0 for ms in curve["16"].values())
+    assert all(ms > 0 for ms in batched["16"]["2"].values())
+    loop = P.loop_host(tiny, trained, "fp32", tmp_path, batches=(1, 2), tokens=6, prompts=2)
+    for parts in loop.values():
+        assert parts["total"] > parts["target forward"] > 0 and parts["draft forwards"] >= 0
+        assert parts["host"] == pytest.approx(parts["total"] - parts["target forward"] - parts["draft forwards"],
+                                              abs=2e-3)
+        assert parts["host"] == pytest.approx(parts["host: propose"] + parts["host: accept"] + parts["host: other"],
+                                              abs=2e-3)
