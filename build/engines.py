@@ -395,6 +395,13 @@ def run(args: argparse.Namespace) -> Path:
     if not (draft / "config.json").is_file():
         raise EngineBuildError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
                                "or pass --draft")
+    from spectrt.runtime.eagle3 import is_eagle3
+
+    if is_eagle3(draft):  # the shipped draft of the embedded target is one
+        raise EngineBuildError(f"draft {draft} is an EAGLE-3 head: the exported graphs do not return the target's "
+                               "features it reads yet; pass a sliced draft (`spectrt draft --kind slice --train "
+                               f"--out {draft.with_name(draft.name.removesuffix('-draft') + '-slice')}`, what "
+                               "`make engines` does) as --draft")
     int8 = {}
     for item in args.int8_graph:
         role, _, path = item.partition("=")
