@@ -299,9 +299,11 @@ def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
                    draft_ms=((1, 0.2), (64, 2.0)))
     decoder = Decoder(target, target, EOS, max_seq_len=512, max_active=4, policy=costs)
     greedy = [Job(list(ids), 48, AUTO) for ids in prompt_ids[:2]]
-    hot = [Job(list(ids), 48, AUTO, SamplingParams(2.0, seed=i)) for i, ids in enumerate(prompt_ids[2:4])]
+    hot = [Job(list(ids), 48, AUTO, SamplingParams(1.5, seed=i)) for i, ids in enumerate(prompt_ids[2:4])]
     decoder.run(greedy + hot)
-    assert all(j.score_evidence != (SCALE_PRIOR, SCALE_PRIOR) for j in greedy + hot)  # each learned its own
+    # the greedy jobs' self-drafted nodes are always accepted, beyond their calibrated scores: their scales rose
+    assert all(j.score_evidence != (SCALE_PRIOR, SCALE_PRIOR) and j.score_scale > 1.0 for j in greedy)
+    # the hot jobs' trees (if any was verified) kept fewer promises; they did not pull the greedy ones down
     assert max(j.score_scale for j in hot) < min(j.score_scale for j in greedy)
 
 

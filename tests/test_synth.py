@@ -1,0 +1,104 @@
+"""Data and drafts at scale: self-synthesized prompts (build/synth.py) and the draft shipped with the package
+(build/draft.py ship_draft / install_shipped)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from spectrt.build import corpus as C
+from spectrt.build import draft as D
+from spectrt.build import synth as S
+
+
+def test_filters_keep_real_messages_and_drop_junk():
+    assert S.acceptable("How do I make a simple tomato sauce?")
+    for bad in ("Hi", "x" * 401, "Привет, как дела? Расскажи мне о погоде.", "<|im_start|>assistant hello there",
+                "1234567890 12345"):
+        assert not S.acceptable(bad), bad
+    assert S.normalized("How do I   START running?!") == S.normalized("how do i start running")
+    assert S.normalized(" ".join(["word"] * 12) + " tail one") == S.normalized(" ".join(["word"] * 12) + " other")
+
+
+def test_pre_query_template_is_the_chat_template_up_to_the_user_message(tokenizer):
+    text = tokenizer.decode(S.pre_query_ids(tokenizer))
+    assert text.endswith("<|im_start|>user\n") and "<|im_start|>system" in text
+    history = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    follow = tokenizer.decode(S.pre_query_ids(tokenizer, history))
+    assert follow.endswith("Blue.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_synthesized_prompts_are_deterministic_for_a_seed_and_unique(target_dir):
+    heldout = C.read_prompts(C.HELDOUT_PROMPTS)
+    first = S.synthesize(target_dir, 6, seed=3, progress=False, exclude=heldout)
+    assert first == S.synthesize(target_dir, 6, seed=3, progress=False, exclude=heldout)
+    assert len(first) == 6 and all(len(c) == 1 and c[0]["role"] == "user" and S.acceptable(c[0]["content"])
+                                   for c in first)
+    assert len({S.normalized(c[0]["content"]) for c in first}) == 6
+    assert first != S.synthesize(target_dir, 6, seed=4, progress=False)
+    follow = S.synthesize(target_dir, 0, seed=3, histories=[first[0] + [{"role": "assistant", "content": "Sure."}]],
+                          progress=False)
+    assert all(len(c) == 3 and c[-1]["role"] == "user" for c in follow)
+
+
+def test_shipped_prompts_are_a_corpus_disjoint_from_the_heldout_set():
+    synth = C.read_prompts(C.SYNTH_PROMPTS)
+    assert len(synth) >= 1000
+    keys = {C.conv_key(c) for c in synth}
+    assert len(keys) == len(synth) and not keys & {C.conv_key(c) for c in C.read_prompts(C.HELDOUT_PROMPTS)}
+
+
+# ------------------------------------------------------------------------------------------- the shipped draft
+
+
+def _fake_draft(path, scale: float = 1.0):
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    save_file({"fc.weight": torch.full((4, 12), scale), "d2t": torch.arange(4)}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    (path / "draft_report.json").write_text(json.dumps({"heldout": {"distilled": {"top1": 0.5}}}))
+    return path
+
+
+def test_a_shipped_draft_installs_only_for_its_target_and_refuses_corruption(tmp_path, target_dir):
+    from test_draft import make_tiny_target
+
+    tiny = make_tiny_target(tmp_path / "tiny")
+    other = make_tiny_target(tmp_path / "other", layers=2)
+    drafts = tmp_path / "drafts"
+    D.ship_draft(_fake_draft(tmp_path / "trained", 1.0 / 3), tiny, drafts / "tiny", "make it")
+    assert D.shipped_draft(tiny, drafts) == drafts / "tiny" and D.shipped_draft(other, drafts) is None
+    assert D.install_shipped(other, tmp_path / "no", drafts) is None and not (tmp_path / "no").exists()
+    out = D.install_shipped(tiny, tmp_path / "installed", drafts)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert weights["fc.weight"].dtype == torch.bfloat16 and weights["d2t"].dtype == torch.int64  # ids stay ids
+    assert (out / "tokenizer.json").is_file() and json.loads((drafts / "tiny" / "ship.json").read_text())[
+        "command"] == "make it"
+    data = bytearray((drafts / "tiny" / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (drafts / "tiny" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors fails its sha256"):
+        D.install_shipped(tiny, tmp_path / "again", drafts)
+
+
+def test_the_package_ships_a_draft_for_the_embedded_target_that_decodes_exactly(target_dir, tmp_path):
+    """The shipped draft belongs to the embedded target and through `Decoder` greedy trees equal AR (batch 1, 3)."""
+    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.tree import Tree
+
+    installed = D.install_shipped(target_dir, tmp_path / "draft")
+    assert installed is not None, "no shipped draft for the embedded target"
+    pipe = Pipeline(target_dir, installed, max_seq_len=256, measure_kernels=False, max_active=3)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:6 + 4 * i]
+               for i in range(3)]
+    decoder = pipe.decoder
+    ar = [decoder.generate(p, 24).token_ids for p in prompts]
+    assert [decoder.generate(p, 24, Tree.parse("2,2,1")).token_ids for p in prompts] == ar
+    from spectrt.runtime.decoder import Job
+
+    jobs = decoder.run([Job(p, 24, Tree.parse("2,2,1")) for p in prompts])
+    assert [j.out for j in jobs] == ar
