@@ -222,7 +222,6 @@ class Frontend:
         self.triton, self.template, self.served, self.timeout = triton, template, served, timeout
         self.loopback, self.api_key = is_loopback(host), api_key
         self.started = int(time.time())
-        self.stopping = False  # SIGTERM: no new connections; open answers get the drain, then end with an error
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors, self.guard], client_max_size=MAX_BODY_BYTES)
@@ -231,12 +230,8 @@ class Frontend:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
-        app.on_shutdown.append(self._stop)
         app.on_cleanup.append(self._close)
         return app
-
-    async def _stop(self, _app) -> None:
-        self.stopping = True
 
     async def _close(self, _app) -> None:
         await self.triton.client.close()
@@ -297,13 +292,6 @@ class Frontend:
         rid, sent, until = f"{prefix}-{uuid.uuid4().hex}", [], time.monotonic() + self.timeout
         try:
             return await asyncio.wait_for(self._answer(request, call, rid, sent, until), self.timeout)
-        except asyncio.CancelledError:
-            if not (self.stopping and sent):
-                raise  # the client went away (nobody to answer), or nothing began: the server closes it
-            # the drain ran out: a stream that began ends properly (error event, [DONE]), not cut mid-answer
-            await sent[0].write(Chunks.error(ApiError(503, "the server is stopping: retry the request", None,
-                                                      "unavailable")))
-            raise
         except asyncio.TimeoutError:
             error = ApiError(504, f"the request's deadline passed ({self.timeout:g} s; raise it with "
                                   "`spectrt serve --openai-timeout`)", None, "deadline_exceeded")
@@ -402,9 +390,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds (then 504)")
-    p.add_argument("--drain-seconds", type=float, default=5.0,
-                   help="at SIGTERM/SIGINT, open answers get this long to finish; a stream still open then ends with "
-                        "an error event and [DONE]")
     p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $SPECTRT_API_KEY; "
                         "a flag's value is visible in the process list, the variable or --api-key-file is not)")
@@ -421,9 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", args.host, args.port, args.grpc_url,
              args.model)
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request;
-    # shutdown_timeout: at SIGTERM/SIGINT open answers get the drain, then they are cancelled the same way
-    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True,
-                shutdown_timeout=args.drain_seconds,
+    # shutdown_timeout: open streams get 3 s at SIGTERM/SIGINT, then they are cancelled the same way
+    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=3.0,
                 print=None, access_log=logging.getLogger("spectrt.openai.access"),
                 access_log_format='%a "%r" %s %b %Tf')
     sys.exit(0)
