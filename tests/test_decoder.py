@@ -291,8 +291,8 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
 
 
 def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
-    """The score scale is learned per request: hot sampled requests whose trees miss shrink their own scale, not that
-    of the greedy requests decoded beside them (a global scale let one tenant's traffic shrink everyone's trees)."""
+    """The score scale is learned per request from its own trees (a decoder-wide scale let one tenant's hot sampled
+    requests shrink everyone's trees)."""
     from spectrt.runtime.decoder import SCALE_PRIOR
 
     costs = Policy(budget=8, depth=2, width=2, suffix=False, verify_ms=((1, 1.0), (4, 1.2), (16, 1.8), (64, 4.0)),
@@ -303,8 +303,9 @@ def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
     decoder.run(greedy + hot)
     # the greedy jobs' self-drafted nodes are always accepted, beyond their calibrated scores: their scales rose
     assert all(j.score_evidence != (SCALE_PRIOR, SCALE_PRIOR) and j.score_scale > 1.0 for j in greedy)
-    # the hot jobs' trees (if any was verified) kept fewer promises; they did not pull the greedy ones down
-    assert max(j.score_scale for j in hot) < min(j.score_scale for j in greedy)
+    # each job's own evidence: decoded in one batch, they end with scales of their own (one decoder-wide scale
+    # gave every job the same)
+    assert len({round(j.score_scale, 9) for j in greedy + hot}) == 4
 
 
 class Counting:

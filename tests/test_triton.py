@@ -226,13 +226,9 @@ def test_metrics_count_speculative_work(server, session):
     assert delta["spectrt_target_passes_total"] == r.perf["target_passes"] > 0
     assert delta["spectrt_draft_tokens_proposed_total"] == r.perf["total_draft_tokens"] > 0
     assert delta["spectrt_draft_tokens_accepted_total"] == r.perf["total_accepted_draft_tokens"]
+    assert delta["spectrt_tau_count"] == r.perf["target_passes"]
     assert delta["spectrt_requests_total"] == 1
-    # histogram observations are queued off the decode thread's path and sent within a few flushes
-    _wait_for(lambda: scrape_metrics(server)["spectrt_tau_count"] - before.get("spectrt_tau_count", 0.0)
-              == r.perf["target_passes"])
-    later = scrape_metrics(server)
-    ttft = "spectrt_time_to_first_token_seconds_count"
-    assert later[ttft] - before.get(ttft, 0.0) == 1  # observed before its τ values: sent before them
+    assert delta["spectrt_time_to_first_token_seconds_count"] == 1
 
 
 def _released(server) -> float:

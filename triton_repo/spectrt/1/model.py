@@ -65,7 +65,6 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
 }
 PER_STEP = {"steps", "step_tokens", "step_tree_tokens"}  # counted every step: sent to Triton in batches
 FLUSH_SECONDS = 0.5
-OBSERVATIONS_PER_FLUSH = 64
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
 HISTOGRAMS = {
@@ -89,9 +88,6 @@ class TritonMetrics:
     every one of them competes with the forward. So the per-step counters are summed here and sent at most every
     FLUSH_SECONDS, gauges only when their value changes, and any other event (a request admitted, finished,
     cancelled, refused) sends everything at once: a client holding its final response reads exact counters.
-    Histogram observations are queued and sent at most OBSERVATIONS_PER_FLUSH at a time with the counters and at
-    idle ticks: a finished request observes τ once per target pass (up to ~1,000), one round trip each, which
-    stalled the decode thread for every other request; they reach Prometheus within a few flushes.
     """
 
     def __init__(self, model: str):
@@ -104,7 +100,6 @@ class TritonMetrics:
                 extra = {"buckets": buckets[0]} if buckets else {}
                 self.metrics[key] = self.families[-1].Metric(labels=labels, **extra)
         self.pending: dict[str, float] = {}
-        self.observed: list[tuple[str, float]] = []  # histogram observations not sent yet
         self.gauges: dict[str, float] = {}
         self.flushed = time.monotonic()
         self.lock = threading.Lock()  # execute() counts refusals while the scheduler thread counts the rest
@@ -118,34 +113,25 @@ class TritonMetrics:
                 self.flush()
 
     def observe(self, name: str, value: float) -> None:
-        with self.lock:
-            self.observed.append((name, value))
+        self.metrics[name].observe(value)
 
     def gauge(self, name: str, value: float) -> None:
-        """Set a gauge (the scheduler sets its gauges every tick, busy or idle: queued observations drain here
-        too once FLUSH_SECONDS have passed)."""
         with self.lock:
-            changed = self.gauges.get(name) != value
+            if self.gauges.get(name) == value:
+                return
             self.gauges[name] = value
-            due = bool(self.observed) and time.monotonic() - self.flushed >= FLUSH_SECONDS
-        if changed:
-            self.metrics[name].set(value)
-        if due:
-            self.flush()
+        self.metrics[name].set(value)
 
-    def flush(self, observations: int = OBSERVATIONS_PER_FLUSH) -> None:
+    def flush(self) -> None:
         with self.lock:
             pending, self.pending = self.pending, {}
-            observed, self.observed = self.observed[:observations], self.observed[observations:]
             self.flushed = time.monotonic()
         for name, value in pending.items():
             self.metrics[name].increment(value)
-        for name, value in observed:
-            self.metrics[name].observe(value)
 
     def close(self) -> None:
         if self.metrics:
-            self.flush(len(self.observed))
+            self.flush()
         self.metrics, self.families = {}, []  # metrics first, then their families
 
 
