@@ -611,8 +611,7 @@ class Decoder:
                 if cand.job.suffix:
                     self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
                     cand.budget = len(cand.trie)
-        sizes, _ = allocate([[x * c.job.score_scale for x in c.scores] for c in dynamic], [c.budget for c in dynamic],
-                            sunk, verify,
+        sizes, _ = allocate([c.scaled_scores() for c in dynamic], [c.budget for c in dynamic], sunk, verify,
                             sum(len(c.trie) for c in cands if c.static is not None), prefilling)
         for cand, size in zip(dynamic, sizes, strict=True):
             cand.chosen = size
@@ -652,7 +651,7 @@ class Decoder:
         if not grow:
             return drafting
         caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
-        scores = [[x * c.job.score_scale for x in c.scores] for c in dynamic]
+        scores = [c.scaled_scores() for c in dynamic]
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
         gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
         catch_up = [self._catch_up(c.job) for c in grow]

@@ -58,6 +58,12 @@ class Candidates:
         """Non-root node scores, best first (what the budget rule ranks)."""
         return sorted(self.trie.scores[1:], reverse=True)
 
+    def scaled_scores(self) -> list[float]:
+        """`scores` times the job's score scale (`Job.score_scale`, read once): what the budget, the gate and the
+        draft's level decision weigh."""
+        scale = self.job.score_scale
+        return [x * scale for x in self.scores]
+
 
 class SuffixProposer:
     """Per-slot suffix index over each request's prompt and accepted tokens; proposals cost no forward."""
@@ -269,7 +275,7 @@ class DraftProposer:
         """
         cands = [d.cand for d in grow]
         budgets = [min(c.policy.budget, c.budget) for c in cands]
-        scores = [[x * c.job.score_scale for x in c.scores] for c in cands]  # as the budget weighs them
+        scores = [c.scaled_scores() for c in cands]  # as the budget weighs them
         sizes, rate = allocate(scores, budgets, sunk, verify, base_rows, plain)
         gain = float(len(cands) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
         want, added, rows = {}, 0.0, 0
