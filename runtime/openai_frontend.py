@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
@@ -218,10 +219,13 @@ class Frontend:
     needs `Authorization: Bearer <api_key>`."""
 
     def __init__(self, triton: Triton, template: ChatTemplate | None, served: str, timeout: float,
-                 host: str = "127.0.0.1", api_key: str | None = None):
+                 host: str = "127.0.0.1", api_key: str | None = None, drain_seconds: float = 5.0):
         self.triton, self.template, self.served, self.timeout = triton, template, served, timeout
         self.loopback, self.api_key = is_loopback(host), api_key
         self.started = int(time.time())
+        # a graceful stop: new answers are refused, open ones get `drain_seconds`, then `drained` ends them
+        self.drain_seconds, self.stopping, self.open_answers = drain_seconds, False, 0
+        self.drained = asyncio.Event()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors, self.guard], client_max_size=MAX_BODY_BYTES)
@@ -230,8 +234,21 @@ class Frontend:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.on_shutdown.append(self.drain)
         app.on_cleanup.append(self._close)
         return app
+
+    async def drain(self, _app=None) -> None:
+        """At SIGTERM/SIGINT (aiohttp runs this after it stopped listening, before it closes connections): open
+        answers get `drain_seconds` to finish, then each still open ends properly with a 503 "stopping" error (a
+        stream: an error event and [DONE]) instead of being cut mid-answer."""
+        self.stopping = True
+        deadline = time.monotonic() + self.drain_seconds
+        while self.open_answers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.drained.set()
+        while self.open_answers:  # each ends at once now: cancelled upstream, its error written
+            await asyncio.sleep(0.01)
 
     async def _close(self, _app) -> None:
         await self.triton.client.close()
@@ -288,17 +305,32 @@ class Frontend:
         return await self.answer(request, parse_completion(body, self.served, limits), "cmpl")
 
     async def answer(self, request: web.Request, call: Call, prefix: str) -> web.StreamResponse:
-        """Run the call under the request's deadline; past it, cancel upstream and answer 504."""
+        """Run the call until it ends, its deadline passes (504) or a stop's drain runs out (503); both cancel it
+        upstream, and a stream that began ends with an error event and [DONE] (its status is already 200)."""
+        if self.stopping:
+            raise ApiError(503, "the server is stopping: retry the request", None, "unavailable")
         rid, sent, until = f"{prefix}-{uuid.uuid4().hex}", [], time.monotonic() + self.timeout
+        work = asyncio.ensure_future(self._answer(request, call, rid, sent, until))
+        drained = asyncio.ensure_future(self.drained.wait())
+        self.open_answers += 1
         try:
-            return await asyncio.wait_for(self._answer(request, call, rid, sent, until), self.timeout)
-        except asyncio.TimeoutError:
-            error = ApiError(504, f"the request's deadline passed ({self.timeout:g} s; raise it with "
-                                  "`spectrt serve --openai-timeout`)", None, "deadline_exceeded")
+            done, _ = await asyncio.wait({work, drained}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            await _cancel(work)
+            if self.drained.is_set():
+                error = ApiError(503, "the server is stopping: retry the request", None, "unavailable")
+            else:
+                error = ApiError(504, f"the request's deadline passed ({self.timeout:g} s; raise it with "
+                                      "`spectrt serve --openai-timeout`)", None, "deadline_exceeded")
             if not sent:
-                raise error from None
-            await sent[0].write(Chunks.error(error))  # the stream began: its status is already 200
+                raise error
+            await sent[0].write(Chunks.error(error))
             return sent[0]
+        finally:  # also when the client went away (aiohttp cancels this handler): the upstream request goes too
+            drained.cancel()
+            await _cancel(work)
+            self.open_answers -= 1
 
     async def _answer(self, request: web.Request, call: Call, rid: str, sent: list,
                       until: float) -> web.StreamResponse:
@@ -349,6 +381,14 @@ class Frontend:
         return response
 
 
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it ended (its `finally` closed the upstream request)."""
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def _dumps(body: dict) -> str:
     return json.dumps(body, ensure_ascii=False)
 
@@ -390,6 +430,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds (then 504)")
+    p.add_argument("--drain-seconds", type=float, default=5.0,
+                   help="at SIGTERM/SIGINT open answers get this long to finish; one still open then ends with a 503 "
+                        "error (a stream: an error event and [DONE])")
     p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $SPECTRT_API_KEY; "
                         "a flag's value is visible in the process list, the variable or --api-key-file is not)")
@@ -401,13 +444,13 @@ def main(argv: list[str] | None = None) -> None:
 
     async def make_app() -> web.Application:  # the gRPC aio channel belongs to the server's event loop
         return Frontend(Triton(args.grpc_url, args.model), template, args.model, args.timeout, args.host,
-                        api_key or None).app()
+                        api_key or None, args.drain_seconds).app()
 
     LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", args.host, args.port, args.grpc_url,
              args.model)
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request;
-    # shutdown_timeout: open streams get 3 s at SIGTERM/SIGINT, then they are cancelled the same way
-    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=3.0,
+    # shutdown_timeout: what is left after Frontend.drain (on_shutdown) ended every open answer
+    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=1.0,
                 print=None, access_log=logging.getLogger("spectrt.openai.access"),
                 access_log_format='%a "%r" %s %b %Tf')
     sys.exit(0)

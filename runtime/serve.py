@@ -216,6 +216,8 @@ class TritonServer:
         self.openai_host = openai_host or host
         self.openai_port = None if openai_port is None else (openai_port or free_port(self.openai_host))
         self.openai_timeout = openai_timeout
+        # the model's drain at stop (its drain_seconds parameter), which the frontend's open answers get too
+        self.drain_seconds = float(self.params.get("drain_seconds") or 5.0)
         self.api_key = api_key  # the OpenAI endpoint's; handed over in a file of the run dir, not on a command line
         self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
         if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
@@ -292,6 +294,7 @@ class TritonServer:
         return [sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={grpc_host}:{self.grpc_port}",
                 f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
                 f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}",
+                f"--drain-seconds={self.drain_seconds:g}",
                 *([f"--api-key-file={self.run_dir / 'api-key'}"] if self.api_key else [])]
 
     def prepare(self) -> None:
@@ -315,7 +318,7 @@ class TritonServer:
                     "log": None if self.console else str(self.log_path), "shm_prefix": self.shm_prefix,
                     "remove_dir": None if self.run_parent else str(self.run_dir), "exit_timeout": self.exit_timeout,
                     "frontend": None if self.openai_port is None else {
-                        "command": self.frontend_command(),
+                        "command": self.frontend_command(), "grace": self.drain_seconds + 5,
                         "log": None if self.console else str(self.run_dir / "openai.log")}}
             read_fd, write_fd = os.pipe()
             self._report_fd = read_fd

@@ -15,14 +15,16 @@ it stops, an interpreter crash. So this small process (standard library only, ru
   prefix) and, if told to, the run directory. Further signals during the stop are ignored: it always finishes.
 - The server gets PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of this process cannot leave it running.
 - The frontend (optional) is started and stopped with the server, and gets the same PDEATHSIG. It is stopped first
-  (SIGTERM: it closes its connections, which cancels their requests upstream; then SIGKILL to its group), and if
+  (SIGTERM: its open answers get the drain, then a stream still open ends with an error event and its connection
+  closes, which cancels its request upstream; SIGKILL to its group after `grace` seconds), and if
   either process exits on its own the other is stopped too: the deployment is up as a whole or not at all.
 
 Argument: one JSON object {command, cwd, log (file or null: inherit stdout), shm_prefix, remove_dir (or null),
-exit_timeout, report_fd, frontend (null or {command, log})}. On report_fd it writes "pid N" once the server runs
-("frontend_pid N" once the frontend does), "frontend_exit CODE" once the frontend is stopped and reaped, and "exit
-CODE" once the server has exited and its group is reaped; the run directory goes only after the launcher's "stop"
-(or death), so that a launcher whose server died can still read the log.
+exit_timeout, report_fd, frontend (null or {command, log, grace: seconds from its SIGTERM to SIGKILL})}. On
+report_fd it writes "pid N" once the server runs ("frontend_pid N" once the frontend does), "frontend_exit CODE"
+once the frontend is stopped and reaped, and "exit CODE" once the server has exited and its group is reaped; the run
+directory goes only after the launcher's "stop" (or death), so that a launcher whose server died can still read the
+log.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def main(spec: dict) -> int:
                    and not sel.select(timeout=0.2)):
                 pass
             if front is not None:
-                _say(report, f"frontend_exit {stop_frontend(front)}")
+                _say(report, f"frontend_exit {stop_frontend(front, front_spec.get('grace', 5.0))}")
             code = stop(proc, spec["exit_timeout"])
             sweep_shm(spec["shm_prefix"])
             _say(report, f"exit {code}")

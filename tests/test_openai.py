@@ -24,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from aiohttp import web
 from conftest import launch_serve, scrape_metrics
 from spectrt.runtime.client import GrpcSession
 from spectrt.runtime.openai_api import (
@@ -223,6 +224,9 @@ class _RefusingStream:
         pass
 
 
+FRONTEND = web.AppKey("frontend", Frontend)
+
+
 def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: _FakeGrpc | None = None):
     """Run `calls(client, triton, fake)` against an in-process frontend whose Triton is `_FakeGrpc`."""
     import asyncio
@@ -233,7 +237,9 @@ def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: 
         triton = Triton("127.0.0.1:1", "spectrt")
         await triton.client.close()
         triton.client = grpc = fake or _FakeGrpc()
-        app = Frontend(triton, None, "spectrt", 5.0, host, api_key).app()
+        frontend = Frontend(triton, None, "spectrt", 5.0, host, api_key)
+        app = frontend.app()
+        app[FRONTEND] = frontend
         async with TestClient(TestServer(app)) as client:
             return await calls(client, triton, grpc)
 
@@ -300,6 +306,52 @@ def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
                 "Host": "attacker.example", "Authorization": "Bearer s3cret"})).status]
 
     assert _frontend(keyed, host="0.0.0.0", api_key="s3cret") == [401, 401, 200, 200, 200]  # any Host off loopback
+
+
+def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
+    """At a stop (aiohttp's on_shutdown) open answers get the drain: one that ends within it ends as usual; a stream
+    still open then ends with a 503 "stopping" error event and [DONE], and its upstream request is cancelled; a
+    request arriving during the stop is refused with 503. Streams used to be cut after 3 s with neither."""
+    import asyncio
+
+    from spectrt.runtime.openai_frontend import Piece
+
+    cancelled = []
+
+    async def generate(fields, rid):  # the model: `short` answers end after 3 pieces, the rest never end
+        try:
+            for i in range(3 if fields["max_tokens"] == 3 else 10**6):
+                await asyncio.sleep(0.02)
+                yield Piece(text=f"w{i} ", tokens=1, prompt_tokens=2)
+            yield Piece(final=True, finish_reason="length", prompt_tokens=2)
+        finally:
+            cancelled.append(fields["max_tokens"])
+
+    async def calls(client, triton, fake):
+        triton.generate = generate
+        frontend = client.server.app[FRONTEND]
+        frontend.drain_seconds = 0.3
+        long = await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi", "max_tokens": 40,
+                                                          "stream": True})
+        first = await long.content.readline()  # the stream has begun
+        short = asyncio.ensure_future(client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi",
+                                                                           "max_tokens": 3}))
+        await asyncio.sleep(0.01)
+        stop = asyncio.ensure_future(frontend.drain())
+        await asyncio.sleep(0.05)
+        late = await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi", "max_tokens": 3})
+        await stop
+        events = [line for line in (first + await long.read()).split(b"\n") if line.startswith(b"data: ")]
+        short = await short
+        return (events, (short.status, (await short.json())["choices"][0]["text"]),
+                (late.status, (await late.json())["error"]["code"]), frontend.open_answers)
+
+    events, short, late, still_open = _frontend(calls)
+    assert short == (200, "w0 w1 w2 ") and late == (503, "unavailable") and still_open == 0
+    assert events[-1] == b"data: [DONE]" and b'"finish_reason":"length"' not in b"".join(events)
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "unavailable" and "stopping" in error["message"]
+    assert sorted(cancelled) == [3, 40]  # the long one's upstream generator was closed too
 
 
 # --------------------------------------------------------------------------- end to end
@@ -750,3 +802,33 @@ def test_frontend_that_dies_takes_the_deployment_down():
     assert proc.wait(timeout=120) == 1
     assert "tritonserver exited" in proc.stderr.read()
     _assert_all_gone(info)
+
+
+def test_a_graceful_stop_ends_an_open_stream_with_an_error_event_and_done(target_dir, draft_dir):
+    """Over the wire: a stop while a stream runs past the drain (here 1 s) ends the stream properly, with an error
+    event saying the server is stopping and `data: [DONE]`; it used to be cut after 3 s with neither."""
+    import threading
+
+    params = {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": 512,
+              "max_tokens_limit": BUSY, "threads": 1, "measure_kernels": "false", "warmup": "false",
+              "drain_seconds": "1"}
+    srv = TritonServer(params, instances=1, ready_timeout=300, openai_port=0)
+    srv.start()
+    try:
+        sock = _open(srv, {"max_tokens": BUSY, "min_tokens": BUSY, "stream": True, "tree": "none"})
+        received = b""
+        while b"data: {" not in received:  # the stream has begun
+            received += sock.recv(65536)
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()
+        while chunk := sock.recv(65536):  # until the frontend closes the connection
+            received += chunk
+        sock.close()
+        stopper.join(timeout=120)
+    finally:
+        srv.stop()
+    events = [line for line in received.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]", received[-400:]
+    error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "unavailable" and "stopping" in error["message"]
+    assert b'"finish_reason":"length"' not in received  # it did not run to its end
