@@ -111,6 +111,9 @@ def test_streamed_text_equals_the_tokens_and_every_request_ends_once(target, dra
             assert result.output_tokens == len(row.job.out) and result.finish_reason in ("stop", "length")
     assert sched.metrics.counts["requests"] == 4 and sched.reserved == 0
     assert not sched.decoder.active and len(sched.decoder.free) == 2
+    # one tau observation per finished request (not one per target pass: each is a round trip to tritonserver)
+    assert sorted(sched.metrics.observations["tau"]) == sorted(len(row.job.out) / row.job.stats.target_passes
+                                                               for r in rows for row in r)
 
 
 def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, tokenizer, encode, monkeypatch):

@@ -226,7 +226,8 @@ def test_metrics_count_speculative_work(server, session):
     assert delta["spectrt_target_passes_total"] == r.perf["target_passes"] > 0
     assert delta["spectrt_draft_tokens_proposed_total"] == r.perf["total_draft_tokens"] > 0
     assert delta["spectrt_draft_tokens_accepted_total"] == r.perf["total_accepted_draft_tokens"]
-    assert delta["spectrt_tau_count"] == r.perf["target_passes"]
+    assert delta["spectrt_tau_count"] == 1  # one observation per request (N8): its own tau
+    assert delta["spectrt_tau_sum"] == pytest.approx(r.perf["output_tokens"] / r.perf["target_passes"], rel=1e-6)
     assert delta["spectrt_requests_total"] == 1
     assert delta["spectrt_time_to_first_token_seconds_count"] == 1
 

@@ -68,8 +68,9 @@ FLUSH_SECONDS = 0.5
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
 HISTOGRAMS = {
-    "tau": ("spectrt_tau", "Tokens emitted per target pass (tau; _sum/_count is the mean)",
-            [1, 2, 3, 4, 5, 6, 8, 12, 16]),
+    "tau": ("spectrt_tau", "Each finished request's tokens per target pass (tau); the mean over all tokens is "
+            "spectrt_tokens_generated_total / spectrt_target_passes_total",
+            [1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 6, 8, 16]),
     "ttft": ("spectrt_time_to_first_token_seconds", "Request arrival to first text chunk",
              [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]),
     "queue_seconds": ("spectrt_queue_seconds", "Request arrival to its decoding slot",
