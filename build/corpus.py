@@ -197,8 +197,8 @@ def generate_distill_data(
 
     if todo and not out_of_time():
         from spectrt.build.generation import Request, generate
-        from spectrt.runtime.engine import load_engine
-        from spectrt.runtime.sampling import SamplingParams
+        from spectrt.runtime.decoding.sampling import SamplingParams
+        from spectrt.runtime.engines.engine import load_engine
 
         tokenizer = AutoTokenizer.from_pretrained(target)
         eos = _eos_ids(target, tokenizer)
@@ -384,8 +384,8 @@ def teacher_force(
     per forward (about `rows_per_call` rows), and none is started after `deadline`: what is returned is a
     representative subset. `target` is a checkpoint dir or a loaded `Transformer`. Returns (records, stats).
     """
-    from spectrt.runtime.kernels import native_unavailable
-    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.engines.kernels import native_unavailable
+    from spectrt.runtime.engines.model import Transformer
     from tqdm.auto import tqdm
 
     _steady_heap()

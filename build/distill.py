@@ -4,7 +4,7 @@ loss = kl_weight * KL(target || draft) + ce_weight * CE(target argmax) at the ge
 exact on the coarsened distribution {top-k ids, "everything else"}. Embeddings, LM head (tied in SmolLM2)
 and final norm are frozen and stay bit-identical to the target's. With a vocabulary-subset head (FR-Spec,
 `vocab_subset`), the draft's softmax runs over the subset's ids only, exactly as it is served
-(runtime/model.py `_logits`): target ids outside it count as "everything else". AdamW, bf16 autocast, WSD
+(runtime/engines/model.py `_logits`): target ids outside it count as "everything else". AdamW, bf16 autocast, WSD
 schedule (warmup, constant, linear decay over the last part of the time budget), checkpoint + resume, tqdm
 bar with loss and ETA.
 """
@@ -107,7 +107,7 @@ def bf16_pays(native: bool = False, flags: set[str] | None = None) -> bool:
     weight bytes), on torch (training's autocast, a torch-path target) only where the CPU has bf16 arithmetic
     (AVX512-BF16 or AMX-BF16; `flags`: this CPU's by default). Elsewhere oneDNN emulates bf16, slower than fp32,
     so fp32 runs. Every trainer and the teacher-forcing target take their precision from here."""
-    from spectrt.runtime.kernels import cpu_flags
+    from spectrt.runtime.engines.kernels import cpu_flags
 
     return native or bool(BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
 

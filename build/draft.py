@@ -2,7 +2,7 @@
 
 - `slice`: the target's first K layers (build/slice.py), sharing its tokenizer, embeddings, final norm and LM head,
   distilled (build/distill.py); a normal HF checkpoint the runtime loads like any model.
-- `eagle3`: a feature-level EAGLE-3 head (build/eagle3.py, runtime/eagle3.py) that drafts from the target's own
+- `eagle3`: a feature-level EAGLE-3 head (build/eagle3.py, runtime/engines/eagle3.py) that drafts from the target's own
   low/mid/high hidden states, written in SpecForge's checkpoint layout.
 
 Pipeline (`make_draft`), all inside one wall-clock budget, one job per module:
@@ -20,8 +20,8 @@ Pipeline (`make_draft`), all inside one wall-clock budget, one job per module:
 
 A saved slice is a normal HF checkpoint plus, for a subset head, `draft_head.weight` (the head's K rows,
 bit-identical to the target's) and `draft_head.ids` (their target ids) in model.safetensors and
-`spectrt_draft.vocab_subset = K` in config.json; runtime/model.py and build/export.py read them. A saved head is
-SpecForge's layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; runtime/eagle3.py).
+`spectrt_draft.vocab_subset = K` in config.json; runtime/engines/model.py and build/export.py read them. A saved head is
+SpecForge's layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`; runtime/engines/eagle3.py).
 
 The shipped draft (`build/drafts/<target>/`, `ship_draft`): the best draft trained once at scale for the embedded
 target, bf16 weights, keyed by the target's weights checksum with a sha256 per file; `spectrt draft` installs it
@@ -53,7 +53,7 @@ from spectrt.build.corpus import (
 )
 from spectrt.build.distill import DistillConfig, evaluate, frozen_names, load_draft, train_draft, trainable_names
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
-from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS, ModelConfig
+from spectrt.runtime.engines.model import SUBSET_HEAD, SUBSET_IDS, ModelConfig
 from spectrt.runtime.resources import package_path
 
 KINDS = ("slice", "eagle3")
@@ -88,7 +88,7 @@ def save_draft(model, slice_dir: Path, out_dir: Path, trainable: Sequence[str], 
 
     Frozen tensors are copied from the slice file itself, so they are bit-identical to the target's;
     this is checked against the live model too. With `vocab_ids` the subset head's rows (copied from the
-    slice's head) and ids are added (runtime/model.py SUBSET_HEAD, SUBSET_IDS).
+    slice's head) and ids are added (runtime/engines/model.py SUBSET_HEAD, SUBSET_IDS).
     """
     slice_dir, out_dir = Path(slice_dir), Path(out_dir)
     state = load_file(slice_dir / "model.safetensors")
@@ -171,7 +171,7 @@ def make_draft(
     budget_s = budget_minutes * 60
     deadline = t_start + budget_s
     if kind == "eagle3":
-        from spectrt.runtime.eagle3 import default_feature_layers
+        from spectrt.runtime.engines.eagle3 import default_feature_layers
 
         features = default_feature_layers(target_config.num_layers)
     else:
@@ -243,7 +243,7 @@ def _train_slice(target, slice_dir, out_dir, layers, records, eval_records, voca
 def _train_eagle3(target, target_config, out_dir, features, records, eval_records, vocab_ids, cfg, deadline,
                   work_dir, resume, max_steps, progress, fingerprint):
     from spectrt.build.eagle3 import Eagle3Module, evaluate_head, save_head, train_head
-    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.engines.model import Transformer
 
     ref = Transformer.load(target, measure_kernels=False)  # fp32 embedding, head rows and final norm
     if ref.head_ids is not None:

@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 feature head (runtime/eagle3.py runs it) on teacher-forced target features.
+"""Training an EAGLE-3 feature head (runtime/engines/eagle3.py runs it) on teacher-forced target features.
 
 The module's parameters carry SpecForge's names (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`, `t2d`), so
 its state dict is the checkpoint (`save_head`). Training (`train_head`) is EAGLE-3's training-time test: step 0 runs
@@ -36,9 +36,9 @@ from spectrt.build.distill import (
     subset_remap,
 )
 from spectrt.build.slice import TOKENIZER_FILES
-from spectrt.runtime.eagle3 import ARCHITECTURE, default_feature_layers
-from spectrt.runtime.families import rope_frequencies
-from spectrt.runtime.model import ModelConfig
+from spectrt.runtime.engines.eagle3 import ARCHITECTURE, default_feature_layers
+from spectrt.runtime.engines.families import rope_frequencies
+from spectrt.runtime.engines.model import ModelConfig
 from torch import nn
 
 

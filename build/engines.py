@@ -43,9 +43,9 @@ from spectrt.build.compile import (
     trt_module,
 )
 from spectrt.build.export import EXPORT_VERSION, adopt_graph, export_graph, graph_files, graph_io
-from spectrt.runtime.int8 import QFORMATS
-from spectrt.runtime.model import ModelConfig
-from spectrt.runtime.onnx_engine import (
+from spectrt.runtime.engines.int8 import QFORMATS
+from spectrt.runtime.engines.model import ModelConfig
+from spectrt.runtime.engines.onnx_engine import (
     MANIFEST,
     MANIFEST_FORMAT,
     TOKENIZER_FILES,
@@ -93,7 +93,7 @@ def _special_ids(checkpoint: Path) -> dict:
 
 def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int) -> tuple[ModelConfig, ModelConfig]:
     """Refuse, with the reason, a draft whose vocabulary/config does not fit the target, or lengths that don't fit."""
-    from spectrt.runtime.engine import check_draft_matches
+    from spectrt.runtime.engines.engine import check_draft_matches
 
     try:
         t_cfg, d_cfg = ModelConfig.from_dir(target), ModelConfig.from_dir(draft)
@@ -306,7 +306,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
             files[r] = _file_entry(out / r)
         models[role] = entry
 
-    from spectrt.runtime.pipeline import DEFAULT_TREE
+    from spectrt.runtime.decoding.pipeline import DEFAULT_TREE
 
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> Path:
     if not (draft / "config.json").is_file():
         raise EngineBuildError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
                                "or pass --draft")
-    from spectrt.runtime.eagle3 import is_eagle3
+    from spectrt.runtime.engines.eagle3 import is_eagle3
 
     if is_eagle3(draft):  # the shipped draft of the embedded target is one
         raise EngineBuildError(f"draft {draft} is an EAGLE-3 head: the exported graphs do not return the target's "

@@ -1,7 +1,7 @@
 """Export a LLaMA-family checkpoint as the **batched tree-verify graph** (ONNX) every non-torch backend runs.
 
 One graph run verifies (or drafts, or prefills) B requests at once, each with its own token tree, in TensorRT-LLM's
-speculative-decoding interface; runtime/batch_inputs.py defines the inputs and builds them from segments:
+speculative-decoding interface; runtime/engines/batch_inputs.py defines the inputs and builds them from segments:
 
 | input                              | dtype      | shape                  |                                           |
 |------------------------------------|------------|------------------------|-------------------------------------------|
@@ -36,7 +36,7 @@ Cached K/V are read with one gather per layer of exactly the B requests' [0, S) 
 address (ONNX Runtime on a CPU: the `KVCache.pool_k/pool_v` tensors themselves; TensorRT: device memory), so no
 cache is copied per step. New K/V are returned rather than written in place: ONNX has no in-place update of an
 input (opset 17), and the copy into the pool is small (each new token's K and V: L x Hkv x D values) next to the
-forward (measured in runtime/onnx_engine.py). S is an input dimension (`cache_columns`): ONNX Runtime passes the
+forward (measured in runtime/engines/onnx_engine.py). S is an input dimension (`cache_columns`): ONNX Runtime passes the
 batch's longest span (attention cost follows the real context), TensorRT the whole capacity (only B, T and N vary,
 as its optimization profiles and CUDA graphs want).
 
@@ -57,8 +57,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
-from spectrt.runtime.model import ModelConfig, rope_frequencies, subset_head
+from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
+from spectrt.runtime.engines.model import ModelConfig, rope_frequencies, subset_head
 from torch import nn
 
 GRAPH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -131,7 +131,7 @@ def adopt_graph(src: Path, out: Path) -> Path:
 
 
 class TreeVerifyModel(nn.Module):
-    """The LLaMA forward of `runtime/model.py` as a pure function of (tokens, positions, mask, cache).
+    """The LLaMA forward of `runtime/engines/model.py` as a pure function of (tokens, positions, mask, cache).
 
     Projections are `nn.Linear` modules (q/k/v fused, gate/up fused, as in the torch engine) so a
     quantizer that swaps linear layers (ModelOpt) can produce a Q/DQ graph with the same contract.
@@ -183,7 +183,7 @@ class TreeVerifyModel(nn.Module):
         subset = subset_head(w, c.vocab_size) if weights is not None else None
         self.head = nn.Linear(h, c.vocab_size if subset is None else len(subset[1]), bias=False, dtype=dtype)
         # a subset draft head scores K ids; the graph scatters them into a row of -inf, so the contract
-        # (logits [T, V]) and every engine stay unchanged (see runtime/model.py `_logits`)
+        # (logits [T, V]) and every engine stay unchanged (see runtime/engines/model.py `_logits`)
         self.register_buffer("head_ids", subset[1] if subset else None)
         self.register_buffer("neg_row", torch.full((1, c.vocab_size), -torch.inf) if subset else None)
         if subset is not None:
@@ -202,7 +202,7 @@ class TreeVerifyModel(nn.Module):
         return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # x is fp32; same arithmetic as runtime/model.py in fp32
+        # x is fp32; same arithmetic as runtime/engines/model.py in fp32
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
 
     @staticmethod

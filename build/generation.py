@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from spectrt.runtime.decoder import Decoder, Job
-from spectrt.runtime.engine import Engine
-from spectrt.runtime.sampling import SamplingParams
+from spectrt.runtime.decoding.decoder import Decoder, Job
+from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.engines.engine import Engine
 
 # 32 live rows per step: on 2 cores a bf16 step streams the weights once for all of them (T=32 costs ~4x T=1),
 # beyond which attention over every row's context grows the step faster than the rows it adds

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from spectrt.build.corpus import HELDOUT_PROMPTS, SYNTH_PROMPTS, Conversation, read_prompts
 from spectrt.build.generation import Request, generate
-from spectrt.runtime.sampling import SamplingParams
+from spectrt.runtime.decoding.sampling import SamplingParams
 
 MARK = "\x00"  # a placeholder user message: the template up to it is the pre-query template
 TEMPERATURE, TOP_P = 1.0, 0.95  # Magpie samples the user turn at T=1 (top-p keeps the tail from derailing)
@@ -60,7 +60,7 @@ def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conv
                dtype: str = "auto", progress: bool = True, exclude: Sequence[Conversation] = ()) -> list[Conversation]:
     """`count` new single-turn conversations, or with `histories` a follow-up user turn for each history that yields
     an acceptable one; deduplicated against each other and `exclude`, in the seed's order."""
-    from spectrt.runtime.engine import load_engine
+    from spectrt.runtime.engines.engine import load_engine
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 

@@ -6,7 +6,7 @@ tokens it would serve. At every answer position both engines see the same contex
 - mean KL(FP || INT8) over the full vocabulary, in nats;
 - perplexity of the answers under each model, and the relative delta.
 The gate (default top-1 >= 0.97) is reported loudly when missed; both engines are the engines that serve
-(the native forward, runtime/int8.py for INT8), not the fake-quantized module. Every recipe and precision is
+(the native forward, runtime/engines/int8.py for INT8), not the fake-quantized module. Every recipe and precision is
 judged on the same records (their fingerprint is in the report).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from spectrt.build.corpus import HELDOUT_PROMPTS, generate_distill_data, read_prompts
 from spectrt.build.distill import DistillConfig
-from spectrt.runtime.engine import Engine, load_engine
+from spectrt.runtime.engines.engine import Engine, load_engine
 
 GATE_TOP1 = 0.97
 

@@ -28,11 +28,11 @@ import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.quant.accuracy import GATE_TOP1, engine_agreement, heldout_records
 from spectrt.quant.recipes import get_recipe
-from spectrt.runtime.decoder import Decoder, Job
-from spectrt.runtime.int8 import quant_spec
-from spectrt.runtime.pipeline import AUTO, Pipeline
-from spectrt.runtime.policy import load_policy, policy_path
-from spectrt.runtime.profile import _cpu_name, forward_ms, prefilled_cache
+from spectrt.runtime.decoding.decoder import Decoder, Job
+from spectrt.runtime.decoding.pipeline import AUTO, Pipeline
+from spectrt.runtime.decoding.policy import load_policy, policy_path
+from spectrt.runtime.decoding.profile import _cpu_name, forward_ms, prefilled_cache
+from spectrt.runtime.engines.int8 import quant_spec
 from tqdm import tqdm
 
 MODES = ("AR", "spec")

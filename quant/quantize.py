@@ -6,7 +6,7 @@
                     -> <target>-<qformat>/: quantized.safetensors + modelopt_state.pt + config.json
 
 The quantized module is what every INT8 path derives from, so they agree by construction:
-- the torch engine executes it in integers (runtime/int8.py), the CPU path;
+- the torch engine executes it in integers (runtime/engines/int8.py), the CPU path;
 - `export_qdq_graph` restores it and traces it to a Q/DQ tree-verify ONNX (the same contract as the FP
   graphs), which `spectrt engines --precision int8` compiles into an INT8 TensorRT plan.
 
@@ -40,9 +40,9 @@ from spectrt.build.distill import DistillConfig
 from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module, sequence_inputs
 from spectrt.build.slice import TOKENIZER_FILES
 from spectrt.quant.recipes import DEFAULT_QFORMAT, PROJECTIONS, get_recipe
-from spectrt.runtime.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
-from spectrt.runtime.int8 import QUANT_WEIGHTS, quant_format, quant_spec, quantize, scale_of
-from spectrt.runtime.model import ModelConfig
+from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
+from spectrt.runtime.engines.int8 import QUANT_WEIGHTS, quant_format, quant_spec, quantize, scale_of
+from spectrt.runtime.engines.model import ModelConfig
 
 CALIBRATION_PROMPTS = DISTILL_PROMPTS  # the draft's training prompts: shipped, disjoint from every eval set
 EVAL_PROMPTS = (HELDOUT_PROMPTS, BENCH_PROMPTS)
@@ -167,7 +167,7 @@ def load_quantized_module(checkpoint: Path, dtype: torch.dtype = torch.float32, 
 
     By default it is ModelOpt's calibrated module (static activation scales) with the recipe's `tensorrt_keep`
     projections unquantized: what the Q/DQ graph is traced from. `run_time=True` gives the numerics the CPU engines
-    run instead (runtime/int8.py, `_to_run_time_numerics`)."""
+    run instead (runtime/engines/int8.py, `_to_run_time_numerics`)."""
     from safetensors.torch import load_file
 
     _, mto = _modelopt()
@@ -203,7 +203,8 @@ def load_quantized_module(checkpoint: Path, dtype: torch.dtype = torch.float32, 
 
 
 def _to_run_time_numerics(model: TreeVerifyModel, spec: dict) -> None:
-    """The recipe's run-time numerics (runtime/int8.py) in the module: per-token input quantizers (ModelOpt's dynamic
+    """The recipe's run-time numerics (runtime/engines/int8.py) in the
+    module: per-token input quantizers (ModelOpt's dynamic
     per-token INT8; with a `group`, a fake quantizer per (row, group) after the smoothing, and the weights fake
     quantized per (channel, group)) and the kept weights in `kept_dtype` values."""
     group = spec.get("group")

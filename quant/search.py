@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from spectrt.quant.accuracy import GATE_TOP1, engine_agreement, heldout_records, records_fingerprint
 from spectrt.quant.recipes import DEFAULT_QFORMAT, GATE_MARGIN, RECIPES, choose_recipe
-from spectrt.runtime.engine import load_engine
-from spectrt.runtime.profile import _cpu_name, forward_ms, prefilled_cache
+from spectrt.runtime.decoding.profile import _cpu_name, forward_ms, prefilled_cache
+from spectrt.runtime.engines.engine import load_engine
 
 SEARCH_T = (1, 4, 8, 16)
 

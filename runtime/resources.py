@@ -1,7 +1,7 @@
 """Files spectrt reads at run time, located inside the installed package (never by climbing to a checkout).
 
 They ship as package data (pyproject.toml `[tool.setuptools.package-data]`): the Triton model repository
-(`triton_repo/`), the native kernel source (`runtime/cpu_kernels.cpp`), the prompt sets (`bench/*.txt`,
+(`triton_repo/`), the native kernel source (`runtime/engines/cpu_kernels.cpp`), the prompt sets (`bench/*.txt`,
 `build/prompts/*.txt`) and the embedded target's shipped answers (`build/answers/`). In an editable install of
 a checkout the package is the checkout itself, so the same paths point into it.
 """

@@ -98,10 +98,10 @@ def write_checkpoint(weights: dict, config: dict, layers: int, out: Path) -> Pat
 
 
 class TorchOn:
-    """The torch engine (runtime/model.py) on a device, returning host logits like the tensorrt engine."""
+    """The torch engine (runtime/engines/model.py) on a device, returning host logits like the tensorrt engine."""
 
     def __init__(self, config, weights, dtype: torch.dtype, device: torch.device):
-        from spectrt.runtime.model import Transformer
+        from spectrt.runtime.engines.model import Transformer
 
         self.device = device
         # the torch reference path (the native forward is a CPU kernel; on CPU this script measures the reference)
@@ -110,7 +110,7 @@ class TorchOn:
         self.config = config
 
     def new_caches(self, slots: int, capacity: int, max_window: int):
-        from spectrt.runtime.model import KVCache
+        from spectrt.runtime.engines.model import KVCache
 
         with torch.device(self.device):
             return KVCache.pool(self.config, slots, capacity, max_window, self.model.dtype)
@@ -127,7 +127,7 @@ class TorchOn:
 
 
 def smollm2_config(layers: int | None = None):
-    from spectrt.runtime.model import ModelConfig
+    from spectrt.runtime.engines.model import ModelConfig
 
     c = SMOLLM2
     return ModelConfig(c["vocab_size"], c["hidden_size"], c["intermediate_size"], layers or c["num_hidden_layers"],
@@ -138,7 +138,7 @@ def smollm2_config(layers: int | None = None):
 def load_pair(device: torch.device, dtype: torch.dtype, target_dir: Path | None, draft_dir: Path | None,
               weights: dict | None = None):
     """(target, draft, target weights): the checkpoint's, or random real-shaped ones (draft = first 4 layers)."""
-    from spectrt.runtime.model import ModelConfig
+    from spectrt.runtime.engines.model import ModelConfig
 
     if target_dir is None:
         weights = weights if weights is not None else random_weights(SMOLLM2, device)
@@ -202,8 +202,8 @@ def verify_cost(engine, device: torch.device, tokens=TOKENS, past: int = 256, it
 
 
 def decode_all(target, draft, ids_list, tree_spec: str | None, new_tokens: int, max_seq_len: int = 512):
-    from spectrt.runtime.decoder import Decoder
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.decoder import Decoder
+    from spectrt.runtime.decoding.tree import Tree
 
     decoder = Decoder(target, draft if tree_spec else None, {2}, max_seq_len=max_seq_len, max_tree_tokens=64)
     outs, tokens, seconds, passes = [], 0, 0.0, 0
@@ -252,7 +252,7 @@ def bench_engine(ck: Check, label: str, target, draft, device, ids_list, new_tok
 def mixed_batch(engine, vocab: int, seed: int = 5) -> list[torch.Tensor]:
     """Logits of one forward_many over five requests: a prompt chunk at past 0, a chain after 30 tokens, a 3,2,1
     tree after 17, one token after 40, a draft's second level of a 2,2 tree (W = 6 > T = 4) after 12 + its first."""
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.tree import Tree
 
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, vocab, (n,), generator=g)  # noqa: E731
@@ -287,11 +287,11 @@ def batched_parity(ck: Check, label: str, engine, reference, exact: bool) -> dic
 
 def batch_throughput(ck: Check, label: str, target, draft, ids_list, new_tokens: int, tree: str | None,
                      batches=(1, 8), invariant: bool = False) -> dict:
-    """Decode tokens/s of the batched decode loop (runtime/decoder.py) at each batch size over the same 8 requests
+    """Decode tokens/s of the batched decode loop (decoding/decoder.py) at each batch size over the same 8 requests
     (the prompts cycled), wall time of the whole run; greedy outputs at every batch size compared with batch 1's
     (asserted equal for a batch-invariant engine: ONNX Runtime's fp32 graph, the per-segment torch path)."""
-    from spectrt.runtime.decoder import Decoder, Job
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.decoder import Decoder, Job
+    from spectrt.runtime.decoding.tree import Tree
 
     jobs = lambda: [Job(ids_list[i % len(ids_list)], new_tokens, Tree.parse(tree) if tree else None)  # noqa: E731
                     for i in range(max(batches))]
@@ -337,7 +337,7 @@ def trt_available() -> tuple[object | None, str]:
 def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_list, reference, trees=TREES,
                 tokens=TOKENS) -> dict:
     from spectrt.build.compile import RTX_ARCHS
-    from spectrt.runtime.trt_engine import TensorRTEngine, device_arch
+    from spectrt.runtime.engines.trt_engine import TensorRTEngine, device_arch
 
     trt, why = trt_available()
     if trt is None:
@@ -397,7 +397,7 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
 
 def ort_reference(engines: Path, role: str):
     """ONNX Runtime on this machine's CPU running the engines dir's fp32 batched graph (the reference for plans)."""
-    from spectrt.runtime.engine import load_engine
+    from spectrt.runtime.engines.engine import load_engine
 
     return load_engine(engines / role, "onnxruntime")
 

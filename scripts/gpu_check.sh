@@ -32,7 +32,7 @@ if [ -z "$PY" ]; then
 fi
 
 # `import spectrt` without installing: the repository root is the package
-if ! "$PY" -c "import spectrt.runtime.model" 2>/dev/null; then
+if ! "$PY" -c "import spectrt.runtime.engines.model" 2>/dev/null; then
     PKG=$(mktemp -d)
     ln -s "$(pwd)" "$PKG/spectrt"
     export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"

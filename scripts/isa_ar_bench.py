@@ -7,8 +7,8 @@ import os
 
 import torch
 from spectrt.build.checkpoint import resolve_target
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.model import Transformer
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.engines.model import Transformer
 from transformers import AutoTokenizer
 
 torch.set_num_threads(2)

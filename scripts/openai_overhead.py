@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from spectrt.runtime.client import DEFAULT_PROMPTS
+from spectrt.runtime.serving.client import DEFAULT_PROMPTS
 
 STACKS = ("asyncio-streams", "aiohttp", "starlette-uvicorn-h11", "starlette-uvicorn-httptools-uvloop")
 EVENT = re.compile(rb"data: (\{[^\n]*\})\n\n")
@@ -183,7 +183,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def bench_stack(stack: str, events: int, interval_ms: float, burst: int) -> dict:
-    from spectrt.runtime.serve import free_port
+    from spectrt.runtime.serving.serve import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "_serve", stack, str(port)], stdout=subprocess.PIPE,
@@ -229,8 +229,8 @@ def cmd_served(args: argparse.Namespace) -> dict:
     """Greedy chat requests over Triton's gRPC stream and over the frontend's SSE stream, interleaved."""
     import http.client
 
-    from spectrt.runtime.client import GrpcSession
-    from spectrt.runtime.serve import TritonServer, add_serve_args, model_params
+    from spectrt.runtime.serving.client import GrpcSession
+    from spectrt.runtime.serving.serve import TritonServer, add_serve_args, model_params
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from spectrt.build.checkpoint import resolve_target
-from spectrt.runtime.bench import read_conversations
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.pipeline import Pipeline
-from spectrt.runtime.policy import Policy
-from spectrt.runtime.propose import DraftProposer
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.bench import read_conversations
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.pipeline import Pipeline
+from spectrt.runtime.decoding.policy import Policy
+from spectrt.runtime.decoding.propose import DraftProposer
+from spectrt.runtime.decoding.tree import Tree
 
 SHIPPED = DraftProposer.reuse
 

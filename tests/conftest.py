@@ -19,7 +19,7 @@ import pytest
 import torch
 from spectrt.build.checkpoint import resolve_target
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
-from spectrt.runtime.model import Transformer
+from spectrt.runtime.engines.model import Transformer
 
 torch.manual_seed(0)
 

@@ -15,10 +15,10 @@ import onnxruntime as ort
 import pytest
 import torch
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph, io_spec, sequence_inputs
-from spectrt.runtime.batch_inputs import batch_inputs, mask_words, pack_mask, unpack_mask
-from spectrt.runtime.model import KVCache, Transformer
-from spectrt.runtime.onnx_engine import OnnxEngine
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.batch_inputs import batch_inputs, mask_words, pack_mask, unpack_mask
+from spectrt.runtime.engines.model import KVCache, Transformer
+from spectrt.runtime.engines.onnx_engine import OnnxEngine
 
 VOCAB = 512
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from spectrt.build.checkpoint import CheckpointError, resolve_target
-from spectrt.runtime.engine import resolve_dtype
+from spectrt.runtime.engines.engine import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import EOS, FORWARD_PATHS, PROMPTS, engine_pair
 from spectrt.build.slice import slice_target
-from spectrt.runtime.decoder import AUTO, Decoder, Job
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.policy import BatchedCost, Policy
-from spectrt.runtime.sampling import SamplingParams
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
+from spectrt.runtime.decoding.policy import BatchedCost, Policy
+from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.model import Transformer
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +293,7 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
 def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
     """The score scale is learned per request from its own trees (a decoder-wide scale let one tenant's hot sampled
     requests shrink everyone's trees)."""
-    from spectrt.runtime.decoder import SCALE_PRIOR
+    from spectrt.runtime.decoding.decoder import SCALE_PRIOR
 
     costs = Policy(budget=8, depth=2, width=2, suffix=False, verify_ms=((1, 1.0), (4, 1.2), (16, 1.8), (64, 4.0)),
                    draft_ms=((1, 0.2), (64, 2.0)))

@@ -168,7 +168,7 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
 def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tmp_path):
     """top-k log-probs and features of every record from batched forwards (sampled answers to one prompt as branches
     of one tree) equal a causal forward of that record alone; greedy answers are the target's argmax."""
-    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.engines.model import Transformer
 
     cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)  # answers by the bf16 target (gen_dtype)
     greedy, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
@@ -266,7 +266,7 @@ def test_subset_is_top_k_by_answer_frequency():
 
 
 def test_subset_head_saved_with_the_draft(tiny, distilled):
-    from spectrt.runtime.model import SUBSET_HEAD, SUBSET_IDS, Transformer
+    from spectrt.runtime.engines.model import SUBSET_HEAD, SUBSET_IDS, Transformer
 
     state, target = load_file(distilled / "model.safetensors"), S.load_state_dict(tiny)
     config = json.loads((distilled / "config.json").read_text())
@@ -295,10 +295,10 @@ def test_subset_head_saved_with_the_draft(tiny, distilled):
 
 def test_subset_draft_greedy_tree_decoding_equals_autoregressive(tiny, distilled):
     """The target verifies over its full vocabulary: a subset draft changes speed, never output."""
-    from spectrt.runtime.decoder import Decoder
-    from spectrt.runtime.model import Transformer
-    from spectrt.runtime.sampling import SamplingParams
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.decoder import Decoder
+    from spectrt.runtime.decoding.sampling import SamplingParams
+    from spectrt.runtime.decoding.tree import Tree
+    from spectrt.runtime.engines.model import Transformer
 
     target, draft = Transformer.load(tiny), Transformer.load(distilled)
     subset = set(draft.head_ids.tolist())
@@ -327,8 +327,8 @@ def test_subset_draft_greedy_tree_decoding_equals_autoregressive(tiny, distilled
 def test_subset_draft_onnx_parity(distilled, tmp_path):
     """The exported graph scatters the subset head's logits in-graph: same [T, V] contract, same values."""
     from spectrt.build.export import export_graph
-    from spectrt.runtime.model import ModelConfig, Transformer
-    from spectrt.runtime.onnx_engine import OnnxEngine
+    from spectrt.runtime.engines.model import ModelConfig, Transformer
+    from spectrt.runtime.engines.onnx_engine import OnnxEngine
 
     graph = export_graph(distilled, tmp_path / "draft.onnx", "fp32", log=lambda *_: None)
     config = ModelConfig.from_dir(distilled)
@@ -350,7 +350,7 @@ def test_subset_draft_engines(tiny, distilled, tmp_path):
     """`spectrt engines` takes a subset draft: the graphs keep the [T, V] contract and a TensorRT plan builds."""
     from spectrt.build.engines import make_engines
     from spectrt.build.export import graph_io
-    from spectrt.runtime.onnx_engine import OnnxEngine
+    from spectrt.runtime.engines.onnx_engine import OnnxEngine
 
     out = make_engines(tiny, distilled, tmp_path / "engines", precision="fp16", archs=["sm80"], max_seq_len=128,
                        max_tree_tokens=8, log=lambda *_: None)
@@ -422,9 +422,9 @@ def test_trainers_and_teacher_forcing_take_bf16_from_the_cpu(tiny, corpora, tmp_
     """Training autocasts to bf16 only where the CPU has bf16 arithmetic; the torch-path teacher-forcing target
     likewise (the native one always runs the requested bf16: fp32 arithmetic on bf16 weights)."""
     from spectrt.build.eagle3 import train_head
-    from spectrt.runtime import kernels
-    from spectrt.runtime.eagle3 import default_feature_layers
-    from spectrt.runtime.model import ModelConfig, Transformer
+    from spectrt.runtime.engines import kernels
+    from spectrt.runtime.engines.eagle3 import default_feature_layers
+    from spectrt.runtime.engines.model import ModelConfig, Transformer
 
     cfg = T.DistillConfig(**{**TINY, "max_new_tokens": 8})
     answers, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:4], tmp_path / "data", cfg, progress=False)
@@ -528,9 +528,9 @@ def test_batched_generation_equals_each_request_alone(target_dir):
     """Corpus answers and synthesized prompts come from the decode loop in batched mode: every output (greedy, and
     sampled with its own seed) is what that request decodes alone, whatever else shared its steps."""
     from spectrt.build.generation import Request, generate
-    from spectrt.runtime.decoder import Decoder
-    from spectrt.runtime.engine import load_engine
-    from spectrt.runtime.sampling import SamplingParams
+    from spectrt.runtime.decoding.decoder import Decoder
+    from spectrt.runtime.decoding.sampling import SamplingParams
+    from spectrt.runtime.engines.engine import load_engine
 
     engine = load_engine(target_dir, "torch", "auto", measure_kernels=False)
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 28, 7018, 411][:8 + 3 * i]

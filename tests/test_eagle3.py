@@ -19,9 +19,9 @@ from spectrt.build import corpus as C
 from spectrt.build import draft as D
 from spectrt.build import eagle3 as B
 from spectrt.build.distill import DistillConfig
-from spectrt.runtime.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.tree import Tree, greedy_accept
+from spectrt.runtime.decoding.tree import Tree, greedy_accept
+from spectrt.runtime.engines.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
+from spectrt.runtime.engines.model import Transformer
 from test_draft import TINY, _corpus_lines, make_tiny_target
 
 SPECFORGE_WEIGHTS = {
@@ -205,7 +205,7 @@ def test_specforge_layout_round_trip(tiny, tmp_path):
 
 def _reference_row(w: dict, embed: torch.Tensor, tok: torch.Tensor, g: torch.Tensor, k_all, v_all, q_pos: int,
                    eps: float, heads: int, kv_heads: int, theta: float):
-    """EAGLE-3's layer for one query row written out from the paper's equations, independent of runtime/eagle3.py."""
+    """EAGLE-3's layer for one query row written out from the paper's equations, independent of engines/eagle3.py."""
     def rms(x, weight):
         return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
@@ -343,7 +343,7 @@ def test_mismatched_heads_are_refused(tiny, tmp_path):
 
 def eagle_generate(target: Transformer, head: Eagle3Head, prompt: list[int], max_new: int, tree: Tree,
                    eos: int = 2) -> tuple[list[int], int, int]:
-    """A minimal greedy tree-speculative loop with the head (the lead wires the head into runtime/decoder.py):
+    """A minimal greedy tree-speculative loop with the head (the lead wires the head into runtime/decoding/decoder.py):
     verify with the target's features, catch the head up on the accepted tokens' true features, draft the static
     `tree` level by level from the head's own outputs. Returns (tokens, accepted draft tokens, target passes)."""
     layers, window = head.feature_layers, 32
@@ -428,8 +428,8 @@ def test_decoder_with_the_head_equals_autoregressive(tiny, trained, native):
     """The head through THE decode loop (Eagle3Proposer): static trees and dynamic trees, a batch of one and three
     requests batched, a prompt longer than the draft window (catch-up in chunks): greedy output == AR, and the head's
     tokens are accepted."""
-    from spectrt.runtime.decoder import AUTO, Decoder, Job
-    from spectrt.runtime.policy import Policy
+    from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
+    from spectrt.runtime.decoding.policy import Policy
 
     target = Transformer.load(tiny, native=native, measure_kernels=False)
     head = Eagle3Head.load(trained, target)
@@ -451,8 +451,8 @@ def test_decoder_with_the_head_equals_autoregressive(tiny, trained, native):
 
 def test_pipeline_loads_a_head_through_draft(tiny, trained):
     """`--draft <EAGLE-3 dir>` (Pipeline): the head drafts for its target, greedy text equals the target alone."""
-    from spectrt.runtime.pipeline import Pipeline
-    from spectrt.runtime.propose import Eagle3Proposer
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.propose import Eagle3Proposer
 
     spec = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=128)
     assert isinstance(spec.decoder.drafter, Eagle3Proposer)
@@ -566,9 +566,9 @@ def test_shipped_answers_are_never_used_by_another_target(tiny, corpora, tmp_pat
 def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
     """`spectrt profile` with an EAGLE-3 head as the draft (the shipped draft is one): its cost curves come from the
     head's own forwards, and the loop section splits a step into forwards and host work that add up."""
-    from spectrt.runtime import profile as P
-    from spectrt.runtime.eagle3 import Eagle3Head
-    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.decoding import profile as P
+    from spectrt.runtime.engines.eagle3 import Eagle3Head
+    from spectrt.runtime.engines.model import Transformer
 
     head = P.HeadRows(Eagle3Head.load(trained, Transformer.load(tiny), torch.float32))
     curve = P.cost_curve(head, contexts=(16,), t_values=(1, 4), repeats=2)

@@ -23,13 +23,13 @@ from conftest import ARCHS
 from spectrt.build.compile import default_profiles, network_io, parse_onnx, trt_module
 from spectrt.build.engines import EngineBuildError, make_engines
 from spectrt.build.export import io_spec
-from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES
-from spectrt.runtime.decoder import Decoder, Job
-from spectrt.runtime.engine import load_engine
-from spectrt.runtime.model import ModelConfig
-from spectrt.runtime.onnx_engine import EngineDirError, OnnxEngine
-from spectrt.runtime.tree import Tree
-from spectrt.runtime.trt_engine import TensorRTEngine
+from spectrt.runtime.decoding.decoder import Decoder, Job
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES
+from spectrt.runtime.engines.engine import load_engine
+from spectrt.runtime.engines.model import ModelConfig
+from spectrt.runtime.engines.onnx_engine import EngineDirError, OnnxEngine
+from spectrt.runtime.engines.trt_engine import TensorRTEngine
 
 EOS = {2}
 PROMPTS = [
@@ -328,7 +328,7 @@ def test_greedy_tree_decoding_onnxruntime_equals_target_ar(engines, prompt_ids, 
 
 
 def test_pipeline_runs_from_an_engines_dir(engines):
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
 
     pipe = Pipeline(engines / "target", engines / "draft", backend="onnxruntime", max_seq_len=128)
     gen = pipe.generate("Say hello.", 8, Tree.parse("2,1"))

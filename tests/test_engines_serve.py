@@ -10,8 +10,8 @@ import threading
 
 import pytest
 from conftest import SERVING_PROMPTS
-from spectrt.runtime.client import GrpcSession
-from spectrt.runtime.serve import SHM_DIR, TritonServer
+from spectrt.runtime.serving.client import GrpcSession
+from spectrt.runtime.serving.serve import SHM_DIR, TritonServer
 
 TIMEOUT = 300.0
 PROMPTS = SERVING_PROMPTS

@@ -23,11 +23,11 @@ from conftest import COMMON, FAMILIES, VOCAB
 from spectrt.build.checkpoint import CheckpointError, resolve_target
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
 from spectrt.build.slice import load_state_dict, slice_target
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.engine import check_draft_matches, load_engine
-from spectrt.runtime.families import rope_frequencies
-from spectrt.runtime.model import ModelConfig, Transformer
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.engine import check_draft_matches, load_engine
+from spectrt.runtime.engines.families import rope_frequencies
+from spectrt.runtime.engines.model import ModelConfig, Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,7 +112,7 @@ def test_greedy_tree_decoding_equals_autoregressive(checkpoints, drafts, family)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_onnx_graph_matches_torch(checkpoints, family, tmp_path):
-    from spectrt.runtime.onnx_engine import OnnxEngine
+    from spectrt.runtime.engines.onnx_engine import OnnxEngine
 
     path = checkpoints(family)
     graph = export_graph(path, tmp_path / "model.fp32.onnx", "fp32", log=lambda _: None)
@@ -161,7 +161,7 @@ def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_
         load_quantized_module,
         save_quantized,
     )
-    from spectrt.runtime.int8 import Int8Linear
+    from spectrt.runtime.engines.int8 import Int8Linear
 
     src = checkpoints(family)
     samples = [_ids(32, seed=s) for s in range(4)]

@@ -1,4 +1,4 @@
-"""The native CPU forward (runtime/cpu_kernels.cpp over runtime/simd.h), once per ISA build this CPU executes
+"""The native CPU forward (runtime/engines/cpu_kernels.cpp over simd.h), once per ISA build this CPU executes
 (avx512, avx2, portable; SPECTRT_ISA forces one): parity with the torch reference, bitwise row invariance in fp32,
 bf16 and INT8 (a verified tree row == decoding that node alone), batched segments == separate forwards, exact bf16
 tree decoding, every ISA computing bitwise the same logits, and no allocation while decoding."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EOS, PROMPTS, chat_ids
-from spectrt.runtime import kernels
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.profile import prefilled_cache
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.profile import prefilled_cache
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines import kernels
+from spectrt.runtime.engines.model import Transformer
 
 ISAS = kernels.runnable_isas()  # every build this CPU can execute, best first: the tests below run on each
 
@@ -147,7 +147,7 @@ def test_amx_bf16_sums_exact_products_of_fp32_activations():
 @pytest.mark.parametrize("isa", ISAS)
 def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth, isa, monkeypatch):
     """W8A8 on every ISA: VNNI's dpbusd where present, else int16 widening + pmaddwd, both exact int32 sums."""
-    from spectrt.runtime.int8 import Int8Linear
+    from spectrt.runtime.engines.int8 import Int8Linear
 
     monkeypatch.setenv("SPECTRT_ISA", isa)
     gen = torch.Generator().manual_seed(7)
@@ -249,7 +249,7 @@ def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf
 def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
     """simd.h gives every ISA the same per-lane operations and one reduction order: logits, KV rows and INT8
     projections are bitwise those of the best build here, so answers made on one CPU regenerate on another."""
-    from spectrt.runtime.int8 import Int8Linear
+    from spectrt.runtime.engines.int8 import Int8Linear
 
     gen = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 49152, (200,), generator=gen)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from conftest import EOS, FORWARD_PATHS, PROMPTS, chat_ids, engine_pair
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.model import Transformer
 from transformers import AutoModelForCausalLM
 
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 from aiohttp import web
 from conftest import launch_serve, scrape_metrics
-from spectrt.runtime.client import GrpcSession
-from spectrt.runtime.openai_api import (
+from spectrt.runtime.serving.client import GrpcSession
+from spectrt.runtime.serving.openai_api import (
     Limits,
     StopText,
     bad,
@@ -38,8 +38,8 @@ from spectrt.runtime.openai_api import (
     speculative_metrics,
     upstream_error,
 )
-from spectrt.runtime.openai_frontend import Frontend, Triton
-from spectrt.runtime.serve import SHM_DIR, TritonServer, free_port
+from spectrt.runtime.serving.openai_frontend import Frontend, Triton
+from spectrt.runtime.serving.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"
 LIMIT = 48
@@ -314,7 +314,7 @@ def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
     request arriving during the stop is refused with 503. Streams used to be cut after 3 s with neither."""
     import asyncio
 
-    from spectrt.runtime.openai_frontend import Piece
+    from spectrt.runtime.serving.openai_frontend import Piece
 
     cancelled = []
 
@@ -479,7 +479,7 @@ def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer)
 @pytest.fixture(scope="module")
 def reference(target_dir, draft_dir):
     """The served decoder in process without the prefix cache (same engines, precision, tree, context)."""
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
 
     return Pipeline(target_dir, draft_dir, max_seq_len=512, measure_kernels=False, prefix_cache=False)
 
@@ -487,7 +487,7 @@ def reference(target_dir, draft_dir):
 def _uncached(reference, tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int], str]:
     """(prompt ids, output ids, text) of a chat decoded in process without the cache, on one thread as served."""
     from conftest import chat_ids
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.tree import Tree
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -717,7 +717,8 @@ def test_deadline_is_504_and_cancels_upstream(server, target_dir):
     """A frontend run on its own (python -m ...) with a 50 ms deadline against the module's Triton: 48 tokens
     cannot arrive in time, so the answer is 504 deadline_exceeded and the request is cancelled upstream."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={server.grpc_url}",
+    proc = subprocess.Popen([sys.executable, "-m", "spectrt.runtime.serving.openai_frontend",
+                             f"--grpc-url={server.grpc_url}",
                              f"--tokenizer={target_dir}", f"--port={port}", "--timeout=0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

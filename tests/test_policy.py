@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from spectrt.runtime.policy import (
+from spectrt.runtime.decoding.policy import (
     BatchedCost,
     Calibration,
     CostCurve,
@@ -87,7 +87,7 @@ def test_policy_json_round_trip(tmp_path):
 
 
 def test_acceptance_tables_from_a_trace():
-    from spectrt.runtime.tune import acceptance_tables
+    from spectrt.runtime.decoding.tune import acceptance_tables
 
     trace = [
         ("draft", (1, 0, 0.92), True, True), ("draft", (1, 0, 0.95), True, False),  # depth 1 rank 0: 1/2
@@ -105,7 +105,7 @@ def test_acceptance_tables_from_a_trace():
 
 
 def test_profile_file_curves():
-    from spectrt.runtime.tune import curve_from_profile
+    from spectrt.runtime.decoding.tune import curve_from_profile
 
     profile = {"backend": "torch", "dtype": "fp32", "threads": 2,
                "target": {"128": {"1": 20.0, "2": 22.0, "4": 30.0}, "1024": {"1": 40.0, "2": 50.0}},
@@ -129,7 +129,7 @@ def test_allocate_is_the_best_allocation_and_never_below_plain_batched_decoding(
     import itertools
     import random
 
-    from spectrt.runtime.policy import allocate
+    from spectrt.runtime.decoding.policy import allocate
 
     rng = random.Random(seed)
     n = rng.randint(1, 3)
@@ -149,7 +149,7 @@ def test_allocate_is_the_best_allocation_and_never_below_plain_batched_decoding(
 
 def test_allocate_at_batch_one_is_the_per_step_verify_size():
     """The old per-step rule, written out: B maximising (1 + top scores) / (sunk + verify(B))."""
-    from spectrt.runtime.policy import allocate
+    from spectrt.runtime.decoding.policy import allocate
 
     verify = CostCurve({1: 10.0, 2: 10.5, 4: 12.0, 8: 20.0})
     for scores in ([0.9, 0.5, 0.2, 0.01], [0.05, 0.04], [], [0.99] * 9):
@@ -162,7 +162,7 @@ def test_allocate_at_batch_one_is_the_per_step_verify_size():
 
 def test_allocate_shares_one_budget_across_requests():
     """The best nodes of the whole batch win: a confident request verifies more, a hopeless one stays at its root."""
-    from spectrt.runtime.policy import allocate
+    from spectrt.runtime.decoding.policy import allocate
 
     verify = CostCurve({1: 10.0, 4: 10.3, 8: 14.0, 16: 30.0})
     sizes, _ = allocate([[0.9, 0.8, 0.7], [0.02, 0.01], [0.6]], [4, 4, 4], 0.0, verify)
@@ -174,14 +174,14 @@ def test_allocate_shares_one_budget_across_requests():
 
 def synthetic_table() -> dict:
     """ms = 10 + rows + 2 * segments at context 128; twice the row term at context 1024 (the profile's layout)."""
-    from spectrt.runtime.profile import batch_rows
+    from spectrt.runtime.decoding.profile import batch_rows
 
     return {str(c): {str(s): {str(r): 10 + (1 if c == 128 else 2) * r + 2 * s for r in batch_rows(s)}
                      for s in (1, 2, 4, 8)} for c in (128, 1024)}
 
 
 def test_batched_cost_interpolates_rows_segments_and_context():
-    from spectrt.runtime.profile import batch_rows
+    from spectrt.runtime.decoding.profile import batch_rows
 
     assert batch_rows(1) == [1, 2, 4, 8, 16, 32, 64] and batch_rows(8) == [8, 16, 32, 64]
     table = synthetic_table()

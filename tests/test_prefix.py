@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EOS, PROMPTS, chat_ids
-from spectrt.runtime.decoder import AUTO, Decoder, Job
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.policy import Policy
-from spectrt.runtime.prefix import Match, PrefixIndex
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
+from spectrt.runtime.decoding.policy import Policy
+from spectrt.runtime.decoding.prefix import Match, PrefixIndex
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.model import Transformer
 
 TREE = Tree.parse("2,1")
 
@@ -230,7 +230,7 @@ def test_a_failed_request_leaves_nothing_reusable(target, tokenizer, monkeypatch
 
 def test_an_eagle3_head_keeps_its_rows_and_pending_features(tmp_path_factory):
     from spectrt.build import eagle3 as B
-    from spectrt.runtime.eagle3 import Eagle3Head
+    from spectrt.runtime.engines.eagle3 import Eagle3Head
     from test_draft import make_tiny_target
     from test_eagle3 import _random_module
 

@@ -32,10 +32,10 @@ from spectrt.quant.quantize import (
     save_quantized,
 )
 from spectrt.quant.recipes import DEFAULT_QFORMAT, RECIPES, Recipe, choose_recipe, get_recipe
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.int8 import Int8Linear
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.int8 import Int8Linear
+from spectrt.runtime.engines.model import Transformer
 
 
 def _quantize(src: Path, out: Path, qformat: str, samples: list[torch.Tensor]) -> Path:
@@ -149,7 +149,7 @@ def test_int8_engine_matches_the_fake_quantized_module(small_quantized, source, 
 
 
 def test_per_token_int8_projection_is_row_invariant_and_matches_torch():
-    from spectrt.runtime import kernels
+    from spectrt.runtime.engines import kernels
 
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(130, 70, generator=gen), 3 * torch.randn(9, 70, generator=gen)  # K and N not multiples
@@ -175,7 +175,7 @@ def test_per_token_int8_projection_is_row_invariant_and_matches_torch():
 
 def test_grouped_int8_projection_is_row_invariant_and_matches_fake_quantization():
     from spectrt.quant.quantize import group_fake_quant
-    from spectrt.runtime import kernels
+    from spectrt.runtime.engines import kernels
 
     gen = torch.Generator().manual_seed(8)
     w, x = torch.randn(130, 72, generator=gen), 3 * torch.randn(9, 72, generator=gen)  # groups of 32, 32, 8

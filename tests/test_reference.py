@@ -21,11 +21,11 @@ import pytest
 import torch
 from conftest import EOS, FAMILIES, PROMPTS, VOCAB, chat_ids
 from spectrt.build.slice import slice_target
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.pipeline import Pipeline
-from spectrt.runtime.policy import Policy
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.pipeline import Pipeline
+from spectrt.runtime.decoding.policy import Policy
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.model import Transformer
 from transformers import AutoModelForCausalLM
 
 TIE = 4e-4  # of the row's largest |logit|: twice each engine's tested distance from Hugging Face, on both tokens

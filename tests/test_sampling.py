@@ -15,15 +15,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from spectrt.runtime import sampling
-from spectrt.runtime.sampling import (
+from spectrt.runtime.decoding import sampling
+from spectrt.runtime.decoding.sampling import (
     SamplingParams,
     draw_children,
     sampling_probs,
     verify_sampled,
     verify_sampled_batch,
 )
-from spectrt.runtime.tree import Tree, greedy_accept
+from spectrt.runtime.decoding.tree import Tree, greedy_accept
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -213,7 +213,7 @@ def test_top_k_filter_is_exact():
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
-# A vocabulary-subset draft head (runtime/model.py `_logits`): ids outside the subset get logit -inf, so the
+# A vocabulary-subset draft head (runtime/engines/model.py `_logits`): ids outside the subset get logit -inf, so the
 # draft puts zero mass on them; the target still gives them mass (half of the vocabulary here).
 SUBSET_DRAFT_LOGITS = DRAFT_LOGITS.masked_fill(torch.tensor([False, True, False, True, True, False]), -torch.inf)
 
@@ -545,13 +545,13 @@ class MarkovEngine:
     length, so the loop's positions and masks are checked too."""
 
     def __init__(self, table: torch.Tensor):
-        from spectrt.runtime.model import ModelConfig
+        from spectrt.runtime.engines.model import ModelConfig
 
         self.table = table
         self.config = ModelConfig(V, 8, 8, 1, 1, 1, 1, 1e-5, 1e4, True)
 
     def new_caches(self, slots: int, capacity: int, window: int):
-        from spectrt.runtime.model import KVCache
+        from spectrt.runtime.engines.model import KVCache
 
         return KVCache.pool(self.config, slots, capacity, window, torch.float32)
 
@@ -578,7 +578,7 @@ LOOP_SAMPLES = 12_000
 
 def loop_counts(tree, params: SamplingParams, children: str = "sample", policy=None) -> torch.Tensor:
     """The first three tokens of LOOP_SAMPLES seeded requests decoded by the real loop (32 at a time)."""
-    from spectrt.runtime.decoder import AUTO, Decoder, Job
+    from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
 
     decoder = Decoder(MarkovEngine(TARGET_LOGITS), MarkovEngine(DRAFT_LOGITS), set(), max_seq_len=16,
                       max_tree_tokens=16, max_active=32, policy=policy)
@@ -601,7 +601,7 @@ def _loop_fit(tree, params, children="sample", policy=None):
 def test_sampling_through_the_decode_loop_is_exact(case):
     """End to end through `Decoder`: its own q-row bookkeeping, suffix candidates merged into sampled static trees,
     dynamic trees, batching and compaction; the emitted tokens follow the target's distribution."""
-    from spectrt.runtime.policy import Policy
+    from spectrt.runtime.decoding.policy import Policy
 
     params = SamplingParams(temperature=1.0, top_p=0.9)
     flat = Policy(budget=8, depth=2, width=2, verify_ms=((1, 1.0),), draft_ms=((1, 1e-6),))
@@ -615,7 +615,7 @@ def test_sampling_through_the_decode_loop_is_exact(case):
 
 def test_loop_check_rejects_children_drawn_from_another_distribution(monkeypatch):
     """A bookkeeping bug: children drawn from one distribution, verified against the recorded q of another."""
-    from spectrt.runtime import propose
+    from spectrt.runtime.decoding import propose
 
     real = propose.draw_children
     monkeypatch.setattr(propose, "draw_children", lambda q, k, gen: real(torch.ones_like(q) / q.shape[-1], k, gen))
@@ -648,7 +648,7 @@ def _tiny_llama(path, seed: int):
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     """(target engine, draft engine, the target's exact distribution of its first two tokens [V, V])."""
-    from spectrt.runtime.model import Transformer
+    from spectrt.runtime.engines.model import Transformer
 
     root = tmp_path_factory.mktemp("tiny_pair")
     hf = _tiny_llama(root / "target", 0)
@@ -660,7 +660,7 @@ def tiny_pair(tmp_path_factory):
 
 
 def _decoder_counts(tiny_pair, tree: str | None, children: str) -> torch.Tensor:
-    from spectrt.runtime.decoder import Decoder
+    from spectrt.runtime.decoding.decoder import Decoder
 
     target, draft, _ = tiny_pair
     decoder = Decoder(target, draft, set(), max_seq_len=64)
@@ -686,7 +686,7 @@ def test_decoder_check_rejects_missing_residual_update(tiny_pair, monkeypatch):
 
 
 def test_decoder_seeded_sampling_is_reproducible(tiny_pair):
-    from spectrt.runtime.decoder import Decoder
+    from spectrt.runtime.decoding.decoder import Decoder
 
     target, draft, _ = tiny_pair
     decoder = Decoder(target, draft, set(), max_seq_len=64)

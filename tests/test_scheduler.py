@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
-from spectrt.runtime.decoder import AUTO, Decoder, Job, StepInfo
-from spectrt.runtime.policy import Policy
-from spectrt.runtime.requests import Limits, RequestError, Row, make_row
-from spectrt.runtime.scheduler import CounterMetrics, Overloaded, Request, Scheduler
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job, StepInfo
+from spectrt.runtime.decoding.policy import Policy
+from spectrt.runtime.serving.requests import Limits, RequestError, Row, make_row
+from spectrt.runtime.serving.scheduler import CounterMetrics, Overloaded, Request, Scheduler
 
 FLAT = Policy(budget=6, depth=2, width=2, verify_ms=((1, 1.0), (64, 1.0)), draft_ms=((1, 1e-6),))
 
@@ -153,7 +153,7 @@ def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, token
 def test_a_warm_up_whose_forward_fails_raises_with_the_reason(target, draft, tokenizer, encode, monkeypatch):
     """The served model warms up before it loads READY: a failing forward must fail the load, not end the warm-up
     jobs with finish "error" and leave a READY model whose every request fails."""
-    from spectrt.runtime.scheduler import warm_up
+    from spectrt.runtime.serving.scheduler import warm_up
 
     sched = _scheduler(target, draft, tokenizer)
     warm_up(sched.decoder, [encode("Hi"), encode("Hello")], None)  # a working model warms up silently
@@ -324,12 +324,12 @@ class _Vocab:
     """An engine that only has a vocabulary size (the check runs before any forward)."""
 
     def __init__(self, vocab):
-        from spectrt.runtime.model import ModelConfig
+        from spectrt.runtime.engines.model import ModelConfig
 
         self.config = ModelConfig(vocab, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, True)
 
     def new_caches(self, slots, capacity, window):
-        from spectrt.runtime.model import KVCache
+        from spectrt.runtime.engines.model import KVCache
 
         return KVCache.pool(self.config, slots, capacity, window, torch.float32)
 

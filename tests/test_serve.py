@@ -20,8 +20,15 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVE_READY_TIMEOUT, launch_serve
-from spectrt.runtime.client import GrpcSession, http_generate, load_run
-from spectrt.runtime.serve import ADMIN_HEADER, GRPC_ADMIN_HEADER, SHM_DIR, ServeError, TritonServer, host_warning
+from spectrt.runtime.serving.client import GrpcSession, http_generate, load_run
+from spectrt.runtime.serving.serve import (
+    ADMIN_HEADER,
+    GRPC_ADMIN_HEADER,
+    SHM_DIR,
+    ServeError,
+    TritonServer,
+    host_warning,
+)
 
 GONE_TIMEOUT = 120.0  # how long cleanup may take before the test fails (a hang guard, not a speed check)
 
@@ -115,7 +122,7 @@ def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_no
     saying the server is stopping), a request sent once the server is no longer ready is refused, and nothing is
     left behind."""
     import tritonclient.grpc as grpcclient
-    from spectrt.runtime.client import RequestFailed, grpc_inputs, request_fields
+    from spectrt.runtime.serving.client import RequestFailed, grpc_inputs, request_fields
     from tritonclient.utils import InferenceServerException
 
     proc, info = _launch("--max-tokens-limit", "100", "--max-seq-len", "256")
@@ -163,7 +170,7 @@ def test_torch_reference_path_serves_min_length_and_bad_words(tokenizer):
     masking refused: such requests ended in an error)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from spectrt.runtime.client import grpc_inputs, request_fields
+    from spectrt.runtime.serving.client import grpc_inputs, request_fields
 
     proc, info = _launch(env={"SPECTRT_NATIVE": "0"})
     try:

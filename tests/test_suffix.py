@@ -1,7 +1,7 @@
 """The per-request suffix index: longest repeated suffix, continuations proposed, incremental updates."""
 
 import pytest
-from spectrt.runtime.suffix import SuffixIndex
+from spectrt.runtime.decoding.suffix import SuffixIndex
 
 X, Y = 40, 41
 

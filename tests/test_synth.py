@@ -87,8 +87,8 @@ def test_a_shipped_draft_installs_only_for_its_target_and_refuses_corruption(tmp
 
 def test_the_package_ships_a_draft_for_the_embedded_target_that_decodes_exactly(target_dir, tmp_path):
     """The shipped draft belongs to the embedded target and through `Decoder` greedy trees equal AR (batch 1, 3)."""
-    from spectrt.runtime.pipeline import Pipeline
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tree import Tree
 
     installed = D.install_shipped(target_dir, tmp_path / "draft")
     assert installed is not None, "no shipped draft for the embedded target"
@@ -98,7 +98,7 @@ def test_the_package_ships_a_draft_for_the_embedded_target_that_decodes_exactly(
     decoder = pipe.decoder
     ar = [decoder.generate(p, 24).token_ids for p in prompts]
     assert [decoder.generate(p, 24, Tree.parse("2,2,1")).token_ids for p in prompts] == ar
-    from spectrt.runtime.decoder import Job
+    from spectrt.runtime.decoding.decoder import Job
 
     jobs = decoder.run([Job(p, 24, Tree.parse("2,2,1")) for p in prompts])
     assert [j.out for j in jobs] == ar

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from spectrt.runtime.text import StopStrings, TextStream
+from spectrt.runtime.decoding.text import StopStrings, TextStream
 
 SAMPLES = ["Hello , world ! It 's a test . Don't stop : 3.5 % of cafés ( naïve ) – 日本語 ? Yes .",
            "def f(x):\n    return x ** 2  # squares\n\n\nprint(f(3)) ; end",

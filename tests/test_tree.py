@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from spectrt.runtime.tree import TokenTrie, Tree, TreeError, greedy_accept
+from spectrt.runtime.decoding.tree import TokenTrie, Tree, TreeError, greedy_accept
 
 
 def test_seed_example_mask():

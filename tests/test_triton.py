@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SERVING_PROMPTS, scrape_metrics
-from spectrt.runtime.client import GrpcSession, RequestFailed, grpc_inputs, http_generate, request_fields
-from spectrt.runtime.serve import SHM_DIR, ServeError, TritonServer, write_config
+from spectrt.runtime.serving.client import GrpcSession, RequestFailed, grpc_inputs, http_generate, request_fields
+from spectrt.runtime.serving.serve import SHM_DIR, ServeError, TritonServer, write_config
 
 TREE = "2,1"
 MAX_SEQ_LEN = 512
@@ -78,7 +78,7 @@ def server(target_dir, draft_dir):
 
 @pytest.fixture(scope="module")
 def pipe(target_dir, draft_dir):
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
 
     return Pipeline(target_dir, draft_dir, max_seq_len=MAX_SEQ_LEN, measure_kernels=False)  # as served
 
@@ -278,7 +278,7 @@ def test_model_that_cannot_load_fails_fast_with_its_reason(target_dir, tmp_path)
 
 
 def test_config_overrides_are_written():
-    from spectrt.runtime.serve import DEFAULT_REPOSITORY
+    from spectrt.runtime.serving.serve import DEFAULT_REPOSITORY
 
     text = (DEFAULT_REPOSITORY / "spectrt" / "config.pbtxt").read_text()
     out = write_config(text, {"target_dir": '/a "b"', "tree": "3,1", "new_key": "x"}, instances=5)
@@ -448,8 +448,8 @@ def test_sixteen_streams_no_lost_duplicated_or_crossed_tokens(server, session, p
 
 
 def _batch_reference(pipe, prompt: str, max_tokens: int, **constraints):
-    from spectrt.runtime.decoder import Decoder, Job
-    from spectrt.runtime.tree import Tree
+    from spectrt.runtime.decoding.decoder import Decoder, Job
+    from spectrt.runtime.decoding.tree import Tree
 
     dec = pipe.decoder
     job = Job(pipe.encode(prompt), max_tokens, Tree.parse(TREE), **constraints)

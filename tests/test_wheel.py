@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from spectrt.runtime import kernels
+from spectrt.runtime.engines import kernels
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout under test: what gets built
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent  # the checkout under test: what g
 def _runtime_files() -> set[str]:
     """Paths (relative to the package) of the checkout's files that the code reads at run time."""
     found = [*(REPO / "triton_repo").rglob("*"), *REPO.glob("bench/*.txt"), *REPO.glob("build/prompts/*.txt"),
-             *(REPO / "build" / "answers").rglob("*"), REPO / "runtime" / "cpu_kernels.cpp"]
+             *(REPO / "build" / "answers").rglob("*"), REPO / "runtime" / "engines" / "cpu_kernels.cpp"]
     return {p.relative_to(REPO).as_posix() for p in found if p.is_file() and "__pycache__" not in p.parts}
 
 
@@ -93,7 +93,7 @@ def test_wheel_ships_every_runtime_file(wheel):
         assert not missing, f"not in the wheel: {sorted(missing)}"
         for name in _runtime_files():
             assert z.read(f"spectrt/{name}") == (REPO / name).read_bytes(), name
-    assert {"triton_repo/spectrt/config.pbtxt", "triton_repo/spectrt/1/model.py", "runtime/cpu_kernels.cpp",
+    assert {"triton_repo/spectrt/config.pbtxt", "triton_repo/spectrt/1/model.py", "runtime/engines/cpu_kernels.cpp",
             "bench/prompts.txt", "bench/prompts_repetitive.txt", "build/prompts/distill.txt",
             "build/prompts/heldout.txt", "build/answers/smollm2-135m-instruct.json",
             "build/answers/smollm2-135m-instruct.tokens.xz"} <= shipped
@@ -106,7 +106,10 @@ import json, tempfile
 from pathlib import Path
 import spectrt
 from spectrt.build import corpus
-from spectrt.runtime import bench, client, kernels, serve
+from spectrt.runtime.decoding import bench
+from spectrt.runtime.serving import client
+from spectrt.runtime.engines import kernels
+from spectrt.runtime.serving import serve
 models = serve.prepare_model_repository(Path(tempfile.mkdtemp()) / "models")
 print(json.dumps({
     "package": spectrt.__file__, "repository": str(serve.DEFAULT_REPOSITORY), "supervisor": str(serve.SUPERVISOR),
@@ -166,7 +169,7 @@ print(json.dumps(out))""")
 GENERATE = """
 import json
 from spectrt.build.checkpoint import resolve_target
-from spectrt.runtime.pipeline import Pipeline
+from spectrt.runtime.decoding.pipeline import Pipeline
 pipe = Pipeline(resolve_target(), None, max_seq_len=256)
 gen = pipe.generate("Name three colors.", 12, None)
 print(json.dumps({"native": pipe.decoder.target.native is not None, "tokens": gen.token_ids}))
@@ -174,7 +177,7 @@ print(json.dumps({"native": pipe.decoder.target.native is not None, "tokens": ge
 
 
 def test_generate_from_the_install_runs_the_native_forward(install, elsewhere, target_dir):
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
 
     out = _run(install, elsewhere, str(install / "bin" / "spectrt"), "generate", "--prompt", "Name three colors.",
                "--max-new-tokens", "12", "--no-spec", "--json", "--max-seq-len", "256")

@@ -1,12 +1,13 @@
 """spectrt as a Triton python-backend model: decoupled, streaming, in-flight batching of token trees. Glue only.
 
 `execute()` reserves queue room (backpressure before any parsing), reads each row's fields, validates and tokenizes
-them with the one validator (runtime/requests.py), and hands the request to the scheduler (runtime/scheduler.py),
-whose thread owns the decode loop (runtime/decoder.py: dynamic trees, suffix candidates, the tuned policy, one
-speculation budget across requests). Responses go back through `TritonSink`; every request ends with exactly one
-final response. The request schema is tensorrtllm_backend's plus spectrt's extensions (runtime/requests.py).
-Streaming sends each row's text deltas, then a final response per row (empty `text_output`, `finish_reason` and,
-if asked, the perf metrics), the last one flagged final; non-streaming sends one final response with every row.
+them with the one validator (runtime/serving/requests.py), and hands the request to the scheduler
+(runtime/serving/scheduler.py), whose thread owns the decode loop (runtime/decoding/decoder.py: dynamic trees,
+suffix candidates, the tuned policy, one speculation budget across requests). Responses go back through
+`TritonSink`; every request ends with exactly one final response. The request schema is tensorrtllm_backend's plus
+spectrt's extensions (runtime/serving/requests.py). Streaming sends each row's text deltas, then a final response
+per row (empty `text_output`, `finish_reason` and, if asked, the perf metrics), the last one flagged final;
+non-streaming sends one final response with every row.
 """
 
 from __future__ import annotations
@@ -209,9 +210,9 @@ class TritonSink:
 class TritonPythonModel:
     def initialize(self, args):
         import torch
-        from spectrt.runtime import requests as validator
-        from spectrt.runtime.pipeline import Pipeline
-        from spectrt.runtime.scheduler import Overloaded, Request, Scheduler
+        from spectrt.runtime.decoding.pipeline import Pipeline
+        from spectrt.runtime.serving import requests as validator
+        from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler
 
         self.validator, self.Overloaded, self.Request = validator, Overloaded, Request
         config = json.loads(args["model_config"])
@@ -260,7 +261,7 @@ class TritonPythonModel:
         except validator.RequestError as e:
             raise pb_utils.TritonModelException(f"model parameter tree: {e}") from None
         if _truthy(params.get("warmup", "true")):  # first forwards (allocator, scratch growth): now, not in a request
-            from spectrt.runtime.scheduler import warm_up
+            from spectrt.runtime.serving.scheduler import warm_up
 
             try:
                 warm_up(decoder, [self.pipe.encode("Hi"), self.pipe.encode("Hello")], self.default_tree)
@@ -294,7 +295,7 @@ class TritonPythonModel:
         135m-instruct, or $SPECTRT_ARTIFACTS/...) and draft_dir ("" = <target>-draft next to it, "none" = the
         target alone). Relative paths are relative to the model repository's parent directory.
         """
-        from spectrt.runtime.engine import resolve_dtype
+        from spectrt.runtime.engines.engine import resolve_dtype
 
         backend = params.get("backend") or "torch"
         dtype = params.get("dtype") or "auto"

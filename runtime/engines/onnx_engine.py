@@ -2,7 +2,7 @@
 
 It runs the exported batched tree-verify graph itself (build/export.py), so CI checks the very graph that
 TensorRT compiles. `forward_many` is ONE session run for all segments (B requests, each its own tree; see
-runtime/batch_inputs.py). The KV pool is the runtime's (`KVCache.pool`, so compaction stays in one place); its
+runtime/engines/batch_inputs.py). The KV pool is the runtime's (`KVCache.pool`, so compaction stays in one place); its
 `pool_k`/`pool_v` tensors are bound to the graph's inputs by address, so no cache is copied per step, and the
 outputs land in static buffers bound by address too. The graph returns only the new tokens' K/V, which are
 copied into their pool slots; each segment's logits are copied out of the static buffer (a tensor of its own).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from spectrt.runtime.batch_inputs import INPUT_NAMES, batch_inputs
-from spectrt.runtime.model import KVCache, ModelConfig
+from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, batch_inputs
+from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "spectrt-engines/1"

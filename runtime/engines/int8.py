@@ -10,7 +10,7 @@ integers where that is faster:
   `torch._int_mm` against the int8 weights (exact int32 accumulation) -> one per-channel multiply back to fp32
   (and 1/s per row). s is the calibrated 127/amax (`activations: static`) or each row's own 127/max|x_row|
   (`per_token`). The int8 operands are bit-identical to the fake quantizer's, so outputs match the
-  fake-quantized model up to fp32 rounding (tests/test_quant.py). The native forward (runtime/cpu_kernels.cpp)
+  fake-quantized model up to fp32 rounding (tests/test_quant.py). The native forward (runtime/engines/cpu_kernels.cpp)
   runs the same arithmetic with VNNI.
 - **weight-only** (`int8_wo`): the int8 weights are dequantized once at load and run by the fp32 kernels, the
   fake-quantized model's exact numerics.
@@ -142,7 +142,7 @@ def load_quantized(checkpoint: Path, config) -> tuple[dict[str, torch.Tensor], l
         p, hf = f"layers.{i}.", f"model.layers.{i}."
         weights[hf + "input_layernorm.weight"] = state[p + "attn_norm"]
         weights[hf + "post_attention_layernorm.weight"] = state[p + "mlp_norm"]
-        if config.attention_bias:  # the fused module's bias, back under the names runtime/model.py reads
+        if config.attention_bias:  # the fused module's bias, back under the names runtime/engines/model.py reads
             for n, b in zip("qkv", state[p + "wqkv.bias"].split([q_dim, kv_dim, kv_dim]), strict=True):
                 weights[hf + f"self_attn.{n}_proj.bias"] = b
         if config.output_bias:

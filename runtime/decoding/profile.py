@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from spectrt.runtime.model import Transformer
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.model import Transformer
 from tqdm import tqdm
 
 T_VALUES = (1, 2, 4, 8, 16, 32, 64)
@@ -165,7 +165,7 @@ def breakdown(engine: Transformer, nodes: int, context: int = 128, repeats: int 
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
         parts = {f"op {e.key}": round(e.self_cpu_time_total / 3e3, 3) for e in ops}
         return {"total": round(total, 3), **parts}
-    from spectrt.runtime import kernels
+    from spectrt.runtime.engines import kernels
 
     native, c = engine.native, engine.config
     x = torch.randn(nodes, max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim))
@@ -242,9 +242,9 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
     """{batch: ms per step by part} of the decode loop itself under its default policy (`Decoder.clock`): the target
     and draft forwards and the host work around them (proposing, acceptance, the rest), greedy, `prompts` chat
     prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together."""
-    from spectrt.runtime.bench import DEFAULT_PROMPTS, read_prompts
-    from spectrt.runtime.decoder import AUTO, Job, StepClock
-    from spectrt.runtime.pipeline import Pipeline
+    from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
+    from spectrt.runtime.decoding.decoder import AUTO, Job, StepClock
+    from spectrt.runtime.decoding.pipeline import Pipeline
 
     pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches))
     decoder = pipe.decoder
@@ -263,8 +263,8 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
                 repeats: int = 15) -> dict:
     """Measure target (and draft) curves + breakdowns; save the cost profile and the report files. The draft is a
     sliced model or an EAGLE-3 head (its forwards timed as `HeadRows`; no per-component breakdown)."""
-    from spectrt.runtime.eagle3 import Eagle3Head, is_eagle3
-    from spectrt.runtime.engine import DTYPES, draft_dtype
+    from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
+    from spectrt.runtime.engines.engine import DTYPES, draft_dtype
 
     report = {"backend": "torch", "dtype": dtype, "threads": torch.get_num_threads(), "cpu": _cpu_name(),
               "cores": os.cpu_count(), "target_name": Path(target).name}

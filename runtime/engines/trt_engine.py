@@ -3,7 +3,7 @@
 - The plan (build/compile.py) is loaded with the module that built it (`tensorrt` or `tensorrt_rtx`: one code path,
   the same Python API), after its sha256 is checked against the engines manifest and its compute capability
   against this GPU.
-- `forward_many` is ONE plan execution for all segments (B requests, each its own tree; runtime/batch_inputs.py).
+- `forward_many` is ONE plan execution for all segments (B requests, each its own tree; runtime/engines/batch_inputs.py).
   The KV pool (`KVCache.pool`, [slots, layers, kv_heads, capacity, head_dim]) lives in device memory in the plan's
   K/V dtype and is bound by address: no cache crosses the bus. The small per-step inputs go through pinned host
   buffers into static device buffers; the new K/V are written into the pool slots on the GPU; only the logits come
@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 import torch
-from spectrt.runtime.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
-from spectrt.runtime.model import KVCache, ModelConfig
-from spectrt.runtime.onnx_engine import EngineDir, EngineDirError, forward_by_pool
+from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
+from spectrt.runtime.engines.model import KVCache, ModelConfig
+from spectrt.runtime.engines.onnx_engine import EngineDir, EngineDirError, forward_by_pool
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}

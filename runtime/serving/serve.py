@@ -8,7 +8,7 @@ writes into, or deletes, a directory it did not create), starts the server on 12
     <run dir>/backends/python/  libtriton_python.so, triton_python_backend_utils.py and the stub built for
                                 this interpreter's Python version (symlinks into the wheel)
     <run dir>/server.log        the server's stdout and stderr
-    <run dir>/openai.log        the OpenAI frontend's log (with `openai_port`: runtime/openai_frontend.py)
+    <run dir>/openai.log        the OpenAI frontend's log (with `openai_port`: runtime/serving/openai_frontend.py)
     <run dir>/admin-key         the key of the restricted admin APIs (model repository, shared memory, trace,
                                 logging): HTTP header ADMIN_HEADER, gRPC metadata GRPC_ADMIN_HEADER
 
@@ -51,13 +51,13 @@ import urllib.request
 from pathlib import Path
 
 from spectrt.runtime.resources import package_path
-from spectrt.runtime.supervise import sweep_shm
+from spectrt.runtime.serving.supervise import sweep_shm
 
 DEFAULT_REPOSITORY = package_path("triton_repo")  # shipped inside the package (a checkout's own in an editable install)
 DEFAULT_MODEL = "spectrt"
 SHM_DIR = Path("/dev/shm")
 SHM_GENERIC_PREFIX = "triton_python_backend_shm_region_"
-SUPERVISOR = package_path("runtime/supervise.py")
+SUPERVISOR = package_path("runtime/serving/supervise.py")
 ADMIN_HEADER = "spectrt-admin-key"  # the HTTP header the restricted APIs require
 GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"  # the gRPC metadata key (Triton adds this prefix)
 RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
@@ -291,7 +291,8 @@ class TritonServer:
         """The OpenAI frontend, against this server's gRPC port (loopback when Triton listens on every address)."""
         grpc_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         tokenizer = self.tokenizer or tokenizer_dir(self.params)
-        return [sys.executable, "-m", "spectrt.runtime.openai_frontend", f"--grpc-url={grpc_host}:{self.grpc_port}",
+        return [sys.executable, "-m", "spectrt.runtime.serving.openai_frontend",
+                f"--grpc-url={grpc_host}:{self.grpc_port}",
                 f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
                 f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}",
                 f"--drain-seconds={self.drain_seconds:g}",
@@ -465,7 +466,7 @@ def host_warning(host: str) -> str | None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `spectrt serve` (the lead wires them into cli.py; `python -m spectrt.runtime.serve` uses them too)."""
+    """Flags of `spectrt serve` (cli.py; `python -m spectrt.runtime.serving.serve` uses them too)."""
     p.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="draft checkpoint dir, or 'none' for the target alone "
                                    "(default: the target's distilled draft in --artifacts)")
@@ -556,7 +557,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2
-    from spectrt.runtime.engine import fallback_notice
+    from spectrt.runtime.engines.engine import fallback_notice
 
     if notice := fallback_notice(args.backend):  # the instances load in this environment (SPECTRT_NATIVE included)
         print(notice, file=sys.stderr)

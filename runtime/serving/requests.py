@@ -18,9 +18,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from spectrt.runtime.decoder import AUTO, CHILD_MODES, Job
-from spectrt.runtime.sampling import SamplingParams
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import AUTO, CHILD_MODES, Job
+from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.decoding.tree import Tree
 
 NO_TREE = ("none", "ar", "0")
 FIELDS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id",

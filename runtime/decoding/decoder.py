@@ -5,7 +5,7 @@ engine, allocated once here). Each `step`:
 
 1. prompts still being prefilled contribute causal chunks (bounded per step, so a long prompt never stalls the
    others); the draft reads the same chunks in its first pass of the step;
-2. every decoding request gets a token trie from the proposers (runtime/propose.py): suffix candidates (free), then
+2. every decoding request gets a token trie from the proposers (propose.py): suffix candidates (free), then
    the draft (static SpecInfer shapes, or EAGLE-2 expansion of the best nodes), all requests' draft levels in one
    draft forward each; a request drafts only when its learned draft gain pays for its pass and the row it adds;
 3. one speculation budget across the batch (`runtime/policy.allocate`): which scored nodes of which request to
@@ -16,7 +16,7 @@ engine, allocated once here). Each `step`:
    (end-of-sequence, length, stop words), `min_length` and bad words applied to the distribution verified.
 
 Prefix cache (`prefix_cache`, on by default): a finished request's KV (prompt + output) stays in its slot, indexed
-by its tokens (runtime/prefix.py); a new request starts from the slot holding its longest cached prefix (taking it
+by its tokens (prefix.py); a new request starts from the slot holding its longest cached prefix (taking it
 over, or copying the rows into another free slot) and prefills only the rest; the drafts keep their rows of that
 prefix too (the EAGLE-3 head its pending target features). Reuse is exact because the engines' rows are invariant
 of the batch and chunk they were computed in; an engine whose rows are not (the torch reference path in fp) gets
@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
-from spectrt.runtime.engine import Engine, Segment
-from spectrt.runtime.policy import Policy, allocate, choose_drafted
-from spectrt.runtime.prefix import PrefixIndex
-from spectrt.runtime.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
-from spectrt.runtime.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
-from spectrt.runtime.tree import TokenTrie, Tree, greedy_accept
+from spectrt.runtime.decoding.policy import Policy, allocate, choose_drafted
+from spectrt.runtime.decoding.prefix import PrefixIndex
+from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
+from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
+from spectrt.runtime.decoding.tree import TokenTrie, Tree, greedy_accept
+from spectrt.runtime.engines.engine import Engine, Segment
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")

@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from spectrt.runtime.families import rope_frequencies
-from spectrt.runtime.kernels import linear, load_kernels, native_unavailable, pack
-from spectrt.runtime.model import KVCache, ModelConfig
+from spectrt.runtime.engines.families import rope_frequencies
+from spectrt.runtime.engines.kernels import linear, load_kernels, native_unavailable, pack
+from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 PREFIX = "midlayer."
@@ -256,7 +256,7 @@ class Eagle3Head:
 
     @property
     def exact_rows(self) -> bool:
-        """Row invariant on the native forward only (prefix reuse keeps the head's rows: runtime/decoder.py)."""
+        """Row invariant on the native forward only (prefix reuse keeps the head's rows: runtime/decoding/decoder.py)."""
         return self.native is not None
 
     def new_caches(self, slots: int, capacity: int, max_window: int) -> list[KVCache]:
@@ -348,7 +348,7 @@ class Eagle3Head:
 
 
 def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: int = 20) -> dict[str, float]:
-    """Median ms of the head's work per speculative step, measured like `runtime/profile.py` measures engines:
+    """Median ms of the head's work per speculative step, measured like `runtime/decoding/profile.py` measures engines:
     `level`: one draft level of `nodes` rows after `context` committed rows (what each tree level costs, the
     figure compared with a target step); `catch_up`: fc + one pass over `nodes` committed rows' target features
     (once per step, for the accepted tokens)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from spectrt.runtime.model import KVCache, ModelConfig, Transformer
+from spectrt.runtime.engines.model import KVCache, ModelConfig, Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -49,11 +49,11 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", m
     if backend == "onnxruntime":  # `checkpoint` is a model of an engines dir: engines/<name>/{target,draft}
         if dtype != "fp32":
             raise ValueError("--backend onnxruntime runs the exported fp32 graph: use --dtype fp32")
-        from spectrt.runtime.onnx_engine import OnnxEngine
+        from spectrt.runtime.engines.onnx_engine import OnnxEngine
 
         return OnnxEngine.load(Path(checkpoint))
     if backend == "tensorrt":  # precision is the plan's (manifest.json), not --dtype
-        from spectrt.runtime.trt_engine import TensorRTEngine
+        from spectrt.runtime.engines.trt_engine import TensorRTEngine
 
         return TensorRTEngine.load(Path(checkpoint))
     if backend != "torch":
@@ -68,8 +68,8 @@ def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = 
     `checkpoint` (its non-GEMM ops run in fp32)."""
     if dtype != "auto":
         return dtype
-    from spectrt.runtime.int8 import quant_format
-    from spectrt.runtime.kernels import native_unavailable
+    from spectrt.runtime.engines.int8 import quant_format
+    from spectrt.runtime.engines.kernels import native_unavailable
 
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file() and quant_format(Path(checkpoint)):
         return "fp32"
@@ -79,7 +79,7 @@ def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = 
 def fallback_notice(backend: str) -> str | None:
     """The line `spectrt generate` and `spectrt serve` print once (stderr) when the torch reference path runs
     instead of the native forward: a slower engine is never a silent one."""
-    from spectrt.runtime.kernels import native_unavailable
+    from spectrt.runtime.engines.kernels import native_unavailable
 
     why = native_unavailable() if backend == "torch" else None
     if why is None:
@@ -91,7 +91,7 @@ def fallback_notice(backend: str) -> str | None:
 def draft_dtype(backend: str, dtype: str) -> str:
     """The draft's precision: bf16 weights on the native CPU forward (half the memory traffic per draft step, fp32
     arithmetic; the target verifies, so the output never changes), else the target's dtype."""
-    from spectrt.runtime.kernels import native_unavailable
+    from spectrt.runtime.engines.kernels import native_unavailable
 
     return "bf16" if backend == "torch" and native_unavailable() is None else dtype
 

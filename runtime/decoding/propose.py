@@ -9,13 +9,13 @@ score per node (the estimated probability that the target accepts the path to it
   children (top-k, or drawn without replacement from its q under sampling); a request with dynamic trees gets
   EAGLE-2 expansion of its best nodes, level by level, while another level is expected to pay for itself. Every
   request's level runs in ONE draft `forward_many`, and the expansion decisions weigh the whole batch's expected
-  tokens against the batched verify (`runtime/policy.allocate`).
+  tokens against the batched verify (`policy.allocate`).
 
-- `Eagle3Proposer`: an EAGLE-3 feature head (runtime/eagle3.py), the same trees and expansion; it reads the target's
+- `Eagle3Proposer`: an EAGLE-3 feature head (engines/eagle3.py), the same trees and expansion; it reads the target's
   features of every committed token, which the decoder hands it from the verify forward (`feature_layers`, `take`).
 
 A proposer keeps its own per-slot state (`start` when a request takes a slot, `accept` after verification). The
-decode loop (runtime/decoder.py) owns the order: suffix first (free), then the draft, then the budget.
+decode loop (runtime/decoding/decoder.py) owns the order: suffix first (free), then the draft, then the budget.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from spectrt.runtime.engine import Engine, Segment
-from spectrt.runtime.policy import Policy, allocate
-from spectrt.runtime.sampling import draw_children, sampling_probs, top_tokens
-from spectrt.runtime.suffix import SuffixIndex
-from spectrt.runtime.tree import TokenTrie, Tree
+from spectrt.runtime.decoding.policy import Policy, allocate
+from spectrt.runtime.decoding.sampling import draw_children, sampling_probs, top_tokens
+from spectrt.runtime.decoding.suffix import SuffixIndex
+from spectrt.runtime.decoding.tree import TokenTrie, Tree
+from spectrt.runtime.engines.engine import Engine, Segment
 
 
 @dataclass(eq=False)  # identity: compared and looked up as objects

@@ -366,8 +366,8 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     """
     import torch
     from spectrt.build.checkpoint import default_draft, resolve_target
-    from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
-    from spectrt.runtime.sampling import SamplingParams
+    from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
+    from spectrt.runtime.decoding.sampling import SamplingParams
 
     if threads > 0:
         torch.set_num_threads(threads)
@@ -414,7 +414,7 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `spectrt client` (the lead wires them into cli.py; `python -m spectrt.runtime.client` uses them)."""
+    """Flags of `spectrt client` (cli.py; `python -m spectrt.runtime.serving.client` uses them)."""
     p.add_argument("--prompt", default="Write a Python function that returns the squares of a list of numbers.")
     p.add_argument("--prompts", type=Path, default=None,
                    help="one prompt per line for --concurrency runs (default: bench/prompts.txt)")

@@ -2,7 +2,7 @@
 
 A finished request leaves its KV (prompt + output) in its pool slot; the decoder indexes the slot here by its
 tokens, and a new request starts from the slot with its longest cached prefix (taking the slot over, or copying the
-rows into another free slot) and prefills only the rest (runtime/decoder.py).
+rows into another free slot) and prefills only the rest (runtime/decoding/decoder.py).
 
 Why a radix tree and not vLLM's block hashes: a slot's rows are one contiguous range (the native forward reads each
 slot's K/V contiguously; there is no block table to share pages through), so the unit stored and evicted is a

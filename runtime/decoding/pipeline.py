@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
-from spectrt.runtime.decoder import GREEDY, Decoder, DecodeStats
-from spectrt.runtime.eagle3 import Eagle3Head, is_eagle3
-from spectrt.runtime.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
-from spectrt.runtime.policy import Policy, load_policy, policy_path
-from spectrt.runtime.sampling import SamplingParams
-from spectrt.runtime.text import TextStream
-from spectrt.runtime.tree import Tree
+from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
+from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
+from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.decoding.text import TextStream
+from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
+from spectrt.runtime.engines.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from transformers import AutoTokenizer
 
 DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one

@@ -423,7 +423,7 @@ class Chunks:
 DONE = b"data: [DONE]\n\n"
 
 
-UPSTREAM = (  # how the model's errors begin (runtime/scheduler.py, the model's refusals) -> status, code
+UPSTREAM = (  # how the model's errors begin (runtime/serving/scheduler.py, the model's refusals) -> status, code
     ("overloaded", 503, "overloaded"), ("the server is stopping", 503, "overloaded"),
     ("deadline exceeded", 504, "timeout"), ("spectrt failed", 500, "internal_error"),
     ("invalid request: ", 400, "invalid_value"))

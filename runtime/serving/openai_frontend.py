@@ -20,8 +20,8 @@ from the same deltas); the rules that map bodies to model inputs and responses t
   0.53 ms per token and 4 ms to the first one (scripts/openai_overhead.py served); see README.
 
 `spectrt serve --openai-port P` starts this process next to tritonserver under the same supervisor; it can also run
-alone against any spectrt deployment: `python -m spectrt.runtime.openai_frontend --grpc-url HOST:8001 --tokenizer
-DIR --port 9000`.
+alone against any spectrt deployment: `python -m spectrt.runtime.serving.openai_frontend --grpc-url HOST:8001
+--tokenizer DIR --port 9000`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from pathlib import Path
 import grpc
 import tritonclient.grpc.aio as grpcaio
 from aiohttp import web
-from spectrt.runtime.client import PERF_OUTPUTS, grpc_inputs
-from spectrt.runtime.openai_api import (
+from spectrt.runtime.serving.client import PERF_OUTPUTS, grpc_inputs
+from spectrt.runtime.serving.openai_api import (
     ApiError,
     Call,
     Chunks,
@@ -421,7 +421,7 @@ def _error_response(error: ApiError) -> web.Response:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m spectrt.runtime.openai_frontend", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m spectrt.runtime.serving.openai_frontend", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint")
     p.add_argument("--model", default="spectrt", help="the served model's name (Triton's, and the API's `model`)")

@@ -1,7 +1,7 @@
 """The serving scheduler: one thread owns the decode loop; queue, admission, fairness, cancellation, deadlines,
 overload, drain and metrics live here, testable in process without tritonserver.
 
-A `Request` is what one client sent: one or more `Row`s (runtime/requests.py) and a `Sink` that carries responses
+A `Request` is what one client sent: one or more `Row`s (requests.py) and a `Sink` that carries responses
 back (the Triton model implements it over its response sender). The scheduler guarantees that every request gets
 exactly one final response, whatever happens: finished, cancelled by its client, refused for overload, past its
 deadline, failed (its own step failed: the batch goes on without it), or the server stopping.
@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from spectrt.runtime.decoder import Decoder, Job
-from spectrt.runtime.requests import Row
-from spectrt.runtime.text import StopStrings, TextStream
+from spectrt.runtime.decoding.decoder import Decoder, Job
+from spectrt.runtime.decoding.text import StopStrings, TextStream
+from spectrt.runtime.serving.requests import Row
 
 LOG = logging.getLogger("spectrt.scheduler")
 CANCEL_CHECK_SECONDS = 0.1  # how often a request's sink is asked whether its client went away (an IPC round trip)

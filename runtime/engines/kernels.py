@@ -1,4 +1,4 @@
-"""spectrt's native CPU forward (runtime/cpu_kernels.cpp over runtime/simd.h): build once per ISA, pack weights, run.
+"""spectrt's native CPU forward (runtime/engines/cpu_kernels.cpp over runtime/engines/simd.h): build once per ISA, pack weights, run.
 
 Why it exists (measured, 2 threads, SmolLM2-135M fp32): the torch reference forward spends ~31 ms per token,
 of which the GEMMs are ~half (MKL's small-M paths read the weights once per few rows: an 8-row projection costs
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from spectrt.runtime.resources import package_path
 
-SOURCE = package_path("runtime/cpu_kernels.cpp")
-HEADER = package_path("runtime/simd.h")  # the SIMD layer the source includes
+SOURCE = package_path("runtime/engines/cpu_kernels.cpp")
+HEADER = package_path("runtime/engines/simd.h")  # the SIMD layer the source includes
 PANEL = 64  # output columns per packed weight panel (NR in cpu_kernels.cpp)
 AMX_K = 32  # k per AMX tile step (KB in cpu_kernels.cpp): AMX-packed weights pad K to a multiple of it
 ISAS = ("avx512", "avx2", "portable")  # best first

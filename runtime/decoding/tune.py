@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from spectrt.runtime.decoder import Decoder
-from spectrt.runtime.policy import (
+from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.decoding.policy import (
     BatchedCost,
     Calibration,
     CostCurve,
@@ -27,7 +27,7 @@ from spectrt.runtime.policy import (
     expected_tokens,
     policy_path,
 )
-from spectrt.runtime.profile import cost_profile_path
+from spectrt.runtime.decoding.profile import cost_profile_path
 from tqdm import tqdm
 
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -45,7 +45,7 @@ def curve_from_profile(profile: dict, role: str, context: int = 128) -> CostCurv
 
 def measure_curve(engine, tokens: tuple[int, ...] = PROFILE_TOKENS, context: int = 128, repeats: int = 5) -> CostCurve:
     """Median forward milliseconds at `context` cached tokens for each T (the fallback when no profile exists)."""
-    from spectrt.runtime.bench import step_cost_ms
+    from spectrt.runtime.decoding.bench import step_cost_ms
 
     ms, most = {}, 0.0
     for t in tokens:  # a forward of more tokens never costs less: a dip is noise (a shared machine)

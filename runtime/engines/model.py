@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from spectrt.runtime.families import (
+from spectrt.runtime.engines.families import (
     check_supported,
     family_features,
     family_tensors,
@@ -24,8 +24,8 @@ from spectrt.runtime.families import (
     rope_parameters,
     rope_scaling_spec,
 )
-from spectrt.runtime.int8 import load_quantized, quant_format
-from spectrt.runtime.kernels import NativeModel, native_unavailable
+from spectrt.runtime.engines.int8 import load_quantized, quant_format
+from spectrt.runtime.engines.kernels import NativeModel, native_unavailable
 
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
@@ -198,7 +198,7 @@ class KernelChoice:
                         self.choice[key] = self.measure and self._fastest(w, 1 if single else 8)
 
     def __call__(self, x: torch.Tensor, w) -> torch.Tensor:
-        if not isinstance(w, torch.Tensor):  # an INT8 projection (runtime/int8.py) brings its own kernel
+        if not isinstance(w, torch.Tensor):  # an INT8 projection (runtime/engines/int8.py) brings its own kernel
             return w(x)
         key = (tuple(w.shape), w.dtype, x.shape[0] == 1)
         use_mm = self.choice.get(key)
@@ -215,7 +215,7 @@ class Transformer:
                  packed_dtype: torch.dtype | None = None):
         """`projections`: per layer, replacements for the fused projections (an INT8 target's).
 
-        `native`: run the native CPU forward (runtime/kernels.py; None = whenever it can run here). It is row
+        `native`: run the native CPU forward (runtime/engines/kernels.py; None = whenever it can run here). It is row
         invariant and several times cheaper per verified row; the torch path stays the reference and the INT8 path.
         `packed_dtype`: the native forward's fp weights (default `dtype`; an INT8 recipe's bf16 kept weights).
         """

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
-from spectrt.runtime.decoder import AUTO, Decoder, Job
-from spectrt.runtime.pipeline import DEFAULT_TREE, Pipeline
-from spectrt.runtime.policy import Policy
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
+from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
+from spectrt.runtime.decoding.policy import Policy
+from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.decoding.tree import Tree
 from spectrt.runtime.resources import package_path
-from spectrt.runtime.sampling import SamplingParams
-from spectrt.runtime.tree import Tree
 from tqdm import tqdm
 
 BENCH_DIR = package_path("bench")
@@ -316,8 +316,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def step_cost_ms(engine, tokens: int = 1, context: int = 128, repeats: int = 20) -> float:
-    """Median milliseconds of one forward of a `tokens`-node tree after `context` cached ones (runtime/profile.py)."""
-    from spectrt.runtime.profile import forward_ms, prefilled_cache
+    """Median milliseconds of one forward of a `tokens`-node tree after `context` cached ones (profile.py)."""
+    from spectrt.runtime.decoding.profile import forward_ms, prefilled_cache
 
     return forward_ms(engine, tokens, prefilled_cache(engine, context), repeats)
 
