@@ -1,4 +1,4 @@
-"""`spectrt` command line: generate, bench, profile, draft, quantize, compare, engines, serve, client."""
+"""`spectrt` command line: generate, bench, profile, tune, draft, quantize, compare, engines, serve, client."""
 
 from __future__ import annotations
 

@@ -18,11 +18,6 @@ until a GPU measures otherwise; `--qformat int8_wo` (0.972, passed) is the INT8 
 """
 
 
-def _ratio(a: str) -> bool:
-    done, total = a.split("/")
-    return done == total
-
-
 def markdown(r: dict) -> str:
     sets = ", ".join(f"{name} {n}" for name, n in r["prompt_sets"].items())
     lines = [f"### spectrt compare — prompts: {sets} × {r['max_new_tokens']} new tokens, greedy ({r['machine']}, "

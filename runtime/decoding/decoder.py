@@ -283,14 +283,6 @@ class Decoder:
         self.record = False  # fill DecodeStats.trace (what `spectrt tune` measures acceptance from)
         self.clock = StepClock()
 
-    @property
-    def policy(self) -> Policy:
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: Policy) -> None:
-        self._policy = policy
-
     # ------------------------------------------------------------------------------------- membership
     def check(self, job: Job) -> None:
         """The decoder's input checks (ValueError naming the fix), before a job takes a slot."""

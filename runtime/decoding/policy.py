@@ -121,7 +121,7 @@ class BatchedCost:
         return self._curves[key]
 
 
-# Untuned fallback (relative units): verify cost vs T of the fp32 torch engine on a 2-core CPU (DESIGN.md),
+# Untuned fallback (relative units): verify cost vs T of the fp32 torch engine measured on a 2-core CPU,
 # a 4-layer draft pass ~20% of a target step. `spectrt tune` replaces both with this machine's curves.
 DEFAULT_VERIFY = ((1, 1.0), (2, 1.13), (4, 1.48), (8, 2.23), (16, 3.11), (32, 4.8), (64, 8.0))
 DEFAULT_DRAFT = ((1, 0.2), (2, 0.22), (4, 0.28), (8, 0.4), (16, 0.6))
@@ -201,10 +201,6 @@ class Policy:
         calibration = Calibration(**{k: tuple(v) if isinstance(v, list) else v for k, v in cal.items()}) if cal \
             else Calibration()
         return cls(**fields, calibration=calibration)
-
-
-AR = Policy(budget=1, depth=0, draft=False, suffix=False)
-SUFFIX_ONLY = Policy(budget=16, depth=0, draft=False, suffix=True)
 
 
 def best_size(scores: list[float], sunk_ms: float, verify: CostCurve, budget: int) -> tuple[int, float]:

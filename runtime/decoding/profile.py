@@ -209,11 +209,6 @@ def cost_profile_path(target: Path, dtype: str, artifacts: Path) -> Path:
     return Path(artifacts) / f"cost_profile-{Path(target).name}-{dtype}.json"
 
 
-def load_cost_profile(target: Path, dtype: str, artifacts: Path) -> dict | None:
-    path = cost_profile_path(target, dtype, artifacts)
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
 class HeadRows:
     """An EAGLE-3 head seen as an engine of (tokens, positions, mask, cache) segments, for the cost curves: each row's
     input hidden state is random (a forward's cost does not depend on its values). The loop's draft pass of a head is
