@@ -9,7 +9,7 @@ from pathlib import Path
 
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 from spectrt.build.distill import DistillConfig
-from spectrt.runtime.decoding.tree import Tree, TreeError
+from spectrt.runtime.decoding.tree import AUTO, TreeError, parse_tree_arg
 
 
 def _positive(value: str) -> int:
@@ -263,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--tree", dest="tree_spec", default=None,
-                   help="a static tree: expansion per depth, e.g. 3,2,2,1,1 (default: auto, dynamic trees "
-                        "under the policy from `spectrt tune`)")
+                   help="a static tree: expansion per depth, e.g. 3,2,2,1,1; none: the target alone (default: auto, "
+                        "dynamic trees under the policy from `spectrt tune`)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--no-spec", action="store_true", help="run the target alone (autoregressive baseline)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -380,15 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "tree_spec", "x") is None:
-        from spectrt.runtime.decoding.pipeline import AUTO, DEFAULT_TREE
+    if hasattr(args, "tree_spec"):
+        if args.tree_spec is None:
+            from spectrt.runtime.decoding.pipeline import DEFAULT_TREE
 
-        args.tree_spec = AUTO if args.command == "generate" else DEFAULT_TREE
-    if getattr(args, "tree_spec", None) == "auto":
-        args.tree = "auto"
-    elif hasattr(args, "tree_spec"):
+            args.tree_spec = AUTO if args.command == "generate" else DEFAULT_TREE
         try:
-            args.tree = Tree.parse(args.tree_spec)
+            args.tree = parse_tree_arg(args.tree_spec)
         except TreeError as e:
             parser.error(str(e))
     if getattr(args, "dtype", None) == "auto":  # one precision name from here on (file names, reports)

@@ -53,8 +53,8 @@ def test_torch_fallback_is_said_once_and_bf16_speculation_refused(draft_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--prompt", "hi", "--tree", "3,,2"], "--tree '3,,2' is malformed"),
-    (["--prompt", "hi", "--tree", "2,0"], "integers >= 1"),
+    (["--prompt", "hi", "--tree", "3,,2"], "tree '3,,2' is malformed"),
+    (["--prompt", "hi", "--tree", "2,0"], "every depth needs at least 1 child"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "must be a positive integer"),
     (["--prompt", "  "], "the prompt is empty"),
     (["--prompt", "hi", "--target", "/nonexistent/model"], "does not exist"),

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from spectrt.runtime.decoding.tree import TokenTrie, Tree, TreeError, greedy_accept
+from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, TreeError, greedy_accept, parse_tree_arg
 
 
 def test_seed_example_mask():
@@ -115,3 +115,18 @@ def test_trie_scores_stay_monotone_and_best_nodes_connected():
         assert len(tree) == budget and order[0] == 0
     with pytest.raises(TreeError, match="parent"):
         trie.subtree([0, x[1]])
+
+
+def test_one_parser_reads_every_tree_argument_within_its_bounds():
+    """`--tree`, a request's `tree` and `Pipeline.generate` read a tree argument the same way: auto, the target
+    alone, or a static expansion refused past the deployment's depth and node bounds before any node is built."""
+    assert parse_tree_arg(" Auto ") == AUTO
+    assert [parse_tree_arg(s) for s in ("none", "AR", "0")] == [None, None, None]
+    assert parse_tree_arg("2, 1") == Tree.parse("2,1") and len(Tree.parse("2,1")) == 5
+    assert len(parse_tree_arg("2,2", max_depth=2, max_nodes=7)) == 7
+    with pytest.raises(TreeError, match="max_tree_depth=2"):
+        parse_tree_arg("1,1,1", max_depth=2)
+    with pytest.raises(TreeError, match="max_tree_tokens=6"):
+        parse_tree_arg("2,2", max_nodes=6)
+    with pytest.raises(TreeError, match="max_tree_tokens=64"):
+        parse_tree_arg("1000,1000,1000", max_nodes=64)  # refused from the counts, not by building a billion nodes

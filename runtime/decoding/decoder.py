@@ -41,12 +41,11 @@ from spectrt.runtime.decoding.policy import Policy, allocate, choose_drafted
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
-from spectrt.runtime.decoding.tree import TokenTrie, Tree, greedy_accept
+from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, greedy_accept  # AUTO: a job's dynamic trees
 from spectrt.runtime.engines.engine import Engine, Segment
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
-AUTO = "auto"  # a job's tree: dynamic trees under the decoder's policy
 SCALE_PRIOR = 4.0  # pseudo-tokens behind a job's score scale's start at 1 (the tuned calibration taken as right)
 SCALE_DECAY = 0.98  # per dynamic tree the job verified: its scale follows its last ~50 steps
 DRAFT_GAIN_PRIOR_STEPS = 4.0  # pseudo-steps of the policy's expected draft gain behind a job's estimate

@@ -16,13 +16,12 @@ from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
 from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.text import TextStream
-from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.decoding.tree import AUTO, Tree, parse_tree_arg
 from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
 from spectrt.runtime.engines.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from transformers import AutoTokenizer
 
 DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one
-AUTO = "auto"  # the default: dynamic trees under the tuned policy (`spectrt tune`) or the built-in default
 
 
 def default_policy(target: Path, draft: Path | None, dtype: str, artifacts: Path = DEFAULT_ARTIFACTS) -> Policy:
@@ -103,12 +102,12 @@ class Pipeline:
         """Generate; `tree`: "auto" (the pipeline's policy), a Policy, a static Tree or expansion string
         ("2,1"), or None to run the target alone (the autoregressive baseline)."""
         policy = None
+        if isinstance(tree, str):
+            tree = parse_tree_arg(tree)
         if tree == AUTO:
             tree, policy = None, self.policy
         elif isinstance(tree, Policy):
             tree, policy = None, tree
-        elif isinstance(tree, str):
-            tree = Tree.parse(tree)
         stream = TextStream(self.tokenizer) if on_text is not None else None
 
         def on_tokens(ids: list[int]) -> None:

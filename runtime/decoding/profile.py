@@ -238,8 +238,9 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
     and draft forwards and the host work around them (proposing, acceptance, the rest), greedy, `prompts` chat
     prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together."""
     from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
-    from spectrt.runtime.decoding.decoder import AUTO, Job, StepClock
+    from spectrt.runtime.decoding.decoder import Job, StepClock
     from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tree import AUTO
 
     pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches))
     decoder = pipe.decoder

@@ -18,6 +18,21 @@ class TreeError(ValueError):
     """A malformed tree specification; the message says the accepted form."""
 
 
+AUTO = "auto"  # a tree argument: dynamic trees under the speculation policy
+NO_TREE = ("none", "ar", "0")  # tree arguments for the target alone
+
+
+def parse_tree_arg(spec: str, max_depth: int | None = None, max_nodes: int | None = None) -> Tree | str | None:
+    """The one reading of a tree argument (`--tree`, a request's `tree`, `Pipeline.generate`): "auto" -> AUTO,
+    "none"/"ar"/"0" -> None (the target alone), anything else a bounded static `Tree.parse`."""
+    spec = spec.strip()
+    if spec.lower() == AUTO:
+        return AUTO
+    if spec.lower() in NO_TREE:
+        return None
+    return Tree.parse(spec, max_depth, max_nodes)
+
+
 @dataclass(frozen=True)
 class Tree:
     """A static tree topology: `parents[i]` is node i's parent index (-1 for the root)."""
@@ -49,14 +64,25 @@ class Tree:
         return cls(tuple(parents))
 
     @classmethod
-    def parse(cls, spec: str) -> Tree:
-        """Parse a CLI expansion string such as "3,2,2,1,1"."""
+    def parse(cls, spec: str, max_depth: int | None = None, max_nodes: int | None = None) -> Tree:
+        """A SpecInfer expansion vector such as "3,2,2,1,1", refused past `max_depth` levels or `max_nodes` nodes
+        before any node is built (a request's tree is bounded by the deployment's limits)."""
         try:
             expansion = [int(x) for x in spec.replace(" ", "").split(",")]
         except ValueError:
-            raise TreeError(
-                f"--tree {spec!r} is malformed: give branching per depth as integers, e.g. 3,2,2,1,1"
-            ) from None
+            raise TreeError(f"tree {spec!r} is malformed: give branching per depth as integers, e.g. 3,2,2,1,1") \
+                from None
+        if any(k < 1 for k in expansion):
+            raise TreeError(f"tree {spec!r}: every depth needs at least 1 child, e.g. 3,2,2,1,1")
+        if max_depth is not None and len(expansion) > max_depth:
+            raise TreeError(f"tree {spec!r} is {len(expansion)} deep, more than max_tree_depth={max_depth}: send a "
+                            "shallower tree")
+        total, width = 1, 1
+        for k in expansion:
+            width *= k
+            total += width
+            if max_nodes is not None and total > max_nodes:
+                raise TreeError(f"tree {spec!r} has more than max_tree_tokens={max_nodes} nodes")
         return cls.from_expansion(expansion)
 
     def __len__(self) -> int:

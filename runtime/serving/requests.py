@@ -18,11 +18,10 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from spectrt.runtime.decoding.decoder import AUTO, CHILD_MODES, Job
+from spectrt.runtime.decoding.decoder import CHILD_MODES, Job
 from spectrt.runtime.decoding.sampling import SamplingParams
-from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.decoding.tree import AUTO, Tree, TreeError, parse_tree_arg
 
-NO_TREE = ("none", "ar", "0")
 FIELDS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id",
           "pad_id", "beam_width", "min_length", "bad_words", "stop_words", "exclude_input_in_output",
           "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "tree", "children",
@@ -118,26 +117,11 @@ def parse_tree(spec, limits: Limits, default: Tree | str | None = AUTO) -> Tree 
                            f"expansion vector such as 2,1 (at most max_tree_depth={limits.max_tree_depth} levels)")
     if not spec:
         return default
-    if spec.lower() == AUTO:
-        return AUTO if limits.speculation else None
-    if spec.lower() in NO_TREE or not limits.speculation:
-        return None
     try:
-        expansion = [int(x) for x in spec.replace(" ", "").split(",")]
-    except ValueError:
-        raise RequestError(f"tree {spec!r} is malformed: give branching per depth as integers, e.g. 2,1") from None
-    if any(k < 1 for k in expansion):
-        raise RequestError(f"tree {spec!r}: every depth needs at least 1 child")
-    if len(expansion) > limits.max_tree_depth:
-        raise RequestError(f"tree {spec!r} is {len(expansion)} deep, more than max_tree_depth="
-                           f"{limits.max_tree_depth}: send a shallower tree")
-    total, width = 1, 1
-    for k in expansion:
-        width *= k
-        total += width
-        if total > limits.max_tree_tokens:
-            raise RequestError(f"tree {spec!r} has more than max_tree_tokens={limits.max_tree_tokens} nodes")
-    return Tree.from_expansion(expansion)
+        tree = parse_tree_arg(spec, limits.max_tree_depth, limits.max_tree_tokens)
+    except TreeError as e:
+        raise RequestError(str(e)) from None
+    return tree if limits.speculation else None  # a deployment without speculation runs every request alone
 
 
 def parse_words(values, name: str, limits: Limits) -> list[str]:
