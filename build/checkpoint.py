@@ -77,6 +77,21 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def eos_ids(target: Path, tokenizer) -> set[int]:
+    """Every end-of-sequence id of a checkpoint: its tokenizer's and each one generation_config.json lists (chat
+    models often end turns with a token the tokenizer does not call EOS)."""
+    ids: set[int] = set()
+    gen = Path(target) / "generation_config.json"
+    for source in (json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {},
+                   {"eos_token_id": tokenizer.eos_token_id}):
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
 def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
     """Return a Hugging Face checkpoint directory for `path` (None means the embedded default)."""
     if path is None:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from spectrt.build.checkpoint import eos_ids
 from spectrt.build.distill import DistillConfig, atomic_save, bf16_pays
 from spectrt.runtime.resources import package_path
 
@@ -102,18 +103,6 @@ def target_fingerprint(target: Path) -> str:
         with open(shard, "rb") as f:
             h.update(hashlib.file_digest(f, "blake2b").digest())
     return h.hexdigest()
-
-
-def _eos_ids(target: Path, tokenizer) -> list[int]:
-    ids: set[int] = set()
-    gen = Path(target) / "generation_config.json"
-    for source in (json.loads(gen.read_text()) if gen.is_file() else {}, {"eos_token_id": tokenizer.eos_token_id}):
-        eos = source.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return sorted(ids)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -201,7 +190,7 @@ def generate_distill_data(
         from spectrt.runtime.engines.engine import load_engine
 
         tokenizer = AutoTokenizer.from_pretrained(target)
-        eos = _eos_ids(target, tokenizer)
+        eos = sorted(eos_ids(target, tokenizer))
         engine = load_engine(target, "torch", ENGINE_DTYPES[key["dtype"]], measure_kernels=False)
         encoded = {k: _encode(tokenizer, unique[k], cfg.max_prompt_tokens) for k in {t[1] for t in todo}}
         requests = [Request(encoded[conv], SamplingParams(key["temperature"], seed=answer_seed(cfg.seed, conv, r))

@@ -6,12 +6,11 @@ loading path, one set of input checks and one streaming detokenizer.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, eos_ids
 from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
 from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
 from spectrt.runtime.decoding.sampling import SamplingParams
@@ -59,11 +58,7 @@ class Pipeline:
         if draft is not None and not head:
             check_draft_matches(target, Path(draft))
         self.tokenizer = AutoTokenizer.from_pretrained(target)
-        eos = {self.tokenizer.eos_token_id}
-        gen_config = target / "generation_config.json"
-        if gen_config.is_file():
-            configured = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
-            eos |= set(configured) if isinstance(configured, list) else {configured}
+        eos = eos_ids(target, self.tokenizer)
         target_engine = load_engine(target, backend, dtype, measure_kernels)
         if head:  # it reads the target's features and embedding: loaded for (and checked against) this target
             if backend != "torch":
@@ -76,7 +71,7 @@ class Pipeline:
         self.decoder = Decoder(
             target_engine,
             draft_engine,
-            eos_ids={e for e in eos if e is not None},
+            eos_ids=eos,
             max_seq_len=max_seq_len,
             max_tree_tokens=max_tree_tokens,
             max_active=max_active,
