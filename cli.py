@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_models, resolve_target
 from spectrt.build.distill import DistillConfig
 from spectrt.runtime.decoding.tree import AUTO, TreeError, parse_tree_arg
 
@@ -28,14 +28,7 @@ def _models(args: argparse.Namespace) -> tuple[Path, Path | None]:
     if args.backend != "torch":
         raise CheckpointError(f"--backend {args.backend} runs built engines: pass --engines engines/<name> "
                               "(make engines)")
-    target = resolve_target(args.target, args.artifacts)
-    if getattr(args, "no_spec", False) or (args.draft or "").lower() == "none":
-        return target, None
-    draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
-    if not draft.is_dir():
-        raise CheckpointError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
-                              "(or pass --draft none: speculation with suffix candidates only)")
-    return target, draft
+    return resolve_models(args.target, "none" if getattr(args, "no_spec", False) else args.draft, args.artifacts)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -105,12 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from spectrt.runtime.decoding.profile import run_profile
 
-    target = resolve_target(args.target, args.artifacts)
-    draft = None
-    if not args.no_draft:
-        draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
-        if not draft.is_dir():
-            raise CheckpointError(f"draft {draft} does not exist: build it with `spectrt draft` or pass --no-draft")
+    target, draft = resolve_models(args.target, "none" if args.no_draft else args.draft, args.artifacts)
     run_profile(target, draft, args.dtype, args.artifacts, args.out, args.repeats)
     return 0
 

@@ -129,3 +129,20 @@ def default_draft(target: Path, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
         if source:
             target = Path(source)
     return Path(artifacts) / f"{Path(target).name}-draft"
+
+
+def resolve_models(target: str | Path | None, draft: str | Path | None,
+                   artifacts: Path = DEFAULT_ARTIFACTS) -> tuple[Path, Path | None]:
+    """The one reading of `--target` / `--draft` for every command: (target checkpoint, draft dir or None).
+
+    `draft` None means the target's default draft (`default_draft`), "none" no draft model (the target alone, or
+    draft-less speculation with suffix candidates); a draft that is not there is refused with the fix."""
+    target_dir = resolve_target(target, artifacts)
+    if draft is not None and str(draft).lower() == "none":
+        return target_dir, None
+    draft_dir = Path(draft) if draft else default_draft(target_dir, artifacts)
+    if not (draft_dir / "config.json").is_file():
+        raise CheckpointError(f"draft {draft_dir} does not exist: build one with `spectrt draft --target "
+                              f"{target_dir}`, pass --draft DIR, or --draft none for no draft model")
+    return target_dir, draft_dir
+

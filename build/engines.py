@@ -388,13 +388,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> Path:
-    from spectrt.build.checkpoint import default_draft, resolve_target
+    from spectrt.build.checkpoint import resolve_models
 
-    target = resolve_target(args.target, args.artifacts)
-    draft = Path(args.draft) if args.draft else default_draft(target, args.artifacts)
-    if not (draft / "config.json").is_file():
-        raise EngineBuildError(f"draft {draft} does not exist: build one with `spectrt draft --target {target}` "
-                               "or pass --draft")
+    target, draft = resolve_models(args.target, args.draft, args.artifacts)
+    if draft is None:
+        raise EngineBuildError("the engines need a draft model (--draft none has none): pass --draft DIR or build "
+                               f"the default one with `spectrt draft --target {target}`")
     from spectrt.runtime.engines.eagle3 import is_eagle3
 
     if is_eagle3(draft):  # the shipped draft of the embedded target is one

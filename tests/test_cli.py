@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from spectrt.build.checkpoint import CheckpointError, resolve_target
+from spectrt.build.checkpoint import CheckpointError, resolve_models, resolve_target
 from spectrt.runtime.engines.engine import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +82,20 @@ def test_mismatched_draft_is_refused(draft_dir, tmp_path):
     (bad / "tokenizer.json").write_text(json.dumps(tokenizer))
     result = spectrt("generate", "--prompt", "hi", "--draft", str(bad))
     assert result.returncode == 2 and "does not share the target's tokenizer" in result.stderr
+
+
+def test_one_resolver_reads_target_and_draft(target_dir, tmp_path):
+    """--target/--draft mean the same in every command: "none" is no draft model, no --draft the target's default
+    draft in the artifacts folder, and a draft that is not there is refused naming the command that makes it."""
+    target = resolve_target(target_dir)
+    assert resolve_models(target_dir, "None", tmp_path) == (target, None)
+    with pytest.raises(CheckpointError, match=f"does not exist: build one with `spectrt draft --target {target}`"):
+        resolve_models(target_dir, None, tmp_path)  # an empty artifacts folder holds no default draft
+    (tmp_path / "smollm2-135m-instruct-draft").mkdir()
+    (tmp_path / "smollm2-135m-instruct-draft" / "config.json").write_text("{}")
+    assert resolve_models(target_dir, None, tmp_path) == (target, tmp_path / "smollm2-135m-instruct-draft")
+    with pytest.raises(CheckpointError, match="--draft none for no draft model"):
+        resolve_models(target_dir, tmp_path / "elsewhere", tmp_path)
 
 
 def test_unusable_model_paths(tmp_path):

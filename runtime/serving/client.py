@@ -365,14 +365,13 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     text through the same callback).
     """
     import torch
-    from spectrt.build.checkpoint import default_draft, resolve_target
+    from spectrt.build.checkpoint import resolve_models
     from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
     from spectrt.runtime.decoding.sampling import SamplingParams
 
     if threads > 0:
         torch.set_num_threads(threads)
-    target_dir = resolve_target(target)
-    draft_dir = None if (draft or "").lower() == "none" else Path(draft) if draft else default_draft(target_dir)
+    target_dir, draft_dir = resolve_models(target, draft)
     pipe = Pipeline(target_dir, draft_dir, max_seq_len=max_seq_len)
     params = SamplingParams(options.get("temperature") or 0.0, options.get("top_k") or 0, options.get("top_p") or 1.0,
                             options.get("seed"))

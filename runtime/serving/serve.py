@@ -525,19 +525,13 @@ def model_params(args: argparse.Namespace) -> dict[str, object]:
         return params
     if args.backend != "torch":
         raise ServeError(f"--backend {args.backend} runs built engines: pass --engines engines/<name>")
-    from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, default_draft, resolve_target
+    from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
 
-    artifacts = args.artifacts or DEFAULT_ARTIFACTS
-    target = resolve_target(args.target, artifacts).resolve()
-    if args.draft and args.draft.lower() == "none":
-        draft = "none"
-    else:
-        draft_path = Path(args.draft) if args.draft else default_draft(target, artifacts)
-        if not draft_path.is_dir():
-            raise ServeError(f"draft {draft_path} does not exist: build one with `spectrt draft`, pass --draft DIR, "
-                             "or --draft none to serve the target alone")
-        draft = draft_path.resolve()
-    params.update(target_dir=target, draft_dir=draft, engine_dir="")
+    try:
+        target, draft = resolve_models(args.target, args.draft, args.artifacts or DEFAULT_ARTIFACTS)
+    except CheckpointError as e:
+        raise ServeError(str(e)) from None
+    params.update(target_dir=target.resolve(), draft_dir=draft.resolve() if draft else "none", engine_dir="")
     return params
 
 
