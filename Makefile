@@ -18,7 +18,7 @@ INSTANCES   ?= 1
 CONCURRENCY ?=
 OPENAI_PORT ?= 9000
 
-.PHONY: setup demo test bench profile tune draft ship-draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
+.PHONY: setup demo test test-fast bench profile tune draft ship-draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -62,8 +62,11 @@ demo: draft $(TUNED)  ## the main job on the embedded default: tree speculative 
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" $(TREE_ARG)
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" --no-spec
 
-test: setup  ## the test suite (CPU)
+test: setup  ## the test suite (CPU): every tier
 	$(BIN)/python -m pytest -q --durations=25
+
+test-fast: setup  ## the unit tier: no model load, no server (tests/conftest.py says what is in it)
+	$(BIN)/python -m pytest -q -m unit --durations=10
 
 bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
 ifeq ($(BACKEND),torch)

@@ -10,10 +10,10 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FORWARD_PATHS, engine_pair
-from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job, cut_tree
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.sampling import SamplingParams
-from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.decoding.tree import Tree, cut_tree
 
 PROMPTS = ["Write a short poem about the sea.", "Name three colors.", "What is 12 times 15? Explain briefly.",
            "List five animals that live in the ocean.", "What is the capital of France?",

@@ -293,7 +293,7 @@ def test_the_draft_gate_learns_which_drafts_pay(target, prompt_ids, ar_outputs, 
 def test_a_jobs_score_scale_is_its_own(target, prompt_ids):
     """The score scale is learned per request from its own trees (a decoder-wide scale let one tenant's hot sampled
     requests shrink everyone's trees)."""
-    from spectrt.runtime.decoding.decoder import SCALE_PRIOR
+    from spectrt.runtime.decoding.controller import SCALE_PRIOR
 
     costs = Policy(budget=8, depth=2, width=2, suffix=False, verify_ms=((1, 1.0), (4, 1.2), (16, 1.8), (64, 4.0)),
                    draft_ms=((1, 0.2), (64, 2.0)))

@@ -5,12 +5,13 @@ engine, allocated once here). Each `step`:
 
 1. prompts still being prefilled contribute causal chunks (bounded per step, so a long prompt never stalls the
    others); the draft reads the same chunks in its first pass of the step;
-2. every decoding request gets a token trie from the proposers (propose.py): suffix candidates (free), then
-   the draft (static SpecInfer shapes, or EAGLE-2 expansion of the best nodes), all requests' draft levels in one
-   draft forward each; a request drafts only when its learned draft gain pays for its pass and the row it adds;
-3. one speculation budget across the batch (`runtime/policy.allocate`): which scored nodes of which request to
-   verify, by expected tokens per millisecond of the batched target forward, never worse than plain batched
-   decoding; static trees are verified whole (cut by rank when the step's row cap is exceeded);
+2. the speculation controller (controller.py) plans every decoding request's token trie from the proposers
+   (propose.py): suffix candidates (free), then the draft (static SpecInfer shapes, or EAGLE-2 expansion of the
+   best nodes), all requests' draft levels in one draft forward each; a request drafts only when its learned draft
+   gain pays for its pass and the row it adds;
+3. one speculation budget across the batch (`policy.allocate`, in the controller): which scored nodes of which
+   request to verify, by expected tokens per millisecond of the batched target forward, never worse than plain
+   batched decoding; static trees are verified whole (cut by rank when the step's row cap is exceeded);
 4. ONE target `forward_many` over the prompt chunks and every request's tree;
 5. per request: verification (greedy, or lossless sampling), KV compaction (target and draft), stop conditions
    (end-of-sequence, length, stop words), `min_length` and bad words applied to the distribution verified.
@@ -32,25 +33,19 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
-from spectrt.runtime.decoding.policy import Policy, allocate, choose_drafted
+from spectrt.runtime.decoding.controller import Controller
+from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
-from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, greedy_accept  # AUTO: a job's dynamic trees
-from spectrt.runtime.engines.engine import Engine, Segment
+from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
+from spectrt.runtime.engines.engine import Engine
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
-SCALE_PRIOR = 4.0  # pseudo-tokens behind a job's score scale's start at 1 (the tuned calibration taken as right)
-SCALE_DECAY = 0.98  # per dynamic tree the job verified: its scale follows its last ~50 steps
-DRAFT_GAIN_PRIOR_STEPS = 4.0  # pseudo-steps of the policy's expected draft gain behind a job's estimate
-DRAFT_GAIN_DECAY = 0.95  # per drafted step: a job's estimate follows its last ~20 drafted steps
-DRAFT_GAIN_FORGET = 0.98  # per step not drafted: old evidence fades (half in ~35 steps) back to the prior
 ROOT_ONLY = Tree((-1,))
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -175,7 +170,7 @@ class Job:
     exception: BaseException | None = field(default=None, repr=False)  # what ended it with "error"
     draft_gain: float | None = None  # expected tokens the draft adds per step, learned (set by `Decoder.add`)
     draft_evidence: tuple[float, float] = (0.0, 0.0)  # decayed (draft-only accepted tokens, drafted steps)
-    score_evidence: tuple[float, float] = (SCALE_PRIOR, SCALE_PRIOR)  # decayed (expected, accepted) tree tokens
+    score_evidence: tuple[float, float] = (1.0, 1.0)  # decayed (expected, accepted) tree tokens (`Controller`)
 
     @property
     def score_scale(self) -> float:
@@ -221,23 +216,6 @@ def prefix_refusal(target: Engine, draft: Engine | None) -> str | None:
     return None
 
 
-@lru_cache(maxsize=256)
-def cut_tree(tree: Tree, nodes: int) -> Tree:
-    """The first `nodes` nodes of `tree` in top-1-first order (path rank sum, depth, index), as a Tree.
-
-    That order puts every parent and every earlier sibling before a node, so the cut is connected and
-    each node keeps a rank-order prefix of its children (what drafting and verification assume).
-    """
-    if nodes >= len(tree):
-        return tree
-    rank_sum = [0] * len(tree)
-    for i, p in enumerate(tree.parents[1:], start=1):
-        rank_sum[i] = rank_sum[p] + tree.ranks[i]
-    keep = sorted(sorted(range(len(tree)), key=lambda i: (rank_sum[i], tree.depths[i], i))[:max(nodes, 1)])
-    index = {old: new for new, old in enumerate(keep)}
-    return Tree(tuple(-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep))
-
-
 class Decoder:
     """Up to `max_active` requests decoded together: `add` between `step`s, `cancel` any time between steps.
 
@@ -263,7 +241,6 @@ class Decoder:
         self.inexact = getattr(target, "inexact", None)
         self.vocab_size = target.config.vocab_size
         self.max_seq_len, self.max_tree_tokens, self.max_active = max_seq_len, max_tree_tokens, max_active
-        self.tree_budget = tree_budget or max_active * max_tree_tokens
         self.prefill_budget = prefill_budget or max_tree_tokens
         capacity = max_seq_len + max_tree_tokens
         self.target_caches = target.new_caches(max_active, capacity, max_tree_tokens)
@@ -274,7 +251,8 @@ class Decoder:
             self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens)
         self.suffix = SuffixProposer(max_active)
         self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
-        self.policy = policy or Policy()
+        self.controller = Controller(policy or Policy(), self.drafter, self.suffix, max_seq_len, max_tree_tokens,
+                                     tree_budget or max_active * max_tree_tokens)
         self.free = list(range(max_active))[::-1]
         self.prefix_refusal = prefix_refusal(target, draft)
         self.prefix = PrefixIndex() if prefix_cache and self.prefix_refusal is None else None
@@ -325,12 +303,9 @@ class Decoder:
         job.slot, cached = self._take_slot(job.prompt_ids)
         if self.draft is None and isinstance(job.tree, Tree):
             job.tree = None  # no draft to fill a static tree: the target alone (suffix candidates stay possible)
-        if job.suffix is None:
-            job.suffix = job.tree == AUTO and self.policy.suffix
+        self.controller.start(job)
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
-        job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `_learn_draft_gain`
-        job.score_evidence = (SCALE_PRIOR, SCALE_PRIOR)  # `Job.score_scale`
         job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids), cached_tokens=cached)
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
         job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
@@ -411,8 +386,8 @@ class Decoder:
             raise RuntimeError("generate() runs one request on an idle decoder: use add/step for batches")
         job = Job(list(prompt_ids), max_new_tokens, tree if tree is not None else (AUTO if policy else None),
                   params, children, suffix=policy is not None and policy.suffix)
-        served = self.policy
-        self.policy = policy or served
+        served = self.controller.policy
+        self.controller.policy = policy or served
         try:
             self.add(job)
             while self.active:
@@ -421,7 +396,7 @@ class Decoder:
                     for _, new in info.emitted:
                         on_tokens(new)
         finally:
-            self.policy = served
+            self.controller.policy = served
             for left in list(self.active):  # a callback raised: nothing stays in a slot
                 self.cancel(left)
         if job.exception is not None:
@@ -496,7 +471,7 @@ class Decoder:
         segments, draft_prefill, chunks = [], [], []
         budget = self.prefill_budget
         draft_pays = self.drafter is not None and bool(prefill) and \
-            self._draft_may_pay(len(jobs), sum(len(j.ids) for j in jobs) // len(jobs))
+            self.controller.draft_may_pay(len(jobs), sum(len(j.ids) for j in jobs) // len(jobs))
         for job in prefill:  # admission order: the oldest prompt advances first
             if budget <= 0:
                 break
@@ -507,13 +482,13 @@ class Decoder:
             chunks.append((job, t))
             budget -= t
             info.prefill_tokens += t
-            if self.drafter is not None and self._drafts(job) and (isinstance(job.tree, Tree) or draft_pays):
+            if self.drafter is not None and self.controller.drafts(job) and (isinstance(job.tree, Tree) or draft_pays):
                 seg = self.drafter.chunk(job.slot, job.ids, n + t)
                 if seg is not None:
                     draft_prefill.append(seg)
         start = time.perf_counter()
         drafted = self.drafter.forward_seconds if self.drafter is not None else 0.0
-        cands = self._propose(decode, draft_prefill, len(prefill))
+        cands = self.controller.plan(decode, draft_prefill, len(prefill))
         self.clock.propose += time.perf_counter() - start
         if self.drafter is not None:
             self.clock.draft += self.drafter.forward_seconds - drafted
@@ -540,136 +515,11 @@ class Decoder:
         self.clock.target += time.perf_counter() - start
         for (job, t), feats in zip(chunks, features[:len(chunks)], strict=True):
             cache = self.target_caches[job.slot]
-            if feats is not None and self._drafts(job):
+            if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)
         return [(cand, tree, order, tokens, lg, feats) for (cand, tree, order, tokens), lg, feats
                 in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
-
-    def _drafts(self, job: Job) -> bool:
-        """Whether the job's trees come from the draft (a static tree, or AUTO with the policy's draft on)."""
-        if isinstance(job.tree, Tree):
-            return len(job.tree) > 1
-        return job.tree == AUTO and self.policy.draft and self.policy.depth > 0
-
-    def _propose(self, decode: list[Job], draft_prefill: list[Segment], prefilling: int) -> list[Candidates]:
-        """Every decoding job's candidates: suffix first for dynamic trees, the draft (gated by whether it can pay),
-        then the budget: how many of each dynamic trie's best nodes to verify (`cand.chosen`).
-
-        The cost weighed is the batched forward of every active job at their mean context, the `prefilling` ones
-        counted as the plain row and token they are about to take, not as their prompt chunks. Why: a chunk is paid
-        anyway and emits nothing, so counting it made speculative rows look cheap next to the step's few tokens per
-        ms (each new request's prefill at batch 8 drafted and verified more for everyone in that step)."""
-        policy = self.policy
-        context = sum(len(j.ids) for j in decode) // max(len(decode), 1)
-        verify = policy.verify_at(max(len(decode) + prefilling, 1), context)
-        draft_cost = policy.draft_at(context)
-        static_jobs = [j for j in decode if isinstance(j.tree, Tree)]
-        static_total = sum(len(j.tree) for j in static_jobs)
-        share = max(1, self.tree_budget // max(len(decode), 1))
-        cands = []
-        for job in decode:
-            root = len(job.ids) - 1  # the root is the last accepted token, at position len(ids) - 1
-            cand = Candidates(job, TokenTrie(job.ids[-1]), root)
-            room = self.max_seq_len - len(job.ids)  # a tree deeper than the room left only wastes rows
-            if isinstance(job.tree, Tree):
-                tree = job.tree if static_total <= self.tree_budget else cut_tree(job.tree, share)
-                if tree.max_depth > room:
-                    tree = cut_tree(tree, sum(d <= room for d in tree.depths))
-                cand.static, cand.budget = tree, len(tree)
-            else:
-                cand.policy = policy
-                spec = job.tree == AUTO or job.suffix
-                # `budget` bounds the draft's tree; suffix candidates cost no forward and may add up to suffix_depth
-                # nodes when their own scores pay for the larger verify (measured: a 4-node cap held the repetitive
-                # set at 1.47x AR while suffix candidates alone reached 1.62x)
-                size = max(policy.budget, 1 + policy.suffix_depth) if job.suffix else policy.budget
-                cand.budget = min(size, self.max_tree_tokens, room + 1) if spec else 1
-                if job.suffix:
-                    self.suffix.propose(cand, policy, cand.budget - 1)
-            cands.append(cand)
-        static_rows = sum(len(c.static) for c in cands if c.static is not None)
-        dynamic = [c for c in cands if c.static is None]
-        sunk = 0.0
-        if self.drafter is not None:
-            drafting = [c for c in cands if self._drafts(c.job) and (c.static is None or len(c.static) > 1)]
-            drafting = self._gate(drafting, dynamic, static_rows, prefilling, verify, draft_cost)
-            if drafting or draft_prefill:
-                sunk = self.drafter.propose(drafting, draft_prefill, verify, draft_cost, static_rows, prefilling)
-        for cand in cands:  # static trees: suffix candidates merged after the shape (trie node i = tree node i)
-            if cand.static is not None:
-                cand.budget = len(cand.trie)
-                if cand.job.suffix:
-                    self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
-                    cand.budget = len(cand.trie)
-        sizes, _ = allocate([c.scaled_scores() for c in dynamic], [c.budget for c in dynamic], sunk, verify,
-                            sum(len(c.trie) for c in cands if c.static is not None), prefilling)
-        for cand, size in zip(dynamic, sizes, strict=True):
-            cand.chosen = size
-            cand.expected = sum(cand.scores[:size - 1])
-        return cands
-
-    def _draft_may_pay(self, active: int, context: int) -> bool:
-        """Whether one request's draft, at the policy's expected gain, pays for its pass at this load: else a prompt
-        is not fed to the draft while it is prefilled (at batch 8 the draft never ran, but reading the prompts cost
-        1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
-        policy = self.policy
-        verify, cost = policy.verify_at(active, context), policy.draft_at(context)
-        return bool(choose_drafted([policy.expected_draft_gain], [1 + policy.depth], float(active), active, verify,
-                                   cost))
-
-    def _catch_up(self, job: Job) -> float:
-        """Draft rows a drafting step costs the job: a steady step reads its accepted tokens (1 + depth at most); a
-        backlog beyond that (the draft was off, or skipped the prompt) is paid once, so it is charged spread over the
-        drafting steps the job has left. Why: charging it whole kept a lagging draft off for good (the EAGLE-3 head
-        after a long prefill); ignoring it paid 150-token backlogs for the last two steps of a batch (64-row draft
-        calls at ~20 ms, bf16)."""
-        lag, steady = self.drafter.lag(job.slot, job.ids), 1 + self.policy.depth
-        left = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids)) - len(job.out)
-        steps = max(left / (1 + job.draft_gain), 1.0)
-        return min(lag, steady) + max(lag - steady, 0) / steps
-
-    def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int, plain: int,
-              verify: Callable[[int], float], draft_cost: Callable[[int, int], float]) -> list[Candidates]:
-        """The dynamic jobs whose draft pays this step for its pass and the row it adds (`policy.choose_drafted`);
-        static trees always draft (their shape is the caller's explicit choice).
-
-        Each job's expected draft gain (`Job.draft_gain`) is learned from its own steps (`_learn_draft_gain`). Why:
-        a bound of "a sure token per request" let the draft run at batch 8 where the budget then verified ~0.3 of its
-        nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, so a seeded
-        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`)."""
-        grow = [c for c in drafting if c.static is None]
-        if not grow:
-            return drafting
-        caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
-        scores = [c.scaled_scores() for c in dynamic]
-        sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
-        gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
-        catch_up = [self._catch_up(c.job) for c in grow]
-        chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
-                                    verify, draft_cost))
-        for i, c in enumerate(grow):
-            if i not in chosen:  # not drafted: old evidence fades (explore again later)
-                self._learn_draft_gain(c.job, None)
-        return [c for c in drafting if c.static is not None] + [c for i, c in enumerate(grow) if i in chosen]
-
-    def _learn_draft_gain(self, job: Job, realized: int | None) -> None:
-        """Update a job's expected draft gain: `realized` tokens only the draft got accepted on a drafted step, None
-        for a step it did not draft (its evidence fades). The estimate is the decayed mean of the drafted steps with
-        `DRAFT_GAIN_PRIOR_STEPS` pseudo-steps at the policy's expectation (`Policy.expected_draft_gain`, tuned).
-
-        Why a mean with a prior, not a moving average of the last steps: the evidence only comes from drafted steps,
-        and a moving average (weight 0.3) of a per-step count this noisy (0 or 1, mean ~0.45 on chat) dipped under the
-        pay-off line after two misses, and the refused steps then brought no evidence back: on held-out prompts
-        the draft ran on about half the steps, bf16 1.21x AR."""
-        tokens, steps = job.draft_evidence
-        if realized is None:
-            tokens, steps = DRAFT_GAIN_FORGET * tokens, DRAFT_GAIN_FORGET * steps
-        else:
-            tokens, steps = DRAFT_GAIN_DECAY * tokens + realized, DRAFT_GAIN_DECAY * steps + 1
-        job.draft_evidence = (tokens, steps)
-        prior = self.policy.expected_draft_gain
-        job.draft_gain = (DRAFT_GAIN_PRIOR_STEPS * prior + tokens) / (DRAFT_GAIN_PRIOR_STEPS + steps)
 
     # ------------------------------------------------------------------------------------- acceptance
     def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:
@@ -743,20 +593,18 @@ class Decoder:
             path, bonus = verify_sampled(tree, tokens, sampling_probs(logits, job.params), q, job.verify_gen,
                                          point, sampled)
         stats.accepted.append(len(path) - 1)
-        if cand.static is None and cand.chosen > 1:  # the score scale's evidence
-            expected, accepted = job.score_evidence
-            job.score_evidence = (SCALE_DECAY * expected + cand.expected, SCALE_DECAY * accepted + len(path) - 1)
+        realized = None
         if cand.drafted:  # what the draft alone brought this step: accepted nodes no other proposer offered
             kinds = [{kind for kind, _ in cand.keys.get(order[i], ())} for i in path[1:]]
             realized = sum(k == {"draft"} for k in kinds)
-            self._learn_draft_gain(job, realized)
+        self.controller.learn(cand, len(path) - 1, realized)
         if self.record:
             on_path = set(path)
             for i in range(1, len(tree)):
                 for kind, key in cand.keys.get(order[i], ()):
                     stats.trace.append((kind, key, tree.parents[i] in on_path, i in on_path))
         self.target_caches[job.slot].compact(path)
-        if self.drafter is not None and self._drafts(job):
+        if self.drafter is not None and self.controller.drafts(job):
             self.drafter.accept(job.slot, trie, order, path)
             if features is not None:  # the accepted rows' target features: the head's next inputs
                 self.drafter.take(job.slot, cand.position, features[path])

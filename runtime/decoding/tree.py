@@ -9,7 +9,7 @@ its position id is prefix length + depth, so siblings share a position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -167,6 +167,23 @@ def greedy_accept(tree: Tree, tokens: list[int], target_argmax: list[int]) -> tu
             return path, want
         path.append(nxt)
         node = nxt
+
+
+@lru_cache(maxsize=256)
+def cut_tree(tree: Tree, nodes: int) -> Tree:
+    """The first `nodes` nodes of `tree` in top-1-first order (path rank sum, depth, index), as a Tree.
+
+    That order puts every parent and every earlier sibling before a node, so the cut is connected and
+    each node keeps a rank-order prefix of its children (what drafting and verification assume).
+    """
+    if nodes >= len(tree):
+        return tree
+    rank_sum = [0] * len(tree)
+    for i, p in enumerate(tree.parents[1:], start=1):
+        rank_sum[i] = rank_sum[p] + tree.ranks[i]
+    keep = sorted(sorted(range(len(tree)), key=lambda i: (rank_sum[i], tree.depths[i], i))[:max(nodes, 1)])
+    index = {old: new for new, old in enumerate(keep)}
+    return Tree(tuple(-1 if tree.parents[i] < 0 else index[tree.parents[i]] for i in keep))
 
 
 class TokenTrie:

@@ -1,0 +1,181 @@
+"""The speculation controller: every decision about how much to speculate, apart from the loop that runs steps.
+
+`Decoder` runs a step (prefill chunks, one target forward, acceptance); this decides what the step verifies. Per
+step, `plan` gives each decoding job its candidates: a static tree (cut to the step's tree budget), suffix
+candidates, the draft's levels when its pass pays (`_gate`, from each job's learned draft gain), and then the one
+budget (`policy.allocate` over scaled scores: `Candidates.scaled_scores`) that picks how many of each trie's best
+nodes to verify. After verification `learn` moves the job's own estimates: its score scale (accepted over expected
+tree tokens) and its draft gain (tokens only the draft got accepted). Both are per job, so a seeded request decodes
+alike whatever runs next to it, and one tenant's hot sampled requests never shrink another's trees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from spectrt.runtime.decoding.policy import Policy, allocate, choose_drafted
+from spectrt.runtime.decoding.propose import Candidates, DraftProposer, SuffixProposer
+from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree
+from spectrt.runtime.engines.engine import Segment
+
+if TYPE_CHECKING:
+    from spectrt.runtime.decoding.decoder import Job
+
+SCALE_PRIOR = 4.0  # pseudo-tokens behind a job's score scale's start at 1 (the tuned calibration taken as right)
+SCALE_DECAY = 0.98  # per dynamic tree the job verified: its scale follows its last ~50 steps
+DRAFT_GAIN_PRIOR_STEPS = 4.0  # pseudo-steps of the policy's expected draft gain behind a job's estimate
+DRAFT_GAIN_DECAY = 0.95  # per drafted step: a job's estimate follows its last ~20 drafted steps
+DRAFT_GAIN_FORGET = 0.98  # per step not drafted: old evidence fades (half in ~35 steps) back to the prior
+
+
+class Controller:
+    """How much each step speculates, for the jobs of one `Decoder` (its policy, proposers and bounds)."""
+
+    def __init__(self, policy: Policy, drafter: DraftProposer | None, suffix: SuffixProposer, max_seq_len: int,
+                 max_tree_tokens: int, tree_budget: int):
+        self.policy, self.drafter, self.suffix = policy, drafter, suffix
+        self.max_seq_len, self.max_tree_tokens, self.tree_budget = max_seq_len, max_tree_tokens, tree_budget
+
+    def start(self, job: Job) -> None:
+        """A new job's speculation state: suffix candidates (the policy's choice for AUTO) and fresh estimates."""
+        if job.suffix is None:
+            job.suffix = job.tree == AUTO and self.policy.suffix
+        job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `learn_draft_gain`
+        job.score_evidence = (SCALE_PRIOR, SCALE_PRIOR)  # `Job.score_scale`
+
+    def drafts(self, job: Job) -> bool:
+        """Whether the job's trees come from the draft (a static tree, or AUTO with the policy's draft on)."""
+        if isinstance(job.tree, Tree):
+            return len(job.tree) > 1
+        return job.tree == AUTO and self.policy.draft and self.policy.depth > 0
+
+    def plan(self, decode: list[Job], draft_prefill: list[Segment], prefilling: int) -> list[Candidates]:
+        """This step's candidates for every decoding job: suffix first for dynamic trees, the draft (gated by
+        whether it can pay), then the budget: how many of each dynamic trie's best nodes to verify (`cand.chosen`).
+
+        The cost weighed is the batched forward of every active job at their mean context, the `prefilling` ones
+        counted as the plain row and token they are about to take, not as their prompt chunks. Why: a chunk is paid
+        anyway and emits nothing, so counting it made speculative rows look cheap next to the step's few tokens per
+        ms (each new request's prefill at batch 8 drafted and verified more for everyone in that step)."""
+        policy = self.policy
+        context = sum(len(j.ids) for j in decode) // max(len(decode), 1)
+        verify = policy.verify_at(max(len(decode) + prefilling, 1), context)
+        draft_cost = policy.draft_at(context)
+        static_jobs = [j for j in decode if isinstance(j.tree, Tree)]
+        static_total = sum(len(j.tree) for j in static_jobs)
+        share = max(1, self.tree_budget // max(len(decode), 1))
+        cands = []
+        for job in decode:
+            root = len(job.ids) - 1  # the root is the last accepted token, at position len(ids) - 1
+            cand = Candidates(job, TokenTrie(job.ids[-1]), root)
+            room = self.max_seq_len - len(job.ids)  # a tree deeper than the room left only wastes rows
+            if isinstance(job.tree, Tree):
+                tree = job.tree if static_total <= self.tree_budget else cut_tree(job.tree, share)
+                if tree.max_depth > room:
+                    tree = cut_tree(tree, sum(d <= room for d in tree.depths))
+                cand.static, cand.budget = tree, len(tree)
+            else:
+                cand.policy = policy
+                spec = job.tree == AUTO or job.suffix
+                # `budget` bounds the draft's tree; suffix candidates cost no forward and may add up to suffix_depth
+                # nodes when their own scores pay for the larger verify (measured: a 4-node cap held the repetitive
+                # set at 1.47x AR while suffix candidates alone reached 1.62x)
+                size = max(policy.budget, 1 + policy.suffix_depth) if job.suffix else policy.budget
+                cand.budget = min(size, self.max_tree_tokens, room + 1) if spec else 1
+                if job.suffix:
+                    self.suffix.propose(cand, policy, cand.budget - 1)
+            cands.append(cand)
+        static_rows = sum(len(c.static) for c in cands if c.static is not None)
+        dynamic = [c for c in cands if c.static is None]
+        sunk = 0.0
+        if self.drafter is not None:
+            drafting = [c for c in cands if self.drafts(c.job) and (c.static is None or len(c.static) > 1)]
+            drafting = self._gate(drafting, dynamic, static_rows, prefilling, verify, draft_cost)
+            if drafting or draft_prefill:
+                sunk = self.drafter.propose(drafting, draft_prefill, verify, draft_cost, static_rows, prefilling)
+        for cand in cands:  # static trees: suffix candidates merged after the shape (trie node i = tree node i)
+            if cand.static is not None:
+                cand.budget = len(cand.trie)
+                if cand.job.suffix:
+                    self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
+                    cand.budget = len(cand.trie)
+        sizes, _ = allocate([c.scaled_scores() for c in dynamic], [c.budget for c in dynamic], sunk, verify,
+                            sum(len(c.trie) for c in cands if c.static is not None), prefilling)
+        for cand, size in zip(dynamic, sizes, strict=True):
+            cand.chosen = size
+            cand.expected = sum(cand.scores[:size - 1])
+        return cands
+
+    def draft_may_pay(self, active: int, context: int) -> bool:
+        """Whether one request's draft, at the policy's expected gain, pays for its pass at this load: else a prompt
+        is not fed to the draft while it is prefilled (at batch 8 the draft never ran, but reading the prompts cost
+        1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
+        policy = self.policy
+        verify, cost = policy.verify_at(active, context), policy.draft_at(context)
+        return bool(choose_drafted([policy.expected_draft_gain], [1 + policy.depth], float(active), active, verify,
+                                   cost))
+
+    def _catch_up(self, job: Job) -> float:
+        """Draft rows a drafting step costs the job: a steady step reads its accepted tokens (1 + depth at most); a
+        backlog beyond that (the draft was off, or skipped the prompt) is paid once, so it is charged spread over the
+        drafting steps the job has left. Why: charging it whole kept a lagging draft off for good (the EAGLE-3 head
+        after a long prefill); ignoring it paid 150-token backlogs for the last two steps of a batch (64-row draft
+        calls at ~20 ms, bf16)."""
+        lag, steady = self.drafter.lag(job.slot, job.ids), 1 + self.policy.depth
+        left = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids)) - len(job.out)
+        steps = max(left / (1 + job.draft_gain), 1.0)
+        return min(lag, steady) + max(lag - steady, 0) / steps
+
+    def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int, plain: int,
+              verify: Callable[[int], float], draft_cost: Callable[[int, int], float]) -> list[Candidates]:
+        """The dynamic jobs whose draft pays this step for its pass and the row it adds (`policy.choose_drafted`);
+        static trees always draft (their shape is the caller's explicit choice).
+
+        Each job's expected draft gain (`Job.draft_gain`) is learned from its own steps (`learn_draft_gain`). Why:
+        a bound of "a sure token per request" let the draft run at batch 8 where the budget then verified ~0.3 of its
+        nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, so a seeded
+        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`)."""
+        grow = [c for c in drafting if c.static is None]
+        if not grow:
+            return drafting
+        caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
+        scores = [c.scaled_scores() for c in dynamic]
+        sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
+        gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
+        catch_up = [self._catch_up(c.job) for c in grow]
+        chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
+                                    verify, draft_cost))
+        for i, c in enumerate(grow):
+            if i not in chosen:  # not drafted: old evidence fades (explore again later)
+                self.learn_draft_gain(c.job, None)
+        return [c for c in drafting if c.static is not None] + [c for i, c in enumerate(grow) if i in chosen]
+
+    def learn_draft_gain(self, job: Job, realized: int | None) -> None:
+        """Update a job's expected draft gain: `realized` tokens only the draft got accepted on a drafted step, None
+        for a step it did not draft (its evidence fades). The estimate is the decayed mean of the drafted steps with
+        `DRAFT_GAIN_PRIOR_STEPS` pseudo-steps at the policy's expectation (`Policy.expected_draft_gain`, tuned).
+
+        Why a mean with a prior, not a moving average of the last steps: the evidence only comes from drafted steps,
+        and a moving average (weight 0.3) of a per-step count this noisy (0 or 1, mean ~0.45 on chat) dipped under the
+        pay-off line after two misses, and the refused steps then brought no evidence back: on held-out prompts
+        the draft ran on about half the steps, bf16 1.21x AR."""
+        tokens, steps = job.draft_evidence
+        if realized is None:
+            tokens, steps = DRAFT_GAIN_FORGET * tokens, DRAFT_GAIN_FORGET * steps
+        else:
+            tokens, steps = DRAFT_GAIN_DECAY * tokens + realized, DRAFT_GAIN_DECAY * steps + 1
+        job.draft_evidence = (tokens, steps)
+        prior = self.policy.expected_draft_gain
+        job.draft_gain = (DRAFT_GAIN_PRIOR_STEPS * prior + tokens) / (DRAFT_GAIN_PRIOR_STEPS + steps)
+
+    def learn(self, cand: Candidates, accepted: int, realized: int | None) -> None:
+        """After verification: `accepted` tree tokens of the job's trie, `realized` of them only the draft proposed
+        (None: the draft did not run for it). Moves the job's score scale (dynamic tries the budget chose from) and
+        its draft gain (drafted steps)."""
+        job = cand.job
+        if cand.static is None and cand.chosen > 1:
+            expected, got = job.score_evidence
+            job.score_evidence = (SCALE_DECAY * expected + cand.expected, SCALE_DECAY * got + accepted)
+        if realized is not None:
+            self.learn_draft_gain(job, realized)
