@@ -217,28 +217,14 @@ def family_checkpoints(target_dir, tmp_path_factory):
 
 # --------------------------------------------------------------------------- test tiers
 # The unit tier (`make test-fast`, `pytest -m unit`): tests that load no model and start no process, on fakes,
-# small tensors and at most the target's tokenizer. A test is in it when every fixture it uses is a pytest builtin
-# or one of LIGHT, and it does not ask for the target's directory itself (a test that does loads something from
-# it); `@pytest.mark.model` keeps a test out explicitly. Inside the tier a model load fails the test, so a test
-# that loads one unseen by these rules cannot slow the tier down.
-BUILTIN = {"request", "tmp_path", "tmp_path_factory", "tmpdir", "tmpdir_factory", "monkeypatch", "caplog", "capsys",
-           "capfd", "recwarn", "pytestconfig", "record_property", "_one_thread", "_unit_tier_loads_no_model"}
-LIGHT = {"tokenizer", "encode", "target_dir"}  # target_dir only through the tokenizer (its files, no weights)
+# small tensors and at most the target's tokenizer. They say so themselves (`@pytest.mark.unit`, or a module's
+# `pytestmark`); the guard below keeps them honest: a unit test that asks for a model fixture fails at collection.
+MODEL_FIXTURES = {"target", "draft", "draft_dir", "torch_target", "torch_draft", "engines", "family_checkpoints",
+                  "models", "server", "session", "client", "pipe", "tiny_pair", "bf16_target", "hf_target"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        params = set(item.callspec.params) if hasattr(item, "callspec") else set()
-        used = set(item.fixturenames) - params - BUILTIN
-        if item.get_closest_marker("model") is None and used <= LIGHT and \
-                "target_dir" not in item._fixtureinfo.argnames:
-            item.add_marker(pytest.mark.unit)
-
-
-@pytest.fixture(autouse=True)
-def _unit_tier_loads_no_model(request, monkeypatch):
-    if request.node.get_closest_marker("unit") is not None:
-        def refuse(*args, **kwargs):
-            raise AssertionError("a unit-tier test loaded a model: mark it @pytest.mark.model (tests/conftest.py)")
-
-        monkeypatch.setattr(Transformer, "load", refuse)
+        heavy = MODEL_FIXTURES & set(item.fixturenames)
+        if item.get_closest_marker("unit") is not None and heavy:
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(heavy)}: drop the mark")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
+
 RUNTIME = Path(__file__).resolve().parent.parent / "runtime"
 ORDER = ["engines", "decoding", "serving"]  # each room may import the rooms before it
 

@@ -61,6 +61,7 @@ def _chat(**body):
     return parse_chat({"model": "spectrt", "messages": CHAT, **body}, "spectrt", LIMITS, lambda m: json.dumps(m))
 
 
+@pytest.mark.unit
 def test_stop_text_holds_back_what_may_begin_a_stop_string():
     stop = StopText(["END", "\n\n"])
     sent = [stop.feed(d) for d in ("Hello E", "N", "xt wor", "ld\n", "\nmore")]
@@ -75,6 +76,7 @@ def test_stop_text_holds_back_what_may_begin_a_stop_string():
     assert StopText([]).feed("anything") == "anything"
 
 
+@pytest.mark.unit
 def test_chat_fields_become_model_inputs():
     call = _chat(max_completion_tokens=20, temperature=0.5, top_p=0.9, top_k=-1, seed=-1, stop="\n",
                  stream=True, stream_options={"include_usage": True}, ignore_eos=True, tree="none",
@@ -92,6 +94,7 @@ def test_chat_fields_become_model_inputs():
         {"role": "system", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
 
 
+@pytest.mark.unit
 def test_stop_strings_the_model_would_refuse_are_matched_here_only():
     """256 characters pass the API's limit but not the model's (32 tokens, 512 bytes): such a stop string is not
     sent as a stop word (the model used to refuse the request), only matched on the text."""
@@ -100,6 +103,7 @@ def test_stop_strings_the_model_would_refuse_are_matched_here_only():
     assert "stop_words" not in _chat(stop="y" * 40).fields
 
 
+@pytest.mark.unit
 def test_completion_prompt_is_sent_as_is():
     call = parse_completion({"model": "spectrt", "prompt": ["Once upon"], "max_tokens": 4, "echo": False},
                             "spectrt", LIMITS)
@@ -135,6 +139,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body, message", REFUSED, ids=[m for _, m in REFUSED])
 def test_bad_chat_bodies_are_refused_with_a_reason(body, message):
     with pytest.raises(type(bad(""))) as refused:
@@ -144,6 +149,7 @@ def test_bad_chat_bodies_are_refused_with_a_reason(body, message):
     assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.unit
 def test_completion_bodies_refused():
     for body, message in (({"prompt": [1, 2, 3]}, "token-id prompts"), ({"prompt": ["a", "b"]}, "batches"),
                           ({"prompt": "  "}, "non-empty"), ({"prompt": "x", "echo": True}, "echo=true"),
@@ -153,6 +159,7 @@ def test_completion_bodies_refused():
         assert message in refused.value.message
 
 
+@pytest.mark.unit
 def test_speculative_metrics_and_upstream_errors():
     perf = {"target_passes": 10, "total_accepted_draft_tokens": 8, "total_draft_tokens": 40, "output_tokens": 18}
     assert speculative_metrics(perf) == {"mean_acceptance_length": 1.8, "draft_acceptance_rate": 0.2,
@@ -165,6 +172,7 @@ def test_speculative_metrics_and_upstream_errors():
     assert upstream_error("deadline exceeded: the request ran past its 5 s limit (timeout_seconds)").status == 504
 
 
+@pytest.mark.unit
 def test_upstream_errors_are_mapped_by_origin_not_by_words_inside():
     """A refusal that quotes "overloaded" is still the client's error (400: the SDK would retry a 503); Triton's own
     errors (the model unknown or not ready) and the scheduler's restart are not the client's (503, 500)."""
@@ -176,6 +184,7 @@ def test_upstream_errors_are_mapped_by_origin_not_by_words_inside():
     assert list(statuses.values()) == [400, 400, 503, 500]
 
 
+@pytest.mark.unit
 def test_lone_surrogates_and_top_k_past_int32_are_refused():
     """Either used to reach gRPC's request iterator and end the connection with no answer (or wrap in int32)."""
     for raw in ('{"model": "spectrt", "prompt": "\\ud800"}', '{"stop": ["a\\udfff"]}', '{"\\ud800": 1}'):
@@ -246,6 +255,7 @@ def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: 
     return asyncio.run(run())
 
 
+@pytest.mark.unit
 def test_health_follows_the_model_not_its_first_ready():
     """/health (and /v1/models) ask Triton, at most a second apart: 503 once the model is unloaded or its stub died,
     200 again when it is back; it used to stay 200 forever after the first ready."""
@@ -267,6 +277,7 @@ def test_health_follows_the_model_not_its_first_ready():
     assert statuses == [200, 200, 503, 503, 200] and asked == 1 and retry == "1" and code == "not_ready"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("max_seconds", [2.0, 300.0])
 def test_the_request_deadline_is_forwarded_to_the_model(max_seconds):
     """The model gets the frontend's deadline (here 5 s) as timeout_seconds, within its own limit, so it ends the
@@ -284,6 +295,7 @@ def test_the_request_deadline_is_forwarded_to_the_model(max_seconds):
     assert seconds == max_seconds if max_seconds < 5 else 4 < seconds <= 5
 
 
+@pytest.mark.unit
 def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
     """A text/plain POST (a web page may send one without a CORS preflight) is 415; on a loopback bind a Host that
     is not loopback (DNS rebinding) is 403; with an API key every route but /health needs it (401)."""
@@ -308,6 +320,7 @@ def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
     assert _frontend(keyed, host="0.0.0.0", api_key="s3cret") == [401, 401, 200, 200, 200]  # any Host off loopback
 
 
+@pytest.mark.unit
 def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
     """At a stop (aiohttp's on_shutdown) open answers get the drain: one that ends within it ends as usual; a stream
     still open then ends with a 503 "stopping" error event and [DONE], and its upstream request is cancelled; a

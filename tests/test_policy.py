@@ -15,6 +15,8 @@ from spectrt.runtime.decoding.policy import (
     load_policy,
 )
 
+pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
+
 BUDGETS, DEPTHS, WIDTHS = [2, 3, 4, 6, 8], [1, 2, 3, 4], [1, 2]
 
 

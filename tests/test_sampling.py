@@ -94,6 +94,7 @@ def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, i
     return stat, df, chi2_sf(stat, df)
 
 
+@pytest.mark.unit
 def test_chi2_sf_matches_tables():
     assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
     assert chi2_sf(18.307038, 10) == pytest.approx(0.05, abs=1e-6)
@@ -192,6 +193,7 @@ SHAPES = [(2,), (2, 1), (3, 2), (1, 1, 1)]
 SETTINGS = [(t, top_p) for t in (0.7, 1.0, 1.5) for top_p in (1.0, 0.8)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["topk", "sampled"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_tree_sampling_is_exact(shape, mode):
@@ -202,12 +204,14 @@ def test_tree_sampling_is_exact(shape, mode):
         assert pval > ALPHA, f"T={temperature} top_p={top_p}: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_point_mass_rule_is_exact_for_sampled_children():
     """Verifying with q=None is exact whatever chose the children (it is "sample y ~ p, follow y")."""
     stat, df, pval = check(Tree.from_expansion((3, 2)), "sampled-delta", SamplingParams(temperature=1.0))
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_top_k_filter_is_exact():
     stat, df, pval = check(Tree.from_expansion((2, 1)), "sampled", SamplingParams(temperature=1.0, top_k=3))
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
@@ -218,6 +222,7 @@ def test_top_k_filter_is_exact():
 SUBSET_DRAFT_LOGITS = DRAFT_LOGITS.masked_fill(torch.tensor([False, True, False, True, True, False]), -torch.inf)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["topk", "sampled"])
 def test_subset_draft_sampling_is_exact(mode):
     for seed, (temperature, top_p) in enumerate([(1.0, 1.0), (0.7, 0.8)]):
@@ -229,6 +234,7 @@ def test_subset_draft_sampling_is_exact(mode):
 # ---------------------------------------------------------------- the check rejects wrong rules
 
 
+@pytest.mark.unit
 def test_check_rejects_rule_ignoring_the_subsets_zero_mass():
     """Children drawn from the subset draft but verified with the full-vocabulary draft's q (as if the -inf
     entries were not there): the residual keeps mass the draft never proposed, so outputs are biased."""
@@ -237,11 +243,13 @@ def test_check_rejects_rule_ignoring_the_subsets_zero_mass():
     assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_check_rejects_q_ratio_rule_on_top_k_children():
     stat, df, pval = check(Tree.from_expansion((2, 1)), "topk-qratio", SamplingParams(temperature=1.0))
     assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_check_rejects_missing_residual_update(monkeypatch):
     """On rejection keep R = p (no subtraction of the draft): the classic bias."""
     monkeypatch.setattr(sampling, "_residual", lambda resid, draft: resid)
@@ -249,6 +257,7 @@ def test_check_rejects_missing_residual_update(monkeypatch):
     assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_check_rejects_iid_rule_on_children_drawn_without_replacement(monkeypatch):
     """SpecInfer's i.i.d. rule (D unchanged after a rejection) applied to without-replacement children."""
     monkeypatch.setattr(sampling, "_untried", lambda q_node, tried: q_node)
@@ -259,6 +268,7 @@ def test_check_rejects_iid_rule_on_children_drawn_without_replacement(monkeypatc
 # ---------------------------------------------------------------- verifier edge cases
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("with_q", [False, True])
 def test_child_with_zero_target_probability_is_never_accepted(monkeypatch, with_q):
     """Even for r = 0, the smallest uniform draw: the test is r < p/q, never r <= p/q."""
@@ -272,6 +282,7 @@ def test_child_with_zero_target_probability_is_never_accepted(monkeypatch, with_
     assert path == [0, 3]  # children 1 and 2 (tokens 0 and 1) have p = 0; child 3 (token 3) accepted
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("with_q, p_reject", [(False, 0.2), (True, 1 / 6)])
 def test_all_rejected_emits_from_the_residual(with_q, p_reject):
     """p = (.5, .3, .2), children tokens 0 and 1: after both are rejected only token 2 is left to emit.
@@ -291,6 +302,7 @@ def test_all_rejected_emits_from_the_residual(with_q, p_reject):
     assert rejected.double().mean().item() == pytest.approx(p_reject, abs=0.015)
 
 
+@pytest.mark.unit
 def test_q_mode_refuses_children_not_drawn_from_q():
     tree = Tree.from_expansion((2,))
     p = torch.full((3, V), 1.0 / V)
@@ -309,6 +321,7 @@ def _random_tree(g: torch.Generator, max_nodes: int = 12) -> Tree:
         parents += [node] * min(n_kids, max_nodes - len(parents))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1e-6, top_p=0.8, top_k=3)])
 def test_temperature_zero_reproduces_greedy_accept(params):
     g = torch.Generator().manual_seed(7)
@@ -335,6 +348,7 @@ def test_temperature_zero_reproduces_greedy_accept(params):
     assert deep >= 20, "too few random trees exercise paths of two or more accepted tokens"
 
 
+@pytest.mark.unit
 def test_verify_sampled_matches_batch_and_accepts_lists():
     g = torch.Generator().manual_seed(3)
     tree = Tree.from_expansion((3, 2, 1))
@@ -362,6 +376,7 @@ def _without_replacement_probs(q: list[float], k: int) -> dict[tuple[int, ...], 
     return law
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("q", [[0.5, 0.25, 0.15, 0.1, 0.0], [0.7, 0.3, 0.0, 0.0, 0.0]])
 def test_draw_children_samples_without_replacement(q):
     k, rows = 3, 200_000
@@ -376,6 +391,7 @@ def test_draw_children_samples_without_replacement(q):
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_draw_children_distinct_and_mass_first():
     g = torch.Generator().manual_seed(5)
     q = torch.softmax(torch.randn(500, 8, generator=g), -1)
@@ -394,6 +410,7 @@ def test_draw_children_distinct_and_mass_first():
 # ---------------------------------------------------------------- sampling_probs and SamplingParams
 
 
+@pytest.mark.unit
 def test_sampling_probs_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]]).expand(2, 3, 5)
     assert torch.allclose(sampling_probs(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
@@ -412,6 +429,7 @@ def test_sampling_probs_filters():
     assert torch.equal(one, greedy), "top-p must keep at least the top token"
 
 
+@pytest.mark.unit
 def test_sampling_params_validation():
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
     for kwargs, name in [
@@ -428,6 +446,7 @@ def test_sampling_params_validation():
             SamplingParams(**kwargs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("temperature", [1e-40, 1e-30, sampling.MIN_TEMPERATURE / 2])
 def test_temperature_below_epsilon_is_greedy(temperature):
     """logits / 1e-40 overflows to +-inf (NaN probabilities, multinomial raises): such temperatures decode greedily."""
@@ -437,6 +456,7 @@ def test_temperature_below_epsilon_is_greedy(temperature):
     assert torch.equal(sampling_probs(logits, params), sampling_probs(logits, SamplingParams()))
 
 
+@pytest.mark.unit
 def test_smallest_sampling_temperature_gives_a_distribution():
     logits = torch.tensor([[300.0, 299.9999, -300.0, float("-inf")]])
     probs = sampling_probs(logits, SamplingParams(temperature=sampling.MIN_TEMPERATURE))
@@ -512,6 +532,7 @@ def check_mixed(mode: str, params: SamplingParams, seed: int = 0) -> tuple[float
     return goodness_of_fit(counts, probs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["mixed", "merged"])
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
 def test_point_candidates_mixed_with_sampled_children_are_exact(mode, temperature, top_p):
@@ -519,12 +540,14 @@ def test_point_candidates_mixed_with_sampled_children_are_exact(mode, temperatur
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["mixed-allq", "merged-skip"])
 def test_check_rejects_wrong_rules_for_mixed_children(mode):
     stat, df, pval = check_mixed(mode, SamplingParams(temperature=1.0), seed=4)
     assert pval < ALPHA, f"wrong rule not detected: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+@pytest.mark.unit
 def test_merged_tree_sees_duplicates_often():
     """The merged case must actually occur in the simulation for the tests above to mean anything."""
     g = torch.Generator().manual_seed(0)

@@ -289,6 +289,7 @@ def test_a_dead_scheduler_thread_is_restarted_and_its_requests_answered(target, 
     sched.stop()
 
 
+@pytest.mark.unit
 def test_validator_refuses_costly_inputs_before_any_work(tokenizer, encode):
     """A 1 MB tree string and a 10,000-entry word list are refused before anything is decoded or tokenized (the
     tokenizer is never called); token ids past the vocabulary are refused by the decoder's check."""
@@ -334,6 +335,7 @@ class _Vocab:
         return KVCache.pool(self.config, slots, capacity, window, torch.float32)
 
 
+@pytest.mark.unit
 def test_auto_tree_falls_back_to_the_target_alone_without_speculation(tokenizer, encode):
     limits = Limits(speculation=False)
     assert _row(encode, tokenizer, limits, tree=b"auto").job.tree is None
@@ -391,6 +393,7 @@ def _scripted_row(key: int, stops=(), stream=True) -> Row:
     return Row(Job([key], 1000), "p", stream=stream, stop_strings=list(stops))
 
 
+@pytest.mark.unit
 def test_a_stop_string_inside_a_token_cuts_the_text_and_the_tokens_after_it(tokenizer):
     """One step accepts " Paris", " is", " big"; the stop string "Par" ends inside the first token: the client sees
     " Par" and nothing after it, streamed and in the result, and one output token is counted."""
@@ -429,6 +432,7 @@ class Flaky(Sink):
         super().fail(message, code)
 
 
+@pytest.mark.unit
 def test_a_send_that_raises_still_ends_its_request_once_and_no_other(tokenizer):
     """A raising text send gets a final error; a raising final send too; a raising error send (a refused request)
     its close; the request next to them finishes normally whatever they do."""
@@ -448,6 +452,7 @@ def test_a_send_that_raises_still_ends_its_request_once_and_no_other(tokenizer):
     assert not sched.requests and not sched.decoder.active and sched.reserved == 0
 
 
+@pytest.mark.unit
 def test_sixteen_streams_with_failing_sends_lose_no_final_response_and_cross_no_tokens(tokenizer):
     """16 client threads x 20 requests against the scheduler thread; some sinks raise on text, on the final
     response or on the error too: every request gets exactly one final response and every text is its own."""
@@ -489,6 +494,7 @@ def test_sixteen_streams_with_failing_sends_lose_no_final_response_and_cross_no_
     assert sched.reserved == 0 and not sched.requests and not sched.decoder.active
 
 
+@pytest.mark.unit
 def test_failures_are_logged_with_the_request_id(tokenizer, caplog):
     """A row's failure and a send that raises leave a log line naming the request (they used to be silent)."""
     ids = tokenizer.encode(" one two", add_special_tokens=False)

@@ -264,11 +264,13 @@ def test_admin_apis_need_the_key(server):
     assert urllib.request.urlopen(server.http_url + "/v2/models/spectrt/config", timeout=30).status == 200
 
 
+@pytest.mark.unit
 def test_admin_key_that_would_break_the_flag_is_refused(target_dir):
     with pytest.raises(ServeError, match="admin key must be 16 or more"):
         TritonServer({"target_dir": target_dir}, admin_key="short:key=x")
 
 
+@pytest.mark.unit
 def test_non_loopback_host_warns():
     assert host_warning("127.0.0.1") is None and host_warning("localhost") is None and host_warning("::1") is None
     for host in ("0.0.0.0", "192.168.1.5", "example.org"):

@@ -3,6 +3,8 @@
 import pytest
 from spectrt.runtime.decoding.suffix import SuffixIndex
 
+pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
+
 X, Y = 40, 41
 
 

@@ -7,6 +7,8 @@ import random
 import pytest
 from spectrt.runtime.decoding.text import StopStrings, TextStream
 
+pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
+
 SAMPLES = ["Hello , world ! It 's a test . Don't stop : 3.5 % of cafés ( naïve ) – 日本語 ? Yes .",
            "def f(x):\n    return x ** 2  # squares\n\n\nprint(f(3)) ; end",
            "  leading spaces , and trailing   ", "emoji 🎉🎉 and ' quotes ' n't ' ve"]

@@ -4,6 +4,8 @@ import pytest
 import torch
 from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, TreeError, greedy_accept, parse_tree_arg
 
+pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
+
 
 def test_seed_example_mask():
     # root; A, B under root; C, D under A; E under B  (flattened: root A B C D E)
