@@ -42,7 +42,7 @@ from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
-from spectrt.runtime.engines.engine import Engine
+from spectrt.runtime.engines.engine import Engine, Segment
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
@@ -181,6 +181,18 @@ class Job:
         hot sampled requests never shrink another's trees."""
         expected, accepted = self.score_evidence
         return min(max(accepted / expected, 0.2), 1.5)
+
+
+@dataclass
+class Verified:
+    """One request's tree after the target forward: what its acceptance reads."""
+
+    cand: Candidates
+    tree: Tree  # the verified tree (the trie's chosen nodes), rows in `order`
+    order: list[int]  # trie node of each tree row
+    tokens: torch.Tensor  # [T] the rows' tokens
+    logits: torch.Tensor  # [T, V] the target's
+    features: torch.Tensor | None  # the target features an EAGLE-3 head reads next (None without one)
 
 
 @dataclass
@@ -455,7 +467,7 @@ class Decoder:
         for cache, length in snapshot:
             cache.length = length
 
-    def _forward(self, jobs: list[Job], info: StepInfo) -> list[tuple]:
+    def _forward(self, jobs: list[Job], info: StepInfo) -> list[Verified]:
         """Everything up to and including the target forward (no request state changes but cache lengths, which
         `step` restores if this raises). Returns per job what its acceptance needs."""
         prefill, decode = [], []
@@ -478,7 +490,7 @@ class Decoder:
             cache = self.target_caches[job.slot]
             n = cache.length
             t = min(len(job.ids) - 1 - n, budget, self.max_tree_tokens)
-            segments.append((torch.tensor(job.ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache))
+            segments.append(Segment(torch.tensor(job.ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache))
             chunks.append((job, t))
             budget -= t
             info.prefill_tokens += t
@@ -502,7 +514,7 @@ class Decoder:
             tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
             tokens = torch.tensor([trie.tokens[i] for i in order])
             cache = self.target_caches[cand.job.slot]
-            segments.append((tokens, tree.positions(cand.position), tree.mask, cache))
+            segments.append(Segment(tokens, tree.positions(cand.position), tree.mask, cache))
             plans.append((cand, tree, order, tokens))
             info.tree_tokens += len(tree)
         layers = self.drafter.feature_layers if self.drafter is not None else None
@@ -518,22 +530,22 @@ class Decoder:
             if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)
-        return [(cand, tree, order, tokens, lg, feats) for (cand, tree, order, tokens), lg, feats
+        return [Verified(cand, tree, order, tokens, lg, feats) for (cand, tree, order, tokens), lg, feats
                 in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
 
     # ------------------------------------------------------------------------------------- acceptance
-    def _accept_all(self, planned: list[tuple], info: StepInfo) -> None:
+    def _accept_all(self, planned: list[Verified], info: StepInfo) -> None:
         start = time.perf_counter()
         try:
             self._accept_each(planned, info)
         finally:
             self.clock.accept += time.perf_counter() - start
 
-    def _accept_each(self, planned: list[tuple], info: StepInfo) -> None:
-        for cand, tree, order, tokens, logits, features in planned:
-            job = cand.job
+    def _accept_each(self, planned: list[Verified], info: StepInfo) -> None:
+        for v in planned:
+            job = v.cand.job
             try:
-                self._accept(cand, tree, order, tokens, logits, info, features)
+                self._accept(v.cand, v.tree, v.order, v.tokens, v.logits, info, v.features)
             except Exception as exc:  # this request's verification failed: it ends, the batch goes on
                 self._release(job, "error", exc)
                 if job not in info.finished:

@@ -23,13 +23,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from spectrt.runtime.decoding.policy import Policy, allocate
 from spectrt.runtime.decoding.sampling import draw_children, sampling_probs, top_tokens
 from spectrt.runtime.decoding.suffix import SuffixIndex
 from spectrt.runtime.decoding.tree import TokenTrie, Tree
-from spectrt.runtime.engines.engine import Engine, Segment
+from spectrt.runtime.engines.engine import Engine, HeadSegment, Segment
+
+if TYPE_CHECKING:  # the loop's request record; the loop imports this module
+    from spectrt.runtime.decoding.decoder import Job
 
 
 @dataclass(eq=False)  # identity: compared and looked up as objects
@@ -41,7 +45,7 @@ class Candidates:
     proposer proposed it and how (`spectrt tune` measures acceptance from them).
     """
 
-    job: object
+    job: Job
     trie: TokenTrie
     position: int  # RoPE position of the root (its prefix length): a node sits at position + depth
     static: Tree | None = None
@@ -145,7 +149,7 @@ class DraftProposer:
         t = min(end - n, self.window)
         if t <= 0:
             return None
-        return torch.tensor(ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache
+        return Segment(torch.tensor(ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         """Keep the accepted nodes the draft has read (a prefix of the accepted path) as committed tokens."""
@@ -170,7 +174,7 @@ class DraftProposer:
         for cand in cands:
             job = cand.job
             seg = self.chunk(job.slot, job.ids, len(job.ids))
-            if seg is None or len(seg[0]) < self.lag(job.slot, job.ids):
+            if seg is None or len(seg.tokens) < self.lag(job.slot, job.ids):
                 if seg is not None:  # more than a window behind: catch up now, draft from the next step
                     segments.append(seg)
                 continue
@@ -179,12 +183,12 @@ class DraftProposer:
             cand.drafted = cand.static is None
         if not segments:
             return 0.0
-        rows, prefill_rows = sum(len(s[0]) for s in segments), sum(len(s[0]) for s in prefill)
+        rows, prefill_rows = sum(len(s.tokens) for s in segments), sum(len(s.tokens) for s in prefill)
         sunk = cost(rows, len(segments)) - (cost(prefill_rows, len(prefill)) if prefill else 0.0)  # prompts: paid
         logits = self._run(segments)
         for seg in segments:
-            seg[3].commit(len(seg[0]))
-        by_cache = {id(seg[3]): lg for seg, lg in zip(segments, logits, strict=True)}
+            seg.cache.commit(len(seg.tokens))
+        by_cache = {id(seg.cache): lg for seg, lg in zip(segments, logits, strict=True)}
         for d in drafting:
             d.logits = by_cache[id(self.caches[d.cand.job.slot])][-1:]
             d.cand.job.stats.draft_passes += 1
@@ -201,7 +205,7 @@ class DraftProposer:
             if not level:
                 break
             segments = [self._feed(d, nxt[id(d)]) for d in level]
-            sunk += cost(sum(len(s[0]) for s in segments), len(segments))
+            sunk += cost(sum(len(s.tokens) for s in segments), len(segments))
             for d, lg in zip(level, self._run(segments), strict=True):
                 d.logits = lg
                 d.frontier = nxt[id(d)]
@@ -316,7 +320,7 @@ class DraftProposer:
             d.fed.append(node)
         depth = trie.depths[nodes[0]]
         tokens = torch.tensor([trie.tokens[i] for i in nodes])
-        return tokens, torch.full((len(nodes),), d.cand.position + depth), mask, cache
+        return Segment(tokens, torch.full((len(nodes),), d.cand.position + depth), mask, cache)
 
 
 class Eagle3Proposer(DraftProposer):
@@ -367,7 +371,7 @@ class Eagle3Proposer(DraftProposer):
     def lag(self, slot: int, ids: list[int]) -> int:
         return len(ids) - 1 - self.caches[slot].length
 
-    def chunk(self, slot: int, ids: list[int], end: int) -> Segment | None:
+    def chunk(self, slot: int, ids: list[int], end: int) -> HeadSegment | None:
         """The causal head segment of rows at positions cache.length + 1 .. end - 1 whose features are known."""
         cache = self.caches[slot]
         n = cache.length
@@ -380,26 +384,27 @@ class Eagle3Proposer(DraftProposer):
             return None
         self.fed_nodes.pop(id(cache), None)
         hidden = self.engine.project(self.pending[slot][n - self.base[slot]:n - self.base[slot] + t])
-        return torch.tensor(ids[n + 1:n + 1 + t]), torch.arange(n + 1, n + 1 + t), self.causal[:t, :t], cache, hidden
+        return HeadSegment(torch.tensor(ids[n + 1:n + 1 + t]), torch.arange(n + 1, n + 1 + t), self.causal[:t, :t],
+                           cache, hidden)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         self.caches[slot].compact([])
 
-    def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def _run(self, segments: list[HeadSegment]) -> list[torch.Tensor]:
         logits = []
         for seg, (lg, hidden) in zip(segments, self._forward(segments), strict=True):
-            nodes = self.fed_nodes.pop(id(seg[3]), None)
+            nodes = self.fed_nodes.pop(id(seg.cache), None)
             if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
-                self.node_hidden[id(seg[3])] = {0: hidden[-1]}
+                self.node_hidden[id(seg.cache)] = {0: hidden[-1]}
             else:
-                rows = self.node_hidden[id(seg[3])]
+                rows = self.node_hidden[id(seg.cache)]
                 for j, node in enumerate(nodes):
                     rows[node] = hidden[j]
             logits.append(lg)
         return logits
 
-    def _feed(self, d: _Drafting, nodes: list[int]) -> Segment:
+    def _feed(self, d: _Drafting, nodes: list[int]) -> HeadSegment:
         tokens, positions, mask, cache = super()._feed(d, nodes)
         rows = self.node_hidden[id(cache)]
         self.fed_nodes[id(cache)] = nodes
-        return tokens, positions, mask, cache, torch.stack([rows[d.cand.trie.parents[i]] for i in nodes])
+        return HeadSegment(tokens, positions, mask, cache, torch.stack([rows[d.cand.trie.parents[i]] for i in nodes]))

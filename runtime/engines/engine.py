@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from spectrt.runtime.engines.model import KVCache, ModelConfig, Transformer
@@ -18,7 +18,25 @@ from spectrt.runtime.engines.model import KVCache, ModelConfig, Transformer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache]  # tokens [T], positions [T], tree mask [T, W], cache
+class Segment(NamedTuple):
+    """One request's rows in a forward (a tuple: engines unpack it): its new tokens [T], their positions [T], which
+    of its cache's uncommitted window slots each row sees [T, W] (the committed prefix always), and its cache."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: torch.Tensor
+    cache: KVCache
+
+
+class HeadSegment(NamedTuple):
+    """A segment of an EAGLE-3 head (engines/eagle3.py): a `Segment` plus each row's input hidden state [T, H] (the
+    target's projected features, or the parent row's output)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: torch.Tensor
+    cache: KVCache
+    hidden: torch.Tensor
 
 
 class Engine(Protocol):
