@@ -26,10 +26,10 @@ import pytest
 import torch
 from aiohttp import web
 from conftest import launch_serve, scrape_metrics
+from spectrt.runtime.decoding.text import StopText
 from spectrt.runtime.serving.client import GrpcSession
 from spectrt.runtime.serving.openai_api import (
     Limits,
-    StopText,
     bad,
     chat_messages,
     parse_body,

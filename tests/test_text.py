@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from spectrt.runtime.decoding.text import StopStrings, TextStream
+from spectrt.runtime.decoding.text import StopStrings, TextStream, stop_token_end
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
 
@@ -84,3 +84,12 @@ def test_a_stop_string_ending_in_a_character_split_over_pushes_is_found(tokenize
         if stream.stopped:
             break
     assert sent == "日本語" and stream.ids == _tokens(tokenizer, "日本語")
+
+
+def test_token_stop_words_end_the_output_after_the_first_completed_sequence():
+    """The decoder's stop_words: a sequence may begin in the output already sent (`tail`) and complete in this step's
+    tokens; the output keeps the completing token and nothing after it; the earliest completion wins."""
+    assert stop_token_end([], [5, 6, 7], [[6]]) == 2
+    assert stop_token_end([4], [5, 6, 7], [[4, 5]]) == 1  # began in the tail
+    assert stop_token_end([], [5, 6, 7, 8], [[7, 8], [5, 6]]) == 2  # the earliest, not the first listed
+    assert stop_token_end([9], [5, 6], [[4, 5], [6, 6]]) is None

@@ -41,6 +41,7 @@ from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
+from spectrt.runtime.decoding.text import stop_token_end
 from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
 from spectrt.runtime.engines.engine import Engine, Segment
 
@@ -624,17 +625,16 @@ class Decoder:
         new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]
         eos = job.eos_ids if job.eos_ids is not None else self.eos_ids
         finish, emitted = None, len(new)  # emitted counts an end-of-sequence token too (a target pass made it)
-        longest = max((len(w) for w in job.stop_words), default=0)
-        tail = job.out[len(job.out) - longest + 1:] if longest > 1 else []
-        for j, tok in enumerate(new):
-            if tok in eos:
-                new, finish, emitted = new[:j], "stop", j + 1
-                break
-            if job.stop_words:
-                seq = tail + new[:j + 1]
-                if any(len(seq) >= len(w) and seq[len(seq) - len(w):] == w for w in job.stop_words):
-                    new, finish, emitted = new[:j + 1], "stop", j + 1
-                    break
+        eos_at = next((j for j, tok in enumerate(new) if tok in eos), None)
+        stop_end = None
+        if job.stop_words:  # a stop sequence completed before any end-of-sequence token ends the output after it
+            longest = max(len(w) for w in job.stop_words)
+            tail = job.out[len(job.out) - longest + 1:] if longest > 1 else []
+            stop_end = stop_token_end(tail, new if eos_at is None else new[:eos_at], job.stop_words)
+        if stop_end is not None:
+            new, finish, emitted = new[:stop_end], "stop", stop_end
+        elif eos_at is not None:
+            new, finish, emitted = new[:eos_at], "stop", eos_at + 1
         stats.emitted_tokens += emitted
         job.out.extend(new)
         job.ids.extend(new)

@@ -10,6 +10,10 @@ space-cleaning tokenizer removes before punctuation), so the streamed deltas alw
 sequence does not, e.g. "\\n" inside a "\\n\\n" token), looking only at the new text and the few characters before.
 `TextStream.push(ids, stops)` matches them before anything of the push is sent, so the text ends right after the
 stop string even when it ends inside a token or more tokens followed it in the same step.
+
+Every stop rule lives here: `stop_token_end` (the decoder's token-level `stop_words`), `StopStrings` (the served
+model's text stop words: the text ends after the match, tensorrtllm_backend's rule) and `StopText` (the OpenAI
+frontend's `stop` over streamed deltas: the text ends before the match, OpenAI's rule).
 """
 
 from __future__ import annotations
@@ -123,3 +127,41 @@ class StopStrings:
         cut after it), or None."""
         ends = [i + len(s) for s in self.stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
         return min(ends) if ends else None
+
+
+def stop_token_end(tail: list[int], new: list[int], stop_words: list[list[int]]) -> int | None:
+    """Token-level stop words (the decoder's `stop_words`): the count of `new` tokens up to and including the first
+    one that completes a stop sequence (`tail`: the output's last tokens before `new`), or None."""
+    for j in range(len(new)):
+        seq = tail + new[:j + 1]
+        if any(len(seq) >= len(w) and seq[len(seq) - len(w):] == w for w in stop_words):
+            return j + 1
+    return None
+
+
+class StopText:
+    """OpenAI `stop` over a stream of text deltas: the text ends before the first stop string.
+
+    A delta's tail that could begin a stop string is held back until the next delta settles it, so nothing past a
+    stop string is ever sent. `feed` returns the text that is safe to send; `flush` the held-back rest at the end.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.pending, self.stopped = stops, "", False
+
+    def feed(self, delta: str) -> str:
+        if not self.stops or self.stopped:
+            return "" if self.stopped else delta
+        text = self.pending + delta
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.stopped, self.pending = True, ""
+            return text[:min(cuts)]
+        hold = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

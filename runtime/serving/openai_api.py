@@ -289,34 +289,6 @@ def upstream_fields(call: Call, seconds: float) -> dict:
 # --------------------------------------------------------------------------- stop strings
 
 
-class StopText:
-    """OpenAI `stop` over a stream of text deltas: the text ends before the first stop string.
-
-    A delta's tail that could begin a stop string is held back until the next delta settles it, so nothing past a
-    stop string is ever sent. `feed` returns the text that is safe to send; `flush` the held-back rest at the end.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.pending, self.stopped = stops, "", False
-
-    def feed(self, delta: str) -> str:
-        if not self.stops or self.stopped:
-            return "" if self.stopped else delta
-        text = self.pending + delta
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped, self.pending = True, ""
-            return text[:min(cuts)]
-        hold = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold]
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 # --------------------------------------------------------------------------- responses
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import grpc
 import tritonclient.grpc.aio as grpcaio
 from aiohttp import web
+from spectrt.runtime.decoding.text import StopText
 from spectrt.runtime.serving.client import PERF_OUTPUTS, grpc_inputs
 from spectrt.runtime.serving.openai_api import (
     ApiError,
@@ -52,7 +53,6 @@ from spectrt.runtime.serving.openai_api import (
     Chunks,
     Limits,
     Outcome,
-    StopText,
     completion_body,
     parse_body,
     parse_chat,
