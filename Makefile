@@ -41,10 +41,10 @@ draft: setup  ## the target's draft: the shipped one for the embedded target (in
 	$(BIN)/spectrt draft
 
 ship-draft: setup  ## remake the shipped draft (~1 h on 2 cores): the same seeded prompts, the shipped answers (nothing new to generate), one 50-minute run
-	$(BIN)/python -m spectrt.build.synth --count 2000
-	$(BIN)/python -m spectrt.build.corpus --minutes 30
+	$(BIN)/python -m spectrt.cli.ship prompts --count 2000
+	$(BIN)/python -m spectrt.cli.ship answers --minutes 30
 	$(BIN)/spectrt draft --kind eagle3 --train --force --budget-minutes 50 --out artifacts/ship-eagle3
-	$(BIN)/python -m spectrt.build.draft artifacts/ship-eagle3
+	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-eagle3
 
 TUNED := artifacts/.tuned-default
 

@@ -3,7 +3,7 @@
 Sequence-level distillation: the target answers every prompt of `build/prompts/distill.txt` (chat template +
 generation prompt, exactly as served), with sampling several answers per prompt. Answers come, in this order, from
 1. **shipped answers** (`build/answers/`, package data): the embedded target's answers as token ids (uint16, lzma),
-   made once by this module (`python -m spectrt.build.corpus`), with the generator settings and a sha256 of the
+   made once by `ship_answers` (`python -m spectrt.cli.ship answers`), with the generator settings and a sha256 of the
    tokens, keyed by the target's weights checksum: a fresh machine spends its draft budget training, and another
    target, or other settings, never reads them;
 2. the corpus cache (per target checksum and settings, in the draft's work dir): answers generated earlier;
@@ -25,7 +25,6 @@ a plain line is one user message; a line starting with `[` is a JSON list of
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import lzma
@@ -256,7 +255,8 @@ def write_shipped(path: Path, target: Path, sets: dict[str, tuple[dict, dict[str
     vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
     dtype = np.uint16 if vocab <= 2**16 else np.uint32
     meta = {"format": SHIPPED_FORMAT, "target": target_fingerprint(target), "target_name": Path(target).name,
-            "generator": "python -m spectrt.build.corpus (build/corpus.py)", "dtype": np.dtype(dtype).name, "sets": {}}
+            "generator": "python -m spectrt.cli.ship answers (build/corpus.py)", "dtype": np.dtype(dtype).name,
+            "sets": {}}
     chunks = []
     for name, (key, records) in sets.items():
         table = [[k, int(r["prompt_len"]), len(r["input_ids"])] for k, r in sorted(records.items())]
@@ -431,43 +431,26 @@ def teacher_force(
 
 
 # --------------------------------------------------------------------------------------------------
-# Making the shipped answers: `python -m spectrt.build.corpus` (resumable: each call adds to the shipped file)
+# Making the shipped answers (`python -m spectrt.cli.ship answers`; resumable: each call adds to the shipped file)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from spectrt.build.checkpoint import resolve_target
-
-    p = argparse.ArgumentParser(description="generate the target's answers to the held-out and training prompts "
-                                "for a while and write every answer made so far as shipped package data (run it "
-                                "again to add more: answers already shipped are kept)")
-    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
-    p.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
-    p.add_argument("--out", type=Path, help="output stem (default: build/answers/<target name>)")
-    p.add_argument("--minutes", type=float, default=8.0, help="generation time for this call")
-    p.add_argument("--rounds", type=int, default=DistillConfig.samples_per_prompt,
-                   help="sampled answers per training prompt")
-    p.add_argument("--prompts", type=Path, nargs="+", default=[DISTILL_PROMPTS, SYNTH_PROMPTS],
-                   help="training prompt files")
-    args = p.parse_args(argv)
-    target = resolve_target(args.target)
-    cfg = DistillConfig(samples_per_prompt=args.rounds)
-    deadline = time.monotonic() + 60 * args.minutes
+def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes: float = 8.0,
+                 rounds: int = DistillConfig.samples_per_prompt,
+                 prompts: Sequence[Path] = (DISTILL_PROMPTS, SYNTH_PROMPTS)) -> Path:
+    """Generate the target's answers to the held-out and training prompts for `minutes`, then write every answer
+    made so far (answers already shipped kept) as the package's shipped answers; returns the output stem."""
+    cfg = DistillConfig(samples_per_prompt=rounds)
+    deadline = time.monotonic() + 60 * minutes
     fingerprint, sets = target_fingerprint(target), {}
-    train = [c for path in args.prompts for c in read_prompts(path)]
+    train = [c for path in prompts for c in read_prompts(path)]
     for name, convs, eval_set in (("eval", read_prompts(HELDOUT_PROMPTS), True), ("distill", train, False)):
-        _, stats = generate_distill_data(target, convs, args.work_dir, cfg, eval_set=eval_set, deadline=deadline)
+        _, stats = generate_distill_data(target, convs, work_dir, cfg, eval_set=eval_set, deadline=deadline)
         key = cfg.generation_key(eval_set)
-        rounds = 1 if eval_set else cfg.samples_per_prompt
-        wanted = {_sample_key(conv_key(c), r) for c in convs for r in range(rounds)}
+        n_rounds = 1 if eval_set else cfg.samples_per_prompt
+        wanted = {_sample_key(conv_key(c), r) for c in convs for r in range(n_rounds)}
         cached = torch.load(stats["cache"], weights_only=True) if Path(stats["cache"]).is_file() else {}
         answers = {**load_shipped(fingerprint, key), **cached}
         sets[name] = (key, {k: v for k, v in answers.items() if k in wanted})
         print(f"{name}: {len(sets[name][1])} of {len(wanted)} answers, "
               f"{sum(len(r['input_ids']) - r['prompt_len'] for r in sets[name][1].values())} answer tokens")
-    out = write_shipped(args.out or ANSWERS_DIR / Path(target).name, target, sets)
-    print(f"wrote {out}.json and {out}.tokens.xz")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return write_shipped(out or ANSWERS_DIR / Path(target).name, target, sets)

@@ -324,25 +324,3 @@ def install_shipped(target: Path, out_dir: Path, drafts_dir: Path = DRAFTS_DIR) 
         if (Path(target) / name).is_file():
             shutil.copy(Path(target) / name, out_dir / name)
     return out_dir
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m spectrt.build.draft DRAFT_DIR`: ship a trained draft of the embedded (or `--target`) target."""
-    import argparse
-
-    from spectrt.build.checkpoint import resolve_target
-
-    p = argparse.ArgumentParser(description="write a trained draft as the package's shipped draft for its target")
-    p.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
-    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
-    p.add_argument("--command", default="make ship-draft", help="the command that remade it (recorded)")
-    args = p.parse_args(argv)
-    target = resolve_target(args.target)
-    out = ship_draft(args.draft, target, DRAFTS_DIR / Path(target).name, args.command)
-    size = sum((out / n).stat().st_size for n in SHIPPED_FILES) / 2**20
-    print(f"shipped {args.draft} as {out} ({size:.1f} MB)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,7 +22,6 @@ TensorRT-RTX plans: target FP16 18.9 s (296 MB), draft FP16 2.0 s (101 MB).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -34,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spectrt.build.compile import (
-    RTX_ARCHS,
     CompileError,
     Profile,
     build_plan,
@@ -43,7 +41,6 @@ from spectrt.build.compile import (
     trt_module,
 )
 from spectrt.build.export import EXPORT_VERSION, adopt_graph, export_graph, graph_files, graph_io
-from spectrt.runtime.engines.int8 import QFORMATS
 from spectrt.runtime.engines.model import ModelConfig
 from spectrt.runtime.engines.onnx_engine import (
     MANIFEST,
@@ -359,72 +356,18 @@ def engine_models(engines: Path, backend: str) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-# --------------------------------------------------------------------------------------------------
-# Command line (wired into `spectrt engines` by cli.py; also `python -m spectrt.build.engines`)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
-
-    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
-    p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
-    p.add_argument("--out", type=Path, help="engines directory (default: engines/<target>-<precision>)")
-    p.add_argument("--precision", default="fp16", choices=PRECISIONS, help="TensorRT plan precision")
-    p.add_argument("--arch", default=None,
-                   help=f"compute capabilities for TensorRT-RTX plans, e.g. sm80,sm86 (default: {','.join(RTX_ARCHS)})")
-    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
-    p.add_argument("--max-tree-tokens", type=int, default=DEFAULT_MAX_TREE_TOKENS)
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
-                   help="requests per batched forward the TensorRT plans take (the server's max_active)")
-    p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
-    p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
-                   help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
-    p.add_argument("--qformat", default="int8_sq", choices=QFORMATS,
-                   help="with --precision int8: which `spectrt quantize` checkpoint of the target to compile")
-    p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
-                   help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")
-    p.add_argument("--force", action="store_true", help="rebuild everything")
-
-
-def run(args: argparse.Namespace) -> Path:
+def engine_sources(target: str | None, draft: str | None, artifacts: Path) -> tuple[Path, Path]:
+    """The (target, draft) checkpoints `spectrt engines` compiles: a draft is required, and a sliced one."""
     from spectrt.build.checkpoint import resolve_models
-
-    target, draft = resolve_models(args.target, args.draft, args.artifacts)
-    if draft is None:
-        raise EngineBuildError("the engines need a draft model (--draft none has none): pass --draft DIR or build "
-                               f"the default one with `spectrt draft --target {target}`")
     from spectrt.runtime.engines.eagle3 import is_eagle3
 
-    if is_eagle3(draft):  # the shipped draft of the embedded target is one
-        raise EngineBuildError(f"draft {draft} is an EAGLE-3 head: the exported graphs do not return the target's "
-                               "features it reads yet; pass a sliced draft (`spectrt draft --kind slice --train "
-                               f"--out {draft.with_name(draft.name.removesuffix('-draft') + '-slice')}`, what "
-                               "`make engines` does) as --draft")
-    int8 = {}
-    for item in args.int8_graph:
-        role, _, path = item.partition("=")
-        if role not in ROLES or not path:
-            raise EngineBuildError(f"--int8-graph {item!r}: expected target=PATH or draft=PATH")
-        int8[role] = Path(path)
-    archs = [a.strip().lower() for a in args.arch.split(",") if a.strip()] if args.arch else None
-    out = make_engines(target, draft, args.out, args.precision, archs, args.max_seq_len, args.max_tree_tokens,
-                       plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8,
-                       qformat=args.qformat, max_batch=args.max_batch)
-    print(out)
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectrt engines", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError, CompileError) as e:
-        print(f"spectrt engines: error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+    target_dir, draft_dir = resolve_models(target, draft, artifacts)
+    if draft_dir is None:
+        raise EngineBuildError("the engines need a draft model (--draft none has none): pass --draft DIR or build "
+                               f"the default one with `spectrt draft --target {target_dir}`")
+    if is_eagle3(draft_dir):  # the shipped draft of the embedded target is one
+        slice_dir = draft_dir.with_name(draft_dir.name.removesuffix("-draft") + "-slice")
+        raise EngineBuildError(f"draft {draft_dir} is an EAGLE-3 head: the exported graphs do not return the "
+                               "target's features it reads yet; pass a sliced draft (`spectrt draft --kind slice "
+                               f"--train --out {slice_dir}`, what `make engines` does) as --draft")
+    return target_dir, draft_dir

@@ -8,19 +8,19 @@ a conversation the target already answered. Every message is sampled through the
 on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable ASCII (English),
 not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
 
-`python -m spectrt.build.synth --count N` writes `build/prompts/synth.txt` (read by build/corpus.py like any corpus).
+`python -m spectrt.cli.ship prompts --count N` writes `build/prompts/synth.txt` (read by build/corpus.py like any
+corpus).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from spectrt.build.corpus import HELDOUT_PROMPTS, SYNTH_PROMPTS, Conversation, read_prompts
+from spectrt.build.corpus import Conversation
 from spectrt.build.generation import Request, generate
 from spectrt.runtime.decoding.sampling import SamplingParams
 
@@ -104,24 +104,3 @@ def write_prompts(path: Path, convs: Sequence[Conversation], header: str) -> Non
         plain = len(conv) == 1 and "\n" not in text and not text.startswith(("[", "#")) and text == text.strip()
         lines.append(text if plain else json.dumps(conv, ensure_ascii=False))
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from spectrt.build.checkpoint import resolve_target
-
-    p = argparse.ArgumentParser(description="self-synthesize user prompts with the target (Magpie)")
-    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
-    p.add_argument("--count", type=int, default=4000, help="single-turn prompts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=SYNTH_PROMPTS)
-    args = p.parse_args(argv)
-    target = resolve_target(args.target)
-    convs = synthesize(target, args.count, args.seed, exclude=read_prompts(HELDOUT_PROMPTS))
-    write_prompts(args.out, convs, f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
-                  f"python -m spectrt.build.synth --count {args.count} --seed {args.seed} (build/synth.py)")
-    print(f"wrote {len(convs)} prompts to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -229,14 +229,15 @@ def cmd_served(args: argparse.Namespace) -> dict:
     """Greedy chat requests over Triton's gRPC stream and over the frontend's SSE stream, interleaved."""
     import http.client
 
+    from spectrt.cli.serving import add_serve_args, model_params_of
     from spectrt.runtime.serving.client import GrpcSession
-    from spectrt.runtime.serving.serve import TritonServer, add_serve_args, model_params
+    from spectrt.runtime.serving.serve import TritonServer
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     serve_args = parser.parse_args(args.serve_args)
     prompts = [p.strip() for p in Path(args.prompts).read_text(encoding="utf-8").splitlines() if p.strip()]
-    with TritonServer(model_params(serve_args), instances=1, openai_port=0, ready_timeout=600,
+    with TritonServer(model_params_of(serve_args), instances=1, openai_port=0, ready_timeout=600,
                       served_name=serve_args.model_name) as server:
         host, port = server.openai_host, server.openai_port
 

@@ -42,3 +42,12 @@ def test_rooms_import_only_the_rooms_below_them(room):
 def test_every_runtime_module_lives_in_a_room():
     loose = sorted(p.name for p in RUNTIME.glob("*.py") if p.name not in ("__init__.py", "resources.py"))
     assert not loose, f"modules outside the rooms: {loose} (move them into engines/, decoding/ or serving/)"
+
+
+def test_flags_are_parsed_only_in_the_cli():
+    """Libraries take plain values: argparse lives in cli/ (the `spectrt` command and its developer entry points)
+    and in scripts/ (benchmark tools), never in build/, quant/ or runtime/."""
+    root = RUNTIME.parent
+    libraries = [p for room in ("build", "quant", "runtime") for p in sorted((root / room).rglob("*.py"))]
+    parsing = sorted(str(p.relative_to(root)) for p in libraries if "argparse" in _imports(p))
+    assert not parsing, f"argparse outside cli/: {parsing} (move the flags into cli/, pass plain values)"

@@ -13,20 +13,17 @@ Every wait has a timeout, so a stuck server turns into an error here, never a ha
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
 import queue
 import socket
 import statistics
-import sys
 import threading
 import time
 import urllib.error
 import urllib.parse
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from spectrt.runtime.resources import package_path
 
@@ -352,188 +349,3 @@ def load_run(prompts: list[str], concurrency: int, requests: int | None = None, 
             errors.append(f"{stuck} worker(s) still waiting 30s after the run's deadline (abandoned)")
         done = [r for r in results if r is not None]
         return summarize(done, list(errors), wall, concurrency), list(results)
-
-
-def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
-                      target: str | None = None, draft: str | None = None, tree: str | None = None,
-                      max_seq_len: int = 2048, threads: int = 0, timeout: float = 600.0, **options) -> dict:
-    """Streaming overhead at concurrency 1: each prompt served (gRPC stream), then `Pipeline.generate` in-process.
-
-    The two alternate prompt by prompt so that a change in machine load hits both alike. Give the in-process
-    side the served instance's model, tree, max_seq_len and thread count. The ratio is served tokens/s over
-    in-process tokens/s (both: output tokens / time from request to the last token; in-process streams its
-    text through the same callback).
-    """
-    import torch
-    from spectrt.build.checkpoint import resolve_models
-    from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
-    from spectrt.runtime.decoding.sampling import SamplingParams
-
-    if threads > 0:
-        torch.set_num_threads(threads)
-    target_dir, draft_dir = resolve_models(target, draft)
-    pipe = Pipeline(target_dir, draft_dir, max_seq_len=max_seq_len)
-    params = SamplingParams(options.get("temperature") or 0.0, options.get("top_k") or 0, options.get("top_p") or 1.0,
-                            options.get("seed"))
-    spec = None if (tree or "").lower() == "none" else (tree or DEFAULT_TREE)
-    pipe.generate("Hi", 4, spec)  # warm up (kernel choice), as the served model does at load
-    served: list[Result] = []
-    local = {"tokens": 0, "seconds": 0.0, "ttft": []}
-    with GrpcSession(url, model) as session:
-        session.generate("Hi", 4, True, timeout=timeout, **options)
-        for prompt in prompts:
-            served.append(session.generate(prompt, max_tokens, True, timeout=timeout, **options))
-            first: list[float] = []
-            start = time.perf_counter()
-            gen = pipe.generate(prompt, max_tokens, spec, params=params,
-                                on_text=lambda _d, f=first, s=start: f or f.append(time.perf_counter() - s))
-            local["seconds"] += time.perf_counter() - start
-            local["tokens"] += gen.stats.new_tokens
-            local["ttft"].extend(first)
-    served_tokens = sum(r.tokens for r in served)
-    served_seconds = sum(r.latency for r in served)
-    served_tps = served_tokens / served_seconds if served_seconds else 0.0
-    server_side = sum(r.perf.get("generation_seconds", 0.0) for r in served)
-    local_tps = local["tokens"] / local["seconds"] if local["seconds"] else 0.0
-    return {
-        "requests": len(prompts),
-        "served": {"output_tokens": served_tokens, "seconds": round(served_seconds, 3),
-                   "tokens_per_second": round(served_tps, 2), "server_generation_seconds": round(server_side, 3),
-                   "transport_seconds": round(served_seconds - server_side, 3),
-                   "ttft_ms_mean": round(1000 * statistics.mean(r.ttft for r in served if r.ttft is not None), 1)},
-        "inprocess": {"output_tokens": local["tokens"], "seconds": round(local["seconds"], 3),
-                      "tokens_per_second": round(local_tps, 2),
-                      "ttft_ms_mean": round(1000 * statistics.mean(local["ttft"]), 1) if local["ttft"] else 0.0},
-        "same_tokens": served_tokens == local["tokens"],
-        "served_over_inprocess": round(served_tps / local_tps, 3) if local_tps else 0.0,
-    }
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_client_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `spectrt client` (cli.py; `python -m spectrt.runtime.serving.client` uses them)."""
-    p.add_argument("--prompt", default="Write a Python function that returns the squares of a list of numbers.")
-    p.add_argument("--prompts", type=Path, default=None,
-                   help="one prompt per line for --concurrency runs (default: bench/prompts.txt)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--no-stream", action="store_true", help="one response with the whole text")
-    p.add_argument("--http", action="store_true", help="HTTP generate endpoint (generate_stream when streaming)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
-    p.add_argument("--concurrency", type=int, default=0, help="load run with N concurrent streams")
-    p.add_argument("--requests", type=int, default=None, help="requests in a load run (default 2 x concurrency)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tree", default=None, help="per-request tree, e.g. 2,1 ('none' = target alone)")
-    p.add_argument("--children", default=None, choices=["sample", "topk"])
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="deadline of one request, seconds (the whole request, however slowly its stream arrives)")
-    p.add_argument("--run-timeout", type=float, default=3600.0,
-                   help="deadline of a --concurrency load run, seconds (requests not started by then are errors)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--compare-inprocess", action="store_true",
-                   help="overhead at concurrency 1: alternate served (gRPC stream) and in-process generation over "
-                        "the prompts (first --requests of them) and print served/in-process tokens/s")
-    p.add_argument("--target", default=None, help="with --compare-inprocess: the served target")
-    p.add_argument("--draft", default=None, help="with --compare-inprocess: the served draft ('none' for none)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="with --compare-inprocess: the served max_seq_len")
-    p.add_argument("--threads", type=int, default=0,
-                   help="with --compare-inprocess: torch threads in-process (the served instance's; 0: default)")
-
-
-def _options(args: argparse.Namespace) -> dict:
-    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-            "tree": args.tree, "children": args.children}
-
-
-def _stats_line(r: Result, how: str) -> str:
-    p = r.perf
-    ttft = f"{1000 * r.ttft:.0f} ms" if r.ttft is not None else "-"
-    tau = r.tokens / p["target_passes"] if p.get("target_passes") else 0.0
-    return (f"[{how}] {r.tokens} tokens in {r.latency:.2f}s = {r.tokens_per_second:.1f} tok/s | TTFT {ttft} | "
-            f"tau {tau:.2f} | acceptance {p.get('acceptance_rate', 0.0):.2f} "
-            f"({p.get('total_accepted_draft_tokens', 0)}/{p.get('total_draft_tokens', 0)} draft tokens) | "
-            f"target passes {p.get('target_passes', 0)} | final {r.final}")
-
-
-def cmd_client(args: argparse.Namespace) -> int:
-    """`spectrt client`: one request (streamed by default) or a --concurrency load run against a served model."""
-    stream = not args.no_stream
-    url = f"http://{args.host}:{args.http_port}" if args.http else f"{args.host}:{args.grpc_port}"
-    options = _options(args)
-    try:
-        if args.compare_inprocess or args.concurrency:
-            path = args.prompts or DEFAULT_PROMPTS
-            prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if args.compare_inprocess:
-            report = compare_inprocess(prompts[:args.requests or 4], args.max_tokens, url, args.model, args.target,
-                                       args.draft, max_seq_len=args.max_seq_len, threads=args.threads,
-                                       timeout=args.timeout, **options)
-            if args.json:
-                print(json.dumps(report))
-            else:
-                sv, ip = report["served"], report["inprocess"]
-                print(f"{report['requests']} prompts at concurrency 1 | served (gRPC stream) "
-                      f"{sv['tokens_per_second']:.1f} tok/s, TTFT {sv['ttft_ms_mean']:.0f} ms | in-process "
-                      f"{ip['tokens_per_second']:.1f} tok/s, TTFT {ip['ttft_ms_mean']:.0f} ms | served/in-process "
-                      f"{report['served_over_inprocess']:.3f} | same token counts {report['same_tokens']}")
-            return 0
-        if args.concurrency:
-            summary, _ = load_run(prompts, args.concurrency, args.requests, args.max_tokens, stream, args.http, url,
-                                  args.model, args.timeout, args.run_timeout, **options)
-            summary["protocol"] = ("http " if args.http else "grpc ") + ("stream" if stream else "unary")
-            if args.json:
-                print(json.dumps(summary))
-            else:
-                t, lat = summary["ttft_ms"], summary["latency_ms"]
-                print(f"{summary['protocol']} | concurrency {args.concurrency} | {summary['requests']} requests, "
-                      f"{summary['errors']} errors in {summary['wall_seconds']:.1f}s\n"
-                      f"throughput {summary['tokens_per_second']:.1f} tok/s ({summary['output_tokens']} tokens), "
-                      f"{summary['per_request_tokens_per_second']:.1f} tok/s per request\n"
-                      f"TTFT mean {t['mean']:.0f} ms, p50 {t['p50']:.0f}, p95 {t['p95']:.0f} | "
-                      f"latency mean {lat['mean']:.0f} ms, p50 {lat['p50']:.0f}, p95 {lat['p95']:.0f} | "
-                      f"tau {summary['tau']:.2f}, acceptance {summary['acceptance_rate']:.2f}")
-                for e in summary["first_errors"]:
-                    print(f"error: {e}", file=sys.stderr)
-            return 1 if summary["errors"] else 0
-        on_text = None if args.json else (lambda s: print(s, end="", flush=True))
-        if args.http:
-            r = http_generate(url, args.prompt, args.max_tokens, stream, args.model, on_text, args.timeout, **options)
-        else:
-            r = grpc_generate(url, args.prompt, args.max_tokens, stream, args.model, on_text, args.timeout, **options)
-        if args.json:
-            print(json.dumps({k: v for k, v in asdict(r).items() if k != "chunks"} | {"chunks": len(r.chunks)}))
-        else:
-            how = ("HTTP " if args.http else "gRPC ") + ("stream" if stream else "no-stream")
-            print(f"\n\n{_stats_line(r, how)}", file=sys.stderr)
-        return 0
-    except RequestFailed as e:
-        print(f"spectrt client: the server refused the request: {e}", file=sys.stderr)
-        return 1
-    except TimeoutError as e:  # a deadline (the request's or the run's), not an unreachable server
-        print(f"spectrt client: {e}", file=sys.stderr)
-        return 2
-    except (ConnectionError, urllib.error.URLError, OSError) as e:
-        print(f"spectrt client: cannot reach the server at {url}: {e} (is `spectrt serve` running?)", file=sys.stderr)
-        return 2
-    except Exception as e:  # tritonclient raises InferenceServerException for an unreachable server
-        if type(e).__name__ == "InferenceServerException":
-            print(f"spectrt client: {url}: {e} (is `spectrt serve` running?)", file=sys.stderr)
-            return 2
-        raise
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectrt client", description=cmd_client.__doc__)
-    add_client_args(parser)
-    sys.exit(cmd_client(parser.parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

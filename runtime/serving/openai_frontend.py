@@ -20,13 +20,12 @@ from the same deltas); the rules that map bodies to model inputs and responses t
   0.53 ms per token and 4 ms to the first one (scripts/openai_overhead.py served); see README.
 
 `spectrt serve --openai-port P` starts this process next to tritonserver under the same supervisor; it can also run
-alone against any spectrt deployment: `python -m spectrt.runtime.serving.openai_frontend --grpc-url HOST:8001
---tokenizer DIR --port 9000`.
+alone against any spectrt deployment: `python -m spectrt.cli.openai_frontend --grpc-url HOST:8001 --tokenizer DIR
+--port 9000`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
@@ -34,8 +33,6 @@ import ipaddress
 import json
 import logging
 import math
-import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -417,44 +414,19 @@ def _error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status, headers=headers)
 
 
-# --------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m spectrt.runtime.serving.openai_frontend", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton's gRPC endpoint")
-    p.add_argument("--model", default="spectrt", help="the served model's name (Triton's, and the API's `model`)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="the target's tokenizer dir (chat template); without it only /v1/completions works")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds (then 504)")
-    p.add_argument("--drain-seconds", type=float, default=5.0,
-                   help="at SIGTERM/SIGINT open answers get this long to finish; one still open then ends with a 503 "
-                        "error (a stream: an error event and [DONE])")
-    p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on every route but /health (default: $SPECTRT_API_KEY; "
-                        "a flag's value is visible in the process list, the variable or --api-key-file is not)")
-    p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
-    args = p.parse_args(argv)
+def run(grpc_url: str, model: str, tokenizer: Path | None, host: str, port: int, timeout: float,
+        drain_seconds: float, api_key: str | None) -> None:
+    """Serve the OpenAI API until SIGTERM/SIGINT (`python -m spectrt.cli.openai_frontend` parses the flags)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    template = ChatTemplate(args.tokenizer) if args.tokenizer else None
-    api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
+    template = ChatTemplate(tokenizer) if tokenizer else None
 
     async def make_app() -> web.Application:  # the gRPC aio channel belongs to the server's event loop
-        return Frontend(Triton(args.grpc_url, args.model), template, args.model, args.timeout, args.host,
-                        api_key or None, args.drain_seconds).app()
+        return Frontend(Triton(grpc_url, model), template, model, timeout, host, api_key or None,
+                        drain_seconds).app()
 
-    LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", args.host, args.port, args.grpc_url,
-             args.model)
+    LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", host, port, grpc_url, model)
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request;
     # shutdown_timeout: what is left after Frontend.drain (on_shutdown) ended every open answer
-    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=1.0,
+    web.run_app(make_app(), host=host, port=port, handler_cancellation=True, shutdown_timeout=1.0,
                 print=None, access_log=logging.getLogger("spectrt.openai.access"),
                 access_log_format='%a "%r" %s %b %Tf')
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,8 @@ writes into, or deletes, a directory it did not create), starts the server on 12
     <run dir>/backends/python/  libtriton_python.so, triton_python_backend_utils.py and the stub built for
                                 this interpreter's Python version (symlinks into the wheel)
     <run dir>/server.log        the server's stdout and stderr
-    <run dir>/openai.log        the OpenAI frontend's log (with `openai_port`: runtime/serving/openai_frontend.py)
+    <run dir>/openai.log        the OpenAI frontend's log (with `openai_port`: runtime/serving/openai_frontend.py,
+                                started as `python -m spectrt.cli.openai_frontend`)
     <run dir>/admin-key         the key of the restricted admin APIs (model repository, shared memory, trace,
                                 logging): HTTP header ADMIN_HEADER, gRPC metadata GRPC_ADMIN_HEADER
 
@@ -28,7 +29,6 @@ hook stops any server still running when Python exits.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import importlib.util
@@ -39,7 +39,6 @@ import re
 import secrets
 import select
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -291,7 +290,7 @@ class TritonServer:
         """The OpenAI frontend, against this server's gRPC port (loopback when Triton listens on every address)."""
         grpc_host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         tokenizer = self.tokenizer or tokenizer_dir(self.params)
-        return [sys.executable, "-m", "spectrt.runtime.serving.openai_frontend",
+        return [sys.executable, "-m", "spectrt.cli.openai_frontend",
                 f"--grpc-url={grpc_host}:{self.grpc_port}",
                 f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
                 f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}",
@@ -462,166 +461,30 @@ def host_warning(host: str) -> str | None:
             "list. Use it on a trusted network only; deploy triton_repo/ on a current Triton release instead.")
 
 
-# --------------------------------------------------------------------------- command line
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `spectrt serve` (cli.py; `python -m spectrt.runtime.serving.serve` uses them too)."""
-    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="draft checkpoint dir, or 'none' for the target alone "
-                                   "(default: the target's distilled draft in --artifacts)")
-    p.add_argument("--engines", type=Path, default=None,
-                   help="engines/<name> dir from `spectrt engines` (replaces --target/--draft; see --backend)")
-    p.add_argument("--artifacts", type=Path, default=None, help="where converted models live (default: artifacts)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32")
-    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
-                   help="onnxruntime/tensorrt run the graphs/plans of --engines; torch runs checkpoints")
-    p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="context per KV slot (prompt + output)")
-    p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="prefill every prompt in full (default: reuse the KV of cached prompt prefixes, exact)")
-    p.add_argument("--instances", type=int, default=1,
-                   help="model instances, each a full model copy batching up to max_active requests (config.pbtxt)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: cores / instances)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL, help="name the model is served under")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--openai-port", type=int, default=None,
-                   help="also serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on this port "
-                        "(0: a free one), a frontend over Triton's gRPC stream run with the server")
-    p.add_argument("--openai-host", default=None, help="address of the OpenAI endpoint (default: --host)")
-    p.add_argument("--openai-timeout", type=float, default=600.0,
-                   help="deadline of one OpenAI request, seconds (then 504 and the request is cancelled)")
-    p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
-                   help="the OpenAI endpoint requires `Authorization: Bearer KEY` on every route but /health "
-                        "(default: $SPECTRT_API_KEY, which keeps it out of the process list)")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
-                        "directory (nothing else in it is touched; default: a temporary directory, removed at stop)")
-    p.add_argument("--admin-key", default=os.environ.get("SPECTRT_ADMIN_KEY"),
-                   help=f"value of the '{ADMIN_HEADER}' header/metadata that Triton's {', '.join(RESTRICTED_APIS)} "
-                        "APIs require (default: $SPECTRT_ADMIN_KEY, else random, in <run dir>/admin-key)")
-    p.add_argument("--log", action="store_true", help="server log to the terminal instead of <run dir>/server.log")
-    p.add_argument("--log-verbose", type=int, default=0, help="Triton verbose level (1: one line per request)")
-
-
-def model_params(args: argparse.Namespace) -> dict[str, object]:
-    """Resolve the CLI's model flags into the model's config.pbtxt parameters (absolute paths)."""
-    params: dict[str, object] = {"backend": args.backend, "dtype": args.dtype, "max_seq_len": args.max_seq_len,
-                                 "max_tokens_limit": args.max_tokens_limit, "threads": args.threads,
-                                 "prefix_cache": str(args.prefix_cache).lower()}
-    if args.tree:
-        params["tree"] = args.tree
-    if args.engines:
-        engines = Path(args.engines).resolve()
+def model_params(*, backend: str = "torch", dtype: str = "auto", max_seq_len: int = 2048,
+                 max_tokens_limit: int = 1024, threads: int = 0, prefix_cache: bool = True, tree: str | None = None,
+                 engines: Path | None = None, target: str | None = None, draft: str | None = None,
+                 artifacts: Path | None = None) -> dict[str, object]:
+    """The model's config.pbtxt parameters (absolute paths) from `spectrt serve`'s model choices."""
+    params: dict[str, object] = {"backend": backend, "dtype": dtype, "max_seq_len": max_seq_len,
+                                 "max_tokens_limit": max_tokens_limit, "threads": threads,
+                                 "prefix_cache": str(prefix_cache).lower()}
+    if tree:
+        params["tree"] = tree
+    if engines:
+        engines = Path(engines).resolve()
         if not (engines / "manifest.json").is_file():
             raise ServeError(f"{engines} has no manifest.json: build it with `spectrt engines` (make engines)")
         params.update(engine_dir=engines, target_dir="", draft_dir="")
         return params
-    if args.backend != "torch":
-        raise ServeError(f"--backend {args.backend} runs built engines: pass --engines engines/<name>")
+    if backend != "torch":
+        raise ServeError(f"--backend {backend} runs built engines: pass --engines engines/<name>")
     from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
 
     try:
-        target, draft = resolve_models(args.target, args.draft, args.artifacts or DEFAULT_ARTIFACTS)
+        target_dir, draft_dir = resolve_models(target, draft, artifacts or DEFAULT_ARTIFACTS)
     except CheckpointError as e:
         raise ServeError(str(e)) from None
-    params.update(target_dir=target.resolve(), draft_dir=draft.resolve() if draft else "none", engine_dir="")
+    params.update(target_dir=target_dir.resolve(), draft_dir=draft_dir.resolve() if draft_dir else "none",
+                  engine_dir="")
     return params
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    """`spectrt serve`: start the real tritonserver, wait for readiness, print the endpoints, stop on Ctrl-C.
-
-    SIGINT, SIGTERM and SIGHUP (a closed terminal) stop it; signals during the stop are ignored, so the cleanup
-    always finishes, and if this process is killed outright its supervisor stops the server and cleans up.
-    """
-    try:
-        server = TritonServer(model_params(args), instances=args.instances, served_name=args.model_name,
-                              host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-                              metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
-                              console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
-                              openai_port=args.openai_port, openai_host=args.openai_host,
-                              openai_timeout=args.openai_timeout, api_key=args.api_key)
-    except ServeError as e:
-        print(f"spectrt serve: error: {e}", file=sys.stderr)
-        return 2
-    from spectrt.runtime.engines.engine import fallback_notice
-
-    if notice := fallback_notice(args.backend):  # the instances load in this environment (SPECTRT_NATIVE included)
-        print(notice, file=sys.stderr)
-    hosts = {args.host} | ({server.openai_host} if args.openai_port is not None else set())
-    for host in sorted(hosts):
-        if warning := host_warning(host):
-            print(f"spectrt serve: warning: {warning}", file=sys.stderr)
-
-    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGINT too: a background job of a non-interactive
-    # shell starts with SIGINT ignored
-
-    def _stopping(*_):
-        _say("spectrt serve: already stopping (the cleanup finishes first)")
-
-    def _terminate(*_):
-        for sig in signals:  # from the first signal on, later ones cannot interrupt the stop
-            signal.signal(sig, _stopping)
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, _terminate) for sig in signals}
-    try:
-        _say(f"starting tritonserver (model {args.model_name}, {args.instances} instance(s)) ...", sys.stdout)
-        try:
-            server.start()
-        except (ServeError, TimeoutError) as e:
-            _say(f"spectrt serve: error: {e}")
-            return 2
-        ends = server.endpoints()
-        _say(json.dumps({**ends, "pid": server.pid, "supervisor_pid": server.supervisor.pid,
-                         **({"openai_pid": server.openai_pid} if server.openai_pid else {}),
-                         "run_dir": str(server.run_dir), "shm_prefix": server.shm_prefix,
-                         "admin_header": {"http": ADMIN_HEADER, "grpc": GRPC_ADMIN_HEADER},
-                         "admin_key_file": str(server.run_dir / "admin-key")},
-                        indent=2), sys.stdout)
-        openai = f" | OpenAI {ends['openai']}" if "openai" in ends else ""
-        _say(f"ready: gRPC {ends['grpc']} | HTTP {ends['http']} | metrics {ends['metrics']}{openai}  (Ctrl-C stops)",
-             sys.stdout)
-        while server.poll() is None:
-            time.sleep(0.5)
-        _say(f"tritonserver exited with code {server.poll()}\n{server.log_tail()}")
-        return 1
-    except KeyboardInterrupt:
-        _say("\nstopping tritonserver ...")
-        return 0
-    finally:
-        for sig in signals:
-            signal.signal(sig, _stopping)
-        code = server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if code is not None:
-            _say(f"tritonserver stopped (exit code {code})")
-
-
-def _say(message: str, stream=None) -> None:
-    """Print, unless the terminal is gone (SIGHUP): stopping must not fail on a closed stdout/stderr."""
-    with contextlib.suppress(OSError, ValueError):
-        print(message, file=stream or sys.stderr, flush=True)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="spectrt serve", description=cmd_serve.__doc__)
-    add_serve_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        sys.exit(cmd_serve(args))
-    except (ServeError, ValueError, FileNotFoundError, TimeoutError) as e:
-        print(f"spectrt serve: error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()

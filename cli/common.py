@@ -1,0 +1,56 @@
+"""What several subcommands share: the model flags, the sampling flags, and reading them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
+
+
+def positive(value: str) -> int:
+    if not value.lstrip("-").isdigit() or int(value) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def model_dirs(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(target, draft) checkpoint or engine dirs for the chosen backend; draft None for --no-spec."""
+    if args.engines:
+        from spectrt.build.engines import engine_models
+
+        target, draft = engine_models(args.engines, args.backend)
+        return target, None if getattr(args, "no_spec", False) else draft
+    if args.backend != "torch":
+        raise CheckpointError(f"--backend {args.backend} runs built engines: pass --engines engines/<name> "
+                              "(make engines)")
+    return resolve_models(args.target, "none" if getattr(args, "no_spec", False) else args.draft, args.artifacts)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts); "
+                   "none: draft-less speculation with suffix candidates")
+    p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32")
+    p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
+    p.add_argument("--engines", type=Path, help="engines dir from `spectrt engines` (onnxruntime/tensorrt)")
+    p.add_argument("--max-seq-len", type=positive, default=2048)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = disabled")
+    p.add_argument("--seed", type=int, default=None, help="same seed + same engine -> same output")
+    p.add_argument("--children", default="sample", choices=["sample", "topk"],
+                   help="with sampling: draft children drawn without replacement, or the draft's top-k")
+
+
+def sampling(args: argparse.Namespace):
+    from spectrt.runtime.decoding.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+
+

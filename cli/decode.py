@@ -1,0 +1,131 @@
+"""`spectrt generate | bench | profile | tune`: decoding with the one loop, its benchmarks, cost curve and policy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, resolve_models
+from spectrt.cli.common import add_model_args, add_sampling_args, model_dirs, positive, sampling
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.engines.engine import fallback_notice
+
+    params = sampling(args)  # validate before loading models
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty: pass some text with --prompt")
+    target, draft = model_dirs(args)
+    if notice := fallback_notice(args.backend):
+        print(notice, file=sys.stderr)
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
+    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+    gen = pipe.generate(args.prompt, args.max_new_tokens, None if args.no_spec else args.tree,
+                        chat=not args.raw, on_text=on_text, params=params, children=args.children)
+    if args.json:
+        print(json.dumps(gen.as_dict()))
+        return 0
+    s = gen.stats
+    p = pipe.policy
+    mode = "autoregressive" if args.no_spec else f"tree {args.tree_spec}" if args.tree_spec != "auto" else (
+        f"policy budget {p.budget} depth {p.depth if p.draft and draft else 0} width {p.width}"
+        f"{' + suffix' if p.suffix else ''}")
+    print(f"\n\n[{mode}] {s.new_tokens} tokens in {s.decode_seconds:.2f}s = {s.tokens_per_second:.1f} tok/s decode "
+          f"(prefill {s.prompt_tokens} tokens {s.prefill_seconds:.2f}s) | "
+          f"tau {s.tau:.2f} | target passes {s.target_passes} | draft passes {s.draft_passes} | "
+          f"finish {gen.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from spectrt.runtime.decoding.bench import run_bench, run_multi_turn
+
+    target, draft = model_dirs(args)
+    (run_multi_turn if args.multi_turn else run_bench)(target, draft, args)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from spectrt.runtime.decoding.profile import run_profile
+
+    target, draft = resolve_models(args.target, "none" if args.no_draft else args.draft, args.artifacts)
+    run_profile(target, draft, args.dtype, args.artifacts, args.out, args.repeats)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tune import run_tune
+
+    target, draft = model_dirs(args)
+    if args.prompts:
+        from spectrt.runtime.decoding.bench import read_prompts as read_lines
+
+        prompts = read_lines(args.prompts)
+    else:
+        prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1]
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
+    pipe.generate(prompts[0], 8, None)  # warm-up: kernel choice
+    report = run_tune(pipe, target, draft, args.dtype, args.artifacts, prompts[:args.limit], args.max_new_tokens,
+                      args.depth, args.width)
+    p = report["policy"]
+    print(f"{report['path']}: budget {p['budget']}, depth {p['depth']}, width {p['width']}, draft {p['draft']}, "
+          f"suffix {p['suffix']}; expected {report['expected_tokens_per_second']:.1f} tok/s vs AR "
+          f"{report['ar_tokens_per_second']:.1f} (costs: {report['cost_source']})")
+    return 0
+
+
+
+def add_parsers(sub) -> None:
+    g = sub.add_parser("generate", help="generate text with tree speculative decoding")
+    add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--tree", dest="tree_spec", default=None,
+                   help="a static tree: expansion per depth, e.g. 3,2,2,1,1; none: the target alone (default: auto, "
+                        "dynamic trees under the policy from `spectrt tune`)")
+    g.add_argument("--max-new-tokens", type=positive, default=128)
+    g.add_argument("--no-spec", action="store_true", help="run the target alone (autoregressive baseline)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, stats)")
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="AR vs chain vs tree on a prompt set; writes bench/results")
+    add_model_args(b)
+    b.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
+    b.add_argument("--trees", default=None, help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
+    b.add_argument("--max-new-tokens", type=positive, default=128)
+    b.add_argument("--limit", type=positive, help="use only the first N prompts")
+    b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
+    b.add_argument("--out", type=Path, default=Path("bench/results"))
+    b.add_argument("--multi-turn", action="store_true",
+                   help="chat conversations with and without the prefix cache: time to first token by turn, "
+                   "throughput at --concurrency (--prompts: one user turn a line, a blank line between conversations; "
+                   "default bench/prompts_multiturn.txt)")
+    b.add_argument("--concurrency", type=positive, default=8, help="--multi-turn: conversations decoded together")
+    b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="this machine's cost curve (ms per forward vs tree size) -> cost profile")
+    pr.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    pr.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft)")
+    pr.add_argument("--no-draft", action="store_true", help="profile the target only")
+    pr.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where the cost profile is saved")
+    pr.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="auto: bf16 on the native CPU forward, else fp32")
+    pr.add_argument("--repeats", type=positive, default=15, help="timed forwards per shape (median reported)")
+    pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
+    pr.set_defaults(func=cmd_profile)
+
+    t = sub.add_parser("tune", help="pick the speculation policy from this machine's costs and measured acceptance")
+    add_model_args(t)
+    t.add_argument("--prompts", type=Path, help="one prompt per line (default: build/prompts/heldout.txt)")
+    t.add_argument("--limit", type=positive, default=8, help="prompts used")
+    t.add_argument("--max-new-tokens", type=positive, default=64)
+    t.add_argument("--depth", type=positive, default=4, help="deepest draft level considered")
+    t.add_argument("--width", type=positive, default=3, help="widest draft expansion considered")
+    t.set_defaults(func=cmd_tune)
+

@@ -1,0 +1,212 @@
+"""`spectrt draft | quantize | compare | engines`: the offline work (drafts, INT8 targets, engine plans)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
+from spectrt.build.distill import DistillConfig
+from spectrt.cli.common import add_model_args, model_dirs, positive
+
+
+def cmd_draft(args: argparse.Namespace) -> int:
+    from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+    from spectrt.build.draft import install_shipped, make_draft
+    from spectrt.runtime.decoding.bench import draft_runtime_report
+
+    target = resolve_target(args.target, args.artifacts)
+    default = default_draft(target, args.artifacts)
+    out = Path(args.out) if args.out else (default if args.kind == "slice" else
+                                           default.with_name(default.name.removesuffix("-draft") + "-eagle3"))
+    report_path = out / "draft_report.json"
+    if (out / "config.json").is_file() and report_path.is_file() and not args.force:
+        print(f"reusing the draft in {out} (--force rebuilds it)")
+        return 0
+    if not args.train and args.out is None:  # the draft trained once at scale for this very target, if shipped
+        try:
+            installed = install_shipped(target, default)
+        except ValueError as e:
+            print(f"{e}; training one here instead", file=sys.stderr)
+            installed = None
+        if installed is not None:
+            held = json.loads((installed / "draft_report.json").read_text())["heldout"]["distilled"]
+            print(f"installed the shipped draft in {installed} (held-out top-1 {held['top1']:.1%}; "
+                  "--train makes one here instead)")
+            return 0
+    make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
+               vocab_subset=args.vocab_subset)
+    if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
+        return _report_head(target, out, report_path)
+    # what the draft buys at run time, measured on held-out prompts with the default tree
+    prompts = [conv[0]["content"] for conv in read_prompts(HELDOUT_PROMPTS) if len(conv) == 1][:8]
+    report = json.loads(report_path.read_text())
+    report["runtime"] = draft_runtime_report(target, out, prompts, max_new_tokens=64)
+    report_path.write_text(json.dumps(report, indent=2))
+    r, held, split = report["runtime"], report["heldout"]["distilled"], report["budget_split_s"]
+    print(f"{out}: held-out top-1 {held['top1']:.1%} / top-3 {held['top3']:.1%}, tau {r['tau']:.2f} with tree "
+          f"{r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, draft step {r['draft_to_target_step_cost']:.0%} of a "
+          f"target step; budget: {split['training_data']:.0f} s target answers, {split['training']:.0f} s training")
+    return 0
+
+
+def _report_head(target: Path, out: Path, report_path: Path) -> int:
+    """An EAGLE-3 head's draft step against a target step (both at context 128, this machine, as served)."""
+    from spectrt.runtime.decoding.bench import step_cost_ms
+    from spectrt.runtime.engines.eagle3 import Eagle3Head, head_step_ms
+    from spectrt.runtime.engines.engine import DTYPES, draft_dtype, load_engine
+
+    engine = load_engine(target)
+    head = Eagle3Head.load(out, engine, DTYPES[draft_dtype("torch", "fp32")])
+    head_ms, target_ms = head_step_ms(head), step_cost_ms(engine)
+    report = json.loads(report_path.read_text())
+    report["runtime"] = {"target_step_ms": target_ms, "draft_step_ms": head_ms["level"],
+                         "catch_up_ms": head_ms["catch_up"], "draft_to_target_step_cost": head_ms["level"] / target_ms}
+    report_path.write_text(json.dumps(report, indent=2))
+    held, split = report["heldout"]["distilled"], report["budget_split_s"]
+    print(f"{out}: held-out top-1 {held['top1']:.1%} / top-3 {held['top3']:.1%} (by draft depth "
+          f"{', '.join(f'{x:.1%}' for x in held['top1_by_step'])}), draft step {head_ms['level']:.2f} ms = "
+          f"{head_ms['level'] / target_ms:.1%} of a target step; budget: {split['teacher_forcing']:.0f} s teacher "
+          f"forcing, {split['training']:.0f} s training")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from spectrt.quant.quantize import quantize_target
+
+    target = resolve_target(args.target, args.artifacts)
+    if args.search:
+        from spectrt.quant.search import search_recipes
+
+        search_recipes(target, out=args.search_out, calib_prompts=args.calib_prompts, samples=args.calib_samples,
+                       force=args.force)
+        return 0
+    quantize_target(target, args.out, args.qformat, args.calib_prompts, args.calib_samples, force=args.force)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from spectrt.quant.compare import run_compare
+    from spectrt.quant.quantize import default_output
+    from spectrt.runtime.decoding.bench import PROMPT_SETS, read_prompts
+
+    if args.backend != "torch" or args.engines:
+        raise ValueError("compare runs every precision (fp32, bf16, INT8) on the CPU engines in one run: drop "
+                         "--backend/--engines (the TensorRT plans are compared by scripts/gpu_check.sh)")
+    target, draft = model_dirs(args)
+    models = {"fp32": (target, "fp32"), "bf16": (target, "bf16")}
+    for qformat in dict.fromkeys((args.qformat, args.weight_only)):
+        path = default_output(target, qformat)
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"INT8 target {path} does not exist: run `spectrt quantize --qformat {qformat}` "
+                                  f"(make quantize QFORMAT={qformat}) first")
+        models[qformat] = (path, "fp32")
+    sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
+    prompt_sets = {name: read_prompts(path)[:args.limit] for name, path in sets.items()}
+    run_compare(target, draft, models, prompt_sets, args.max_new_tokens, args.out, args.batch, args.max_seq_len,
+                artifacts=args.artifacts)
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    from spectrt.build.engines import ROLES, EngineBuildError, engine_sources, make_engines
+
+    target, draft = engine_sources(args.target, args.draft, args.artifacts)
+    int8 = {}
+    for item in args.int8_graph:
+        role, _, path = item.partition("=")
+        if role not in ROLES or not path:
+            raise EngineBuildError(f"--int8-graph {item!r}: expected target=PATH or draft=PATH")
+        int8[role] = Path(path)
+    archs = [a.strip().lower() for a in args.arch.split(",") if a.strip()] if args.arch else None
+    out = make_engines(target, draft, args.out, args.precision, archs, args.max_seq_len, args.max_tree_tokens,
+                       plans=not args.no_plans, module=args.trt_module, force=args.force, int8_graphs=int8,
+                       qformat=args.qformat, max_batch=args.max_batch)
+    print(out)
+    return 0
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from spectrt.build.compile import RTX_ARCHS
+    from spectrt.build.engines import DEFAULT_MAX_BATCH, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TREE_TOKENS, PRECISIONS
+    from spectrt.runtime.engines.int8 import QFORMATS
+
+    p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
+    p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
+    p.add_argument("--out", type=Path, help="engines directory (default: engines/<target>-<precision>)")
+    p.add_argument("--precision", default="fp16", choices=PRECISIONS, help="TensorRT plan precision")
+    p.add_argument("--arch", default=None,
+                   help=f"compute capabilities for TensorRT-RTX plans, e.g. sm80,sm86 (default: {','.join(RTX_ARCHS)})")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN)
+    p.add_argument("--max-tree-tokens", type=int, default=DEFAULT_MAX_TREE_TOKENS)
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="requests per batched forward the TensorRT plans take (the server's max_active)")
+    p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
+    p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
+                   help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
+    p.add_argument("--qformat", default="int8_sq", choices=QFORMATS,
+                   help="with --precision int8: which `spectrt quantize` checkpoint of the target to compile")
+    p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
+                   help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")
+    p.add_argument("--force", action="store_true", help="rebuild everything")
+
+
+def add_parsers(sub) -> None:
+    d = sub.add_parser("draft", help="train a draft on the target's own answers: a slice of the target or an "
+                       "EAGLE-3 feature head")
+    d.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    d.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
+    d.add_argument("--kind", choices=("slice", "eagle3"), default="slice",
+                   help="slice: the target's first --layers layers, distilled; eagle3: a one-layer head fed with the "
+                   "target's low/mid/high features (SpecForge's checkpoint layout), default out <target>-eagle3")
+    d.add_argument("--layers", type=int, default=4, help="slice: layers kept")
+    d.add_argument("--budget-minutes", type=float, default=10.0,
+                   help="wall clock for data and training (2 cores, the embedded target's shipped answers: a head "
+                        "reaches ~35%% held-out top-1 in 10 minutes and 45%% in 50; the shipped draft's learning "
+                        "curve is in build/drafts/<target>/draft_report.json)")
+    d.add_argument("--vocab-subset", type=int, default=DistillConfig.vocab_subset,
+                   help="draft head over the K most frequent ids of the target's answers (0: full vocabulary)")
+    d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
+    d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
+    d.add_argument("--train", action="store_true",
+                   help="train a draft here even where the package ships one for this target")
+    d.set_defaults(func=cmd_draft)
+
+    from spectrt.quant.quantize import CALIBRATION_PROMPTS, DEFAULT_SAMPLES
+    from spectrt.quant.recipes import DEFAULT_QFORMAT, RECIPES
+
+    q = sub.add_parser("quantize", help="calibrate + quantize the target to INT8 with ModelOpt (+ accuracy gates)")
+    q.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
+    q.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
+    q.add_argument("--qformat", default=DEFAULT_QFORMAT,
+                   help=f"the recipe (quant/recipes.py): {', '.join(RECIPES)}; default {DEFAULT_QFORMAT}")
+    q.add_argument("--calib-prompts", type=Path, default=CALIBRATION_PROMPTS,
+                   help="calibration prompts, one per line; must not overlap the evaluation prompts")
+    q.add_argument("--calib-samples", type=int, default=DEFAULT_SAMPLES, help="calibration conversations to use")
+    q.add_argument("--out", type=Path, help="output dir (default: <target>-<qformat> next to the target)")
+    q.add_argument("--force", action="store_true", help="re-quantize even if an up-to-date result exists")
+    q.add_argument("--search", action="store_true", help="quantize with every recipe and measure each on the same "
+                   "held-out positions -> which pass the gate, which is fastest (written to --search-out)")
+    q.add_argument("--search-out", type=Path, default=Path("bench/results/compare"))
+    q.set_defaults(func=cmd_quantize)
+
+    cmp = sub.add_parser("compare", help="fp32 vs bf16 vs INT8 W8A8 vs INT8 weight-only targets, each alone and with "
+                         "the default speculation, single and batched, in one interleaved run")
+    add_model_args(cmp)
+    cmp.add_argument("--qformat", default=DEFAULT_QFORMAT, help="the INT8 W8A8 recipe (`spectrt quantize` output)")
+    cmp.add_argument("--weight-only", default="int8_wo", help="the INT8 weight-only recipe compared")
+    cmp.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt and "
+                     "bench/prompts_repetitive.txt)")
+    cmp.add_argument("--limit", type=positive, help="use only the first N prompts of each set")
+    cmp.add_argument("--max-new-tokens", type=positive, default=128)
+    cmp.add_argument("--batch", type=positive, default=8, help="requests of the batched runs (1 and N concurrent)")
+    cmp.add_argument("--out", type=Path, default=Path("bench/results/compare"))
+    cmp.set_defaults(func=cmd_compare)
+
+    e = sub.add_parser("engines", help="tree-verify ONNX graphs + TensorRT plans -> engines/<name>/")
+    _add_engine_args(e)
+    e.set_defaults(func=cmd_engines)
+

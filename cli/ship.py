@@ -1,0 +1,70 @@
+"""`python -m spectrt.cli.ship prompts | answers | draft`: remake what the package ships for the embedded target.
+
+`make ship-draft` runs the three in order: the self-synthesized prompts (build/synth.py), the target's answers to
+them (build/corpus.py; resumable, each call adds to the shipped file) and the trained draft (build/draft.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from spectrt.build.corpus import DISTILL_PROMPTS, SYNTH_PROMPTS
+    from spectrt.build.distill import DistillConfig
+
+    p = argparse.ArgumentParser(prog="python -m spectrt.cli.ship", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("prompts", help="self-synthesize user prompts with the target (Magpie)")
+    s.add_argument("--count", type=int, default=4000, help="single-turn prompts")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, default=SYNTH_PROMPTS)
+    a = sub.add_parser("answers", help="generate the target's answers to the held-out and training prompts for a "
+                       "while and write every answer made so far as shipped package data (run it again to add more)")
+    a.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
+    a.add_argument("--out", type=Path, help="output stem (default: build/answers/<target name>)")
+    a.add_argument("--minutes", type=float, default=8.0, help="generation time for this call")
+    a.add_argument("--rounds", type=int, default=DistillConfig.samples_per_prompt,
+                   help="sampled answers per training prompt")
+    a.add_argument("--prompts", type=Path, nargs="+", default=[DISTILL_PROMPTS, SYNTH_PROMPTS],
+                   help="training prompt files")
+    d = sub.add_parser("draft", help="write a trained draft as the package's shipped draft for its target")
+    d.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
+    d.add_argument("--command", default="make ship-draft", help="the command that remade it (recorded)")
+    for q in (s, a, d):
+        q.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from spectrt.build.checkpoint import resolve_target
+
+    args = build_parser().parse_args(argv)
+    target = resolve_target(args.target)
+    if args.what == "prompts":
+        from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+        from spectrt.build.synth import synthesize, write_prompts
+
+        convs = synthesize(target, args.count, args.seed, exclude=read_prompts(HELDOUT_PROMPTS))
+        write_prompts(args.out, convs, f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed "
+                      f"{args.seed}:\npython -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed} "
+                      "(build/synth.py)")
+        print(f"wrote {len(convs)} prompts to {args.out}")
+    elif args.what == "answers":
+        from spectrt.build.corpus import ship_answers
+
+        out = ship_answers(target, args.work_dir, args.out, args.minutes, args.rounds, args.prompts)
+        print(f"wrote {out}.json and {out}.tokens.xz")
+    else:
+        from spectrt.build.draft import DRAFTS_DIR, SHIPPED_FILES, ship_draft
+
+        out = ship_draft(args.draft, target, DRAFTS_DIR / Path(target).name, args.command)
+        size = sum((out / n).stat().st_size for n in SHIPPED_FILES) / 2**20
+        print(f"shipped {args.draft} as {out} ({size:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
