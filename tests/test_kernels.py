@@ -17,6 +17,24 @@ from spectrt.runtime.engines.model import Transformer
 ISAS = kernels.runnable_isas()  # every build this CPU can execute, best first: the tests below run on each
 
 
+def test_processes_with_different_paths_share_one_build():
+    """A tritonserver stub finds the environment's ninja first on PATH, a test or CLI process may find the system's:
+    each used to read the other's build log as stale and recompile (1-2 minutes a switch). Now a load from either
+    PATH compiles nothing once the build exists: the build log gains no line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kernels.load_kernels()  # the build exists
+    log = kernels.build_dir(kernels.native_isa()) / ".ninja_log"
+    before = log.read_text()
+    load = "from spectrt.runtime.engines.kernels import load_kernels; assert load_kernels() is not None"
+    for path in ("/usr/bin:/bin", f"{Path(sys.executable).parent}:/usr/bin:/bin"):
+        subprocess.run([sys.executable, "-c", load], check=True, env={**os.environ, "PATH": path}, timeout=600)
+    assert log.read_text() == before, "a process with another PATH rebuilt the kernels"
+
+
 def test_native_kernels_build_here():
     """The fast path is really the one under test, never silently the fallback: on any x86-64 with AVX2+FMA a
     SIMD build (avx512 or avx2) is picked, the best this CPU has; elsewhere the portable one."""

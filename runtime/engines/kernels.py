@@ -34,6 +34,7 @@ AMX_K = 32  # k per AMX tile step (KB in cpu_kernels.cpp): AMX-packed weights pa
 ISAS = ("avx512", "avx2", "portable")  # best first
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _failures: dict[str, str] = {}
+_build_dirs: dict[str, Path] = {}
 
 
 @cache
@@ -88,11 +89,13 @@ def _build(isa: str):
     texts = {p.name: p.read_text() for p in (SOURCE, HEADER)}
     cflags = CFLAGS + flags
     # torch's own location is in the key: the build reads its headers by path, so two environments sharing one cache
-    # directory (a checkout's and a worktree's .venv) would otherwise rebuild it in turn, a minute each time
+    # directory (a checkout's and a worktree's .venv) would otherwise rebuild it in turn, a minute each time; and
+    # the ninja that builds it, for the same reason (two ninja versions read each other's build log as stale)
     key = hashlib.sha256("\0".join([*texts.values(), " ".join(cflags), torch.__version__,
-                                     str(Path(torch.__file__).parent)]).encode()).hexdigest()[:16]
+                                     str(Path(torch.__file__).parent), _ninja_dir()]).encode()).hexdigest()[:16]
     build_dir = Path(os.environ.get("SPECTRT_CACHE", Path.home() / ".cache" / "spectrt")) / f"kernels-{isa}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    _build_dirs[isa] = build_dir
     # Compiled from a copy in the cache: the build depends on the sources' content only, not on where the package
     # lives (ninja rebuilds when a source path changes, so a checkout and a wheel install would rebuild in turn).
     for name, text in texts.items():
@@ -101,14 +104,35 @@ def _build(isa: str):
             partial = build_dir / f".{name}.{os.getpid()}"
             partial.write_text(text)
             partial.replace(copy)
+    path = os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
+        # One ninja for every process. torch runs the first `ninja` on PATH: a test or CLI process found the system's
+        # (1.11) and a tritonserver stub the environment's (1.13, its bin/ first on PATH); each read the other's
+        # build log as stale and recompiled, 1-2 minutes at every switch (most of the test suite's time).
+        os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path]) if _ninja_dir() else path
         return load(name=f"spectrt_cpu_{isa}_{key}", sources=[str(build_dir / SOURCE.name)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # a missing compiler or ninja: the reference path still works
         _failures[isa] = f"building the {isa} kernels failed ({type(exc).__name__}: {str(exc).strip()[-300:]})"
         return None
+    finally:
+        os.environ["PATH"] = path
+
+
+def build_dir(isa: str) -> Path | None:
+    """Where the cached build of `isa` lives (None before this process built or loaded it)."""
+    return _build_dirs.get(isa)
+
+
+def _ninja_dir() -> str:
+    """The directory of the `ninja` Python package's binary (a dependency), '' where it is not installed."""
+    try:
+        import ninja
+    except ImportError:
+        return ""
+    return str(ninja.BIN_DIR)
 
 
 def load_kernels():
