@@ -68,12 +68,13 @@ test: setup  ## the test suite (CPU): every tier
 test-fast: setup  ## the unit tier: no model load, no server (tests/conftest.py says what is in it)
 	$(BIN)/python -m pytest -q -m unit --durations=10
 
-bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/ (BACKEND=onnxruntime benchmarks the built engines)
+bench: draft $(TUNED)  ## AR vs chain vs tree -> bench/results/<cpu class>/ + docs/benchmarks.md (BACKEND=onnxruntime benchmarks the built engines)
 ifeq ($(BACKEND),torch)
 	$(BIN)/spectrt bench --trees 1,1,1
 	$(BIN)/spectrt profile --dtype fp32 && $(BIN)/spectrt tune --dtype fp32
 	$(BIN)/spectrt bench --dtype fp32 --trees 1,1,1
 	$(BIN)/spectrt bench --dtype fp32 --temperatures 0.7,1.0 --limit 12 --out bench/results/sampling
+	$(BIN)/python scripts/bench_tables.py  # docs/benchmarks.md's tables from bench/results/<cpu class>/
 else
 	$(MAKE) engines
 	$(BIN)/spectrt bench --engines $(ENGINES) --backend $(BACKEND) --dtype fp32

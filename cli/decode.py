@@ -101,7 +101,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=positive, default=128)
     b.add_argument("--limit", type=positive, help="use only the first N prompts")
     b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
-    b.add_argument("--out", type=Path, default=Path("bench/results"))
+    b.add_argument("--out", type=Path, default=Path("bench/results"),
+                   help="results go to OUT/<cpu class>/ (scripts/bench_tables.py renders them into docs/benchmarks.md)")
     b.add_argument("--multi-turn", action="store_true",
                    help="chat conversations with and without the prefix cache: time to first token by turn, "
                    "throughput at --concurrency (--prompts: one user turn a line, a blank line between conversations; "

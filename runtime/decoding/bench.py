@@ -12,7 +12,11 @@ baseline is the same engine's own autoregressive loop (its fastest kernels inclu
 from __future__ import annotations
 
 import json
+import os
 import platform
+import re
+import shlex
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +63,25 @@ def bench_configs(pipe: Pipeline, trees: str | None, has_draft: bool) -> dict[st
     return configs
 
 
+def machine_record() -> dict:
+    """Where and when a result was measured, and the command that measured it (scripts/bench_tables.py groups
+    results by CPU class: speeds are comparable only within one)."""
+    from spectrt.runtime.engines.kernels import cpu_class, native_isa
+
+    return {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
+            "cpu": {"class": cpu_class(), "cores": os.cpu_count(), "native_isa": native_isa()},
+            "command": shlex.join(["spectrt", *sys.argv[1:]]), "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def results_dir(out: Path) -> Path:
+    """OUT/<cpu class>/: one current result per configuration and CPU class (older ones in git history)."""
+    from spectrt.runtime.engines.kernels import cpu_class
+
+    path = Path(out) / re.sub(r"[^a-z0-9]+", "-", cpu_class().lower()).strip("-")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def run_bench(target: Path, draft: Path | None, args) -> dict:
     sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
     prompt_sets = {name: read_prompts(path)[: args.limit] for name, path in sets.items()}
@@ -80,10 +103,9 @@ def run_bench(target: Path, draft: Path | None, args) -> dict:
         "target": str(target), "draft": str(draft), "dtype": args.dtype, "backend": args.backend,
         "prompt_sets": {name: len(p) for name, p in prompt_sets.items()}, "max_new_tokens": args.max_new_tokens,
         "policy": pipe.policy.to_json(),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": rows,
+        **machine_record(), "results": rows,
     }
-    out = Path(args.out)
+    out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.backend}_{args.dtype}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
@@ -232,8 +254,7 @@ def run_multi_turn(target: Path, draft: Path | None, args) -> dict:
         "target": str(target), "draft": str(draft), "dtype": pipe.dtype, "backend": args.backend,
         "conversations": len(conversations), "turns": [len(c) for c in conversations],
         "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency, "policy": pipe.policy.to_json(),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **machine_record(),
         "ttft_by_turn": {"cached": ttft[True], "uncached": ttft[False],
                          "ratio": [a / b for a, b in zip(ttft[True], ttft[False], strict=True)],
                          "cached_tokens": single[True]["cached"][0]},
@@ -244,8 +265,7 @@ def run_multi_turn(target: Path, draft: Path | None, args) -> dict:
         "answers_equal": single[True]["answers"] == single[False]["answers"]
         and batched[True]["answers"] == batched[False]["answers"],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.out)
     stem = f"multiturn_{args.backend}_{pipe.dtype}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     table = multi_turn_table(report)

@@ -49,6 +49,32 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def _cpuinfo(key: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":", 1)[0].strip() == key:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_class() -> str:
+    """This CPU's class for benchmark records: vendor, product line (AMD: Zen generation) and widest vector ISA,
+    e.g. 'Intel Xeon, AVX-512/AMX' or 'AMD EPYC Zen 3, AVX2'. Speeds are comparable only within a class."""
+    words = [w for w in _cpuinfo("model name").replace("(R)", "").replace("(TM)", "").split()
+             if w not in ("Processor", "CPU")]
+    line = " ".join(words[:2]) or platform.processor() or platform.machine()
+    flags = cpu_flags()
+    if _cpuinfo("vendor_id") == "AuthenticAMD":
+        family = int(_cpuinfo("cpu family") or 0)  # 25 holds Zen 3 and Zen 4; only Zen 4 has AVX-512
+        zen = {23: "Zen 2", 25: "Zen 4" if "avx512f" in flags else "Zen 3", 26: "Zen 5"}.get(family)
+        line = f"{line} {zen}" if zen else line
+    isa = ("AVX-512/AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+           else platform.machine())
+    return f"{line}, {isa}"
+
+
 def isa_flags(isa: str) -> list[str] | str:
     """The compiler flags of `isa` on this machine, or why this CPU cannot run it."""
     x86 = platform.machine() in ("x86_64", "AMD64")

@@ -1,0 +1,53 @@
+"""docs/benchmarks.md's tables are generated from bench/results/<cpu class>/ (scripts/bench_tables.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "scripts" / "bench_tables.py")
+bench_tables = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_tables)
+
+
+def test_the_benchmark_page_is_what_the_results_give():
+    page = bench_tables.PAGE.read_text(encoding="utf-8")
+    assert bench_tables.updated(page, bench_tables.render()) == page, \
+        "docs/benchmarks.md differs from bench/results/: run scripts/bench_tables.py"
+
+
+def _report(cpu_class: str, dtype: str, tok_s: float) -> dict:
+    row = {"set": "chat", "tree_nodes": 1.0, "min_prompt_speedup": 1.0, "tau": 1.0, "outputs_equal_to_ar": "2/2"}
+    return {"cpu": {"class": cpu_class, "cores": 2, "native_isa": "avx2"}, "dtype": dtype, "backend": "torch",
+            "time": "2026-12-03 01:00:00 UTC", "command": "spectrt bench --limit 2", "machine": "x86_64 2 threads",
+            "prompt_sets": {"chat": 2}, "max_new_tokens": 16, "draft": "artifacts/d", "policy": {"budget": 3},
+            "results": [{**row, "config": "autoregressive", "temperature": 0.0, "tokens_per_second": tok_s,
+                         "speedup_vs_ar": 1.0},
+                        {**row, "config": "policy (default)", "temperature": 0.7, "tokens_per_second": 1.0,
+                         "speedup_vs_ar": 0.5}]}
+
+
+def test_one_section_per_cpu_class_with_greedy_rows_only(tmp_path):
+    for slug, cpu_class, dtype, tok_s in (("amd-epyc-zen-3-avx2", "AMD EPYC Zen 3, AVX2", "bf16", 47.5),
+                                          ("amd-epyc-zen-3-avx2", "AMD EPYC Zen 3, AVX2", "fp32", 31.25),
+                                          ("intel-xeon-avx-512", "Intel Xeon, AVX-512", "bf16", 60.0)):
+        (tmp_path / "results" / slug).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "results" / slug / f"bench_torch_{dtype}.json").write_text(
+            json.dumps(_report(cpu_class, dtype, tok_s)))
+    (tmp_path / "results" / "old").mkdir()
+    (tmp_path / "results" / "old" / "bench_torch_bf16.json").write_text(json.dumps({"results": []}))  # no class
+    block = bench_tables.render(tmp_path / "results")
+    sections = block.split("### ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["AMD EPYC Zen 3, AVX2, 2 cores", "Intel Xeon, AVX-512, 2 cores"]
+    assert sections[0].index("**bf16") < sections[0].index("**fp32")  # bf16 first
+    assert "| chat | autoregressive | 47.5 |" in sections[0] and "| chat | autoregressive | 31.2 |" in sections[0]
+    assert "policy (default)" not in block  # its only row here is sampled
+    assert "`spectrt bench --limit 2`" in block and "2026-12-03 01:00:00 UTC" in block
+    with pytest.raises(ValueError, match="no generated block"):
+        bench_tables.updated("# a page without markers\n", block)
