@@ -47,10 +47,13 @@ SERVING_PROMPTS = [  # prompts of the serving tests
 SERVE_READY_TIMEOUT = 300.0
 
 
-def launch_serve(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict, str]:
-    """Start `spectrt serve` (the target alone, small limits, free ports, `extra` flags last; `env` added to this
-    environment) and return it once ready, with the endpoints JSON it printed and everything it printed."""
-    cmd = [sys.executable, "-m", "spectrt", "serve", "--draft", "none", "--instances", "1", "--threads", "1",
+def launch_serve(target: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict, str]:
+    """Start `spectrt serve` (`target` alone, small limits, free ports, `extra` flags last; `env` added to this
+    environment) and return it once ready, with the endpoints JSON it printed and everything it printed.
+    Lifecycle tests pass `stub_target` (a tiny random checkpoint): what they test is processes, signals and
+    cleanup, and a 135M model's load would be most of their time."""
+    cmd = [sys.executable, "-m", "spectrt", "serve", "--target", str(target), "--draft", "none", "--instances", "1",
+           "--threads", "1",
            "--max-seq-len", "128", "--max-tokens-limit", "8", "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--ready-timeout", str(SERVE_READY_TIMEOUT), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -203,6 +206,13 @@ def make_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stub_target(target_dir, tmp_path_factory) -> Path:
+    """A tiny random llama checkpoint with the embedded tokenizer: a model that loads in a second, for tests of
+    processes and protocols rather than of what the model says."""
+    return make_checkpoint("llama3", tmp_path_factory.mktemp("stub") / "stub", Path(target_dir))
+
+
+@pytest.fixture(scope="session")
 def family_checkpoints(target_dir, tmp_path_factory):
     """family -> its tiny checkpoint directory, made on first use."""
     made: dict[str, Path] = {}
@@ -220,6 +230,7 @@ def family_checkpoints(target_dir, tmp_path_factory):
 # small tensors and at most the target's tokenizer. They say so themselves (`@pytest.mark.unit`, or a module's
 # `pytestmark`); the guard below keeps them honest: a unit test that asks for a model fixture fails at collection.
 MODEL_FIXTURES = {"target", "draft", "draft_dir", "torch_target", "torch_draft", "engines", "family_checkpoints",
+                  "stub_target",
                   "models", "server", "session", "client", "pipe", "tiny_pair", "bf16_target", "hf_target"}
 
 

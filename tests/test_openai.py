@@ -785,8 +785,8 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _launch() -> tuple[subprocess.Popen, dict]:
-    proc, info, out = launch_serve("--openai-port", "0")
+def _launch(target: Path) -> tuple[subprocess.Popen, dict]:
+    proc, info, out = launch_serve(target, "--openai-port", "0")
     assert f"OpenAI {info['openai']}" in out  # the URL a user copies
     return proc, info
 
@@ -800,18 +800,18 @@ def _assert_all_gone(info: dict) -> None:
     assert _port_free(host, int(port)), "the OpenAI port is still open"
 
 
-def test_killed_launcher_takes_the_frontend_down():
+def test_killed_launcher_takes_the_frontend_down(stub_target):
     """SIGKILL of `spectrt serve --openai-port 0`: its supervisor stops the frontend and the server."""
-    proc, info = _launch()
+    proc, info = _launch(stub_target)
     assert _health(int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))) == 200
     proc.kill()
     proc.wait(timeout=60)
     _assert_all_gone(info)
 
 
-def test_frontend_that_dies_takes_the_deployment_down():
+def test_frontend_that_dies_takes_the_deployment_down(stub_target):
     """The deployment is up as a whole or not at all: a killed frontend stops the server; the launcher exits 1."""
-    proc, info = _launch()
+    proc, info = _launch(stub_target)
     os.kill(info["openai_pid"], signal.SIGKILL)
     assert proc.wait(timeout=120) == 1
     assert "tritonserver exited" in proc.stderr.read()

@@ -1,9 +1,10 @@
 """`spectrt serve` under abuse, with the real tritonserver: signals, a killed launcher, --run-dir, admin APIs;
 and the client's deadlines against an in-process server that trickles its response.
 
-The launcher runs as a subprocess (`python -m spectrt serve --draft none`, the target alone: lifecycle, not
-decoding, is under test). After each stop nothing may be left: no server or stub process, no listening port,
-no /dev/shm region, no run directory.
+The launcher runs as a subprocess (`python -m spectrt serve --target STUB --draft none`: lifecycle, not decoding,
+is under test, so the model is a tiny random checkpoint with the embedded tokenizer, conftest's `stub_target`).
+After each stop nothing may be left: no server or stub process, no listening port, no /dev/shm region, no run
+directory.
 """
 
 from __future__ import annotations
@@ -67,9 +68,13 @@ def _port_free(url: str) -> bool:
     return True
 
 
-def _launch(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
-    proc, info, _ = launch_serve(*extra, env=env)
-    return proc, info
+@pytest.fixture
+def launch(stub_target):
+    def start(*extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
+        proc, info, _ = launch_serve(stub_target, *extra, env=env)
+        return proc, info
+
+    return start
 
 
 def _assert_nothing_left(info: dict) -> None:
@@ -86,24 +91,24 @@ def _assert_nothing_left(info: dict) -> None:
         assert _port_free(info[name]), f"the {name} port is still open"
 
 
-def test_sighup_stops_the_server_and_cleans_up():
+def test_sighup_stops_the_server_and_cleans_up(launch):
     """A closed terminal sends SIGHUP: it used to kill the launcher and orphan the server."""
-    proc, info = _launch()
+    proc, info = launch()
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=GONE_TIMEOUT) == 0, proc.stderr.read()
     _assert_nothing_left(info)
 
 
-def test_killed_launcher_leaves_nothing_behind():
+def test_killed_launcher_leaves_nothing_behind(launch):
     """SIGKILL runs no cleanup in the launcher: its supervisor sees the pipe close and cleans up instead."""
-    proc, info = _launch()
+    proc, info = launch()
     proc.kill()
     proc.wait(timeout=60)
     _assert_nothing_left(info)
 
 
-def test_second_sigint_during_stop_still_cleans_up():
-    proc, info = _launch()
+def test_second_sigint_during_stop_still_cleans_up(launch):
+    proc, info = launch()
     proc.send_signal(signal.SIGINT)
     err = ""
     while "stopping tritonserver" not in err:
@@ -117,7 +122,7 @@ def test_second_sigint_during_stop_still_cleans_up():
     _assert_nothing_left(info)
 
 
-def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_nothing():
+def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_nothing(launch):
     """SIGTERM while a request decodes: that request still gets its one final response (all its text, or an error
     saying the server is stopping), a request sent once the server is no longer ready is refused, and nothing is
     left behind."""
@@ -125,11 +130,12 @@ def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_no
     from spectrt.runtime.serving.client import RequestFailed, grpc_inputs, request_fields
     from tritonclient.utils import InferenceServerException
 
-    proc, info = _launch("--max-tokens-limit", "100", "--max-seq-len", "256")
+    long = 1000  # the stub model decodes fast: a request long enough to be in flight when the signal comes
+    proc, info = launch("--max-tokens-limit", str(long), "--max-seq-len", str(long + 64))
     started, outcome = threading.Event(), {}
 
     def long_request() -> None:
-        fields = {**request_fields("Name three colors.", 100, True), "min_length": 100}  # no early end
+        fields = {**request_fields("Name three colors.", long, True), "min_length": long}  # no early end
         with GrpcSession(info["grpc"]) as session:
             try:
                 outcome["result"] = session.infer(grpc_inputs(fields), on_text=lambda *_: started.set(), timeout=120)
@@ -157,14 +163,14 @@ def test_sigterm_during_a_long_request_answers_it_refuses_new_ones_and_leaves_no
     worker.join(GONE_TIMEOUT)
     assert not worker.is_alive(), "the in-flight request never got a final response"
     if "result" in outcome:
-        assert outcome["result"].final and outcome["result"].perf.get("output_tokens") == 100, outcome
+        assert outcome["result"].final and outcome["result"].perf.get("output_tokens") == long, outcome
     else:
         assert "stopping" in outcome["error"].lower() or "unavailable" in outcome["error"].lower(), outcome
     assert proc.wait(timeout=GONE_TIMEOUT) == 0, proc.stderr.read()
     _assert_nothing_left(info)
 
 
-def test_torch_reference_path_serves_min_length_and_bad_words(tokenizer):
+def test_torch_reference_path_serves_min_length_and_bad_words(launch, tokenizer):
     """SPECTRT_NATIVE=0: `spectrt serve` says once that the torch reference path runs, and two concurrent greedy
     requests with min_length and bad words decode there (its logits were inference tensors that the in-place
     masking refused: such requests ended in an error)."""
@@ -172,7 +178,7 @@ def test_torch_reference_path_serves_min_length_and_bad_words(tokenizer):
 
     from spectrt.runtime.serving.client import grpc_inputs, request_fields
 
-    proc, info = _launch(env={"SPECTRT_NATIVE": "0"})
+    proc, info = launch(env={"SPECTRT_NATIVE": "0"})
     try:
         with GrpcSession(info["grpc"]) as session:
             plain = session.generate("Name three colors.", 8, stream=False, timeout=180)
@@ -199,13 +205,13 @@ def test_torch_reference_path_serves_min_length_and_bad_words(tokenizer):
     _assert_nothing_left(info)
 
 
-def test_run_dir_with_unrelated_files_is_left_untouched(tmp_path):
+def test_run_dir_with_unrelated_files_is_left_untouched(launch, tmp_path):
     """`--run-dir ~` used to delete ~/models: now the launcher writes only into a fresh subdirectory it made."""
     mine = {"models/keep.txt": "model notes", "server.log": "my log", "backends/python/x": "x", "notes.txt": "n"}
     for name, text in mine.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    proc, info = _launch("--run-dir", str(tmp_path))
+    proc, info = launch("--run-dir", str(tmp_path))
     run_dir = Path(info["run_dir"])
     assert run_dir.parent == tmp_path and run_dir.name.startswith("spectrt-triton-")
     proc.send_signal(signal.SIGINT)
@@ -219,8 +225,8 @@ def test_run_dir_with_unrelated_files_is_left_untouched(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server(target_dir):
-    params = {"target_dir": target_dir, "draft_dir": "none", "max_seq_len": 128, "max_tokens_limit": 8,
+def server(stub_target):
+    params = {"target_dir": stub_target, "draft_dir": "none", "max_seq_len": 128, "max_tokens_limit": 8,
               "threads": 1, "warmup": "false"}
     with TritonServer(params, instances=1, ready_timeout=SERVE_READY_TIMEOUT) as server:
         yield server
