@@ -730,7 +730,7 @@ def test_deadline_is_504_and_cancels_upstream(server, target_dir):
     """A frontend run on its own (python -m ...) with a 50 ms deadline against the module's Triton: 48 tokens
     cannot arrive in time, so the answer is 504 deadline_exceeded and the request is cancelled upstream."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spectrt.runtime.serving.openai_frontend",
+    proc = subprocess.Popen([sys.executable, "-m", "spectrt.cli.openai_frontend",
                              f"--grpc-url={server.grpc_url}",
                              f"--tokenizer={target_dir}", f"--port={port}", "--timeout=0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
