@@ -70,7 +70,8 @@ def machine_record() -> dict:
 
     return {"machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
             "cpu": {"class": cpu_class(), "cores": os.cpu_count(), "native_isa": native_isa()},
-            "command": shlex.join(["spectrt", *sys.argv[1:]]), "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+            "command": shlex.join(["spectrt", *sys.argv[1:]]),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
 def results_dir(out: Path) -> Path:
