@@ -40,13 +40,7 @@ _build_dirs: dict[str, Path] = {}
 @cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo("flags") or _cpuinfo("Features")).split())
 
 
 def _cpuinfo(key: str) -> str:
@@ -137,7 +131,8 @@ def _build(isa: str):
         # One ninja for every process. torch runs the first `ninja` on PATH: a test or CLI process found the system's
         # (1.11) and a tritonserver stub the environment's (1.13, its bin/ first on PATH); each read the other's
         # build log as stale and recompiled, 1-2 minutes at every switch (most of the test suite's time).
-        os.environ["PATH"] = os.pathsep.join([_ninja_dir(), path]) if _ninja_dir() else path
+        ninja = _ninja_dir()
+        os.environ["PATH"] = os.pathsep.join([ninja, path]) if ninja else path
         return load(name=f"spectrt_cpu_{isa}_{key}", sources=[str(build_dir / SOURCE.name)], extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # a missing compiler or ninja: the reference path still works
