@@ -411,6 +411,22 @@ def test_draw_children_distinct_and_mass_first():
 
 
 @pytest.mark.unit
+def test_top_tokens_are_torch_topk_and_softmax():
+    """The draft's greedy children: ids as `topk` (ties to the lower id), probabilities as a float64 softmax, rows
+    with -inf (a subset head's scattered logits) included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=gen) * 4
+    logits[1, ::2] = float("-inf")
+    logits[2, 7] = logits[2, 9] = logits[2, 8] = 50.0  # a three-way tie at the top
+    ids, probs = sampling.top_tokens(logits, 3)
+    want = logits.double().softmax(-1)
+    assert ids[2] == [7, 8, 9]
+    for row, (row_ids, row_probs) in enumerate(zip(ids, probs, strict=True)):
+        assert row_ids == want[row].topk(3).indices.tolist() or row == 2
+        assert torch.allclose(torch.tensor(row_probs, dtype=torch.float64), want[row, row_ids], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.unit
 def test_sampling_probs_filters():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]]).expand(2, 3, 5)
     assert torch.allclose(sampling_probs(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))

@@ -558,22 +558,26 @@ class Decoder:
         masked entries are written in one indexed assignment (a scalar write per word and node cost ~0.1 ms each),
         in place: the rows are this request's share of the step's logits, read by nothing else (a copy of a batch-8
         step's rows cost ~30 us a request)."""
-        if not job.bad_words and len(job.out) >= job.min_length:
+        short = job.min_length - len(job.out)  # a node at depth d has emitted len(out) + d tokens before its next
+        if not job.bad_words and short <= 0:
             return logits
         rows, cols = [], []
         eos = sorted(job.eos_ids if job.eos_ids is not None else self.eos_ids)
         singles = [w[0] for w in job.bad_words if len(w) == 1]
+        if short > tree.max_depth:  # every node is short of min_length: one column write, no per-node lists
+            singles += eos
+        elif short > 0:
+            for i, depth in enumerate(tree.depths):
+                if depth < short:
+                    rows += [i] * len(eos)
+                    cols += eos
         longer = [w for w in job.bad_words if len(w) > 1]
-        longest = max((len(w) for w in longer), default=1)
-        context = job.ids[-longest:] if longer else []
-        paths: list[list[int]] = [[]]
-        for i in range(1, len(tree)):
-            paths.append(paths[tree.parents[i]] + [tokens[i]])
-        for i, path in enumerate(paths):
-            if len(job.out) + len(path) < job.min_length:
-                rows += [i] * len(eos)
-                cols += eos
-            if longer:
+        if longer:
+            context = job.ids[-max(len(w) for w in longer):]
+            paths: list[list[int]] = [[]]
+            for i in range(1, len(tree)):
+                paths.append(paths[tree.parents[i]] + [tokens[i]])
+            for i, path in enumerate(paths):
                 seq = context + path
                 for word in longer:
                     k = len(word) - 1

@@ -65,8 +65,9 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 def top_tokens(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """The k best tokens per row of logits [M, V] (ties to the lower id) and their softmax probabilities.
 
-    k rounds of numpy argmax on a copy: 0.04 ms for k = 3 on two 49k-wide rows, against 0.18 ms for `torch.topk`
-    and 0.05 ms more for a full softmax (a draft level pays it for every expanded node).
+    k rounds of numpy argmax on a copy: 0.04 ms for k = 3 on two 49k-wide rows, against 0.18 ms for `torch.topk`.
+    The normalizer is numpy's too, shifted by the row maximum the first round found: `torch.logsumexp` cost 0.31 ms
+    a draft level at batch 1 (bf16, the EAGLE-3 head: a fifth of the step's host work), this ~0.1 ms.
     """
     rows = logits.detach().float().numpy()
     work, ids = rows.copy(), []
@@ -76,7 +77,11 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list
         ids.append(best)
         work[index, best] = -np.inf
     top = np.stack(ids, -1)
-    lse = torch.logsumexp(logits.detach().float(), -1, keepdim=True).numpy()
+    peak = rows[index, top[:, 0]][:, None]
+    # the row minus its maximum, exponentiated in the copy (its k best were overwritten: put back as exp(<= 0))
+    np.subtract(rows, peak, out=work)
+    np.exp(work, out=work)
+    lse = peak + np.log(work.sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
     probs = np.exp(np.take_along_axis(rows, top, -1) - lse)
     return top.tolist(), probs.tolist()
 
