@@ -303,7 +303,7 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
             files[r] = _file_entry(out / r)
         models[role] = entry
 
-    from spectrt.runtime.decoding.pipeline import DEFAULT_TREE
+    from spectrt.runtime.decoding.tree import DEFAULT_TREE
 
     manifest = {
         "format": MANIFEST_FORMAT,

@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from spectrt.cli import decode, offline, serving
-from spectrt.runtime.decoding.tree import AUTO, TreeError, parse_tree_arg
+from spectrt.runtime.decoding.tree import AUTO, DEFAULT_TREE, TreeError, parse_tree_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,8 +33,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if hasattr(args, "tree_spec"):
         if args.tree_spec is None:
-            from spectrt.runtime.decoding.pipeline import DEFAULT_TREE
-
             args.tree_spec = AUTO if args.command == "generate" else DEFAULT_TREE
         try:
             args.tree = parse_tree_arg(args.tree_spec)

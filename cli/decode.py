@@ -12,13 +12,13 @@ from spectrt.cli.common import add_model_args, add_sampling_args, model_dirs, po
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from spectrt.runtime.decoding.pipeline import Pipeline
-    from spectrt.runtime.engines.engine import fallback_notice
-
-    params = sampling(args)  # validate before loading models
+    params = sampling(args)  # validate before loading models (and before importing transformers: ~2 s)
     if not args.prompt.strip():
         raise ValueError("the prompt is empty: pass some text with --prompt")
     target, draft = model_dirs(args)
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.engines.engine import fallback_notice
+
     if notice := fallback_notice(args.backend):
         print(notice, file=sys.stderr)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)

@@ -175,8 +175,7 @@ def add_parsers(sub) -> None:
                    help="train a draft here even where the package ships one for this target")
     d.set_defaults(func=cmd_draft)
 
-    from spectrt.quant.quantize import CALIBRATION_PROMPTS, DEFAULT_SAMPLES
-    from spectrt.quant.recipes import DEFAULT_QFORMAT, RECIPES
+    from spectrt.quant.recipes import CALIBRATION_PROMPTS, DEFAULT_QFORMAT, DEFAULT_SAMPLES, RECIPES
 
     q = sub.add_parser("quantize", help="calibrate + quantize the target to INT8 with ModelOpt (+ accuracy gates)")
     q.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")

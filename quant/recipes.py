@@ -25,6 +25,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spectrt.runtime.resources import package_path
+
+# calibration: the draft's training prompts (shipped, disjoint from every eval set), this many conversations. Here,
+# not in quantize.py, so that building the CLI's parser imports no transformers (it cost every `spectrt` call ~2 s)
+CALIBRATION_PROMPTS = package_path("build/prompts") / "distill.txt"
+DEFAULT_SAMPLES = 64
 PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # fused q/k/v, attention output, gate/up, down (build/export.py)
 ACTIVATIONS = ("static", "per_token")
 KEPT_DTYPES = ("fp32", "bf16")

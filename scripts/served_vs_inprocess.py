@@ -31,8 +31,9 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     """
     import torch
     from spectrt.build.checkpoint import resolve_models
-    from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline
     from spectrt.runtime.decoding.sampling import SamplingParams
+    from spectrt.runtime.decoding.tree import DEFAULT_TREE
 
     if threads > 0:
         torch.set_num_threads(threads)

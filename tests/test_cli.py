@@ -68,6 +68,17 @@ def test_bad_input_is_a_clear_error(args, message):
     assert "Traceback" not in result.stderr
 
 
+def test_help_and_bad_input_answer_without_loading_transformers():
+    """The parser and generate's input checks import no transformers (or the decode pipeline): building the parser
+    used to import quant/quantize.py for two defaults, which cost every `spectrt` call ~2 s before argparse."""
+    code = ("import sys\nfrom spectrt.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print(e.code, 'transformers' in sys.modules, 'spectrt.runtime.decoding.pipeline' in sys.modules)")
+    for args in (["--help"], ["generate", "--prompt", " "], ["generate", "--prompt", "hi", "--temperature", "-1"]):
+        result = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+        assert result.stdout.split()[-3:] == ["0" if args == ["--help"] else "2", "False", "False"], result
+
+
 def test_prompt_longer_than_context(draft_dir):
     result = spectrt("generate", "--prompt", "word " * 100, "--max-seq-len", "32", "--draft", str(draft_dir))
     assert result.returncode == 2 and "shorten the prompt or raise max_seq_len (--max-seq-len)" in result.stderr

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.decoding.decoder import Decoder, Job
-from spectrt.runtime.decoding.pipeline import DEFAULT_TREE, Pipeline
+from spectrt.runtime.decoding.pipeline import Pipeline
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.sampling import SamplingParams
-from spectrt.runtime.decoding.tree import AUTO, Tree
+from spectrt.runtime.decoding.tree import AUTO, DEFAULT_TREE, Tree
 from spectrt.runtime.resources import package_path
 from tqdm import tqdm
 

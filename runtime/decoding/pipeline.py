@@ -20,8 +20,6 @@ from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
 from spectrt.runtime.engines.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from transformers import AutoTokenizer
 
-DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one
-
 
 def default_policy(target: Path, draft: Path | None, dtype: str, artifacts: Path = DEFAULT_ARTIFACTS) -> Policy:
     """The policy `spectrt tune` saved for this target/draft/dtype (in `artifacts`, else next to the target:

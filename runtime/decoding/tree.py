@@ -19,6 +19,7 @@ class TreeError(ValueError):
 
 
 AUTO = "auto"  # a tree argument: dynamic trees under the speculation policy
+DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one
 NO_TREE = ("none", "ar", "0")  # tree arguments for the target alone
 
 
