@@ -74,16 +74,17 @@ def _report_head(target: Path, out: Path, report_path: Path) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from spectrt.quant.quantize import quantize_target
+    from spectrt.quant.quantize import CALIBRATION_PROMPTS, quantize_target
 
     target = resolve_target(args.target, args.artifacts)
+    calib_prompts = args.calib_prompts or CALIBRATION_PROMPTS  # resolved here: the parser imports no quantize.py
     if args.search:
         from spectrt.quant.search import search_recipes
 
-        search_recipes(target, out=args.search_out, calib_prompts=args.calib_prompts, samples=args.calib_samples,
+        search_recipes(target, out=args.search_out, calib_prompts=calib_prompts, samples=args.calib_samples,
                        force=args.force)
         return 0
-    quantize_target(target, args.out, args.qformat, args.calib_prompts, args.calib_samples, force=args.force)
+    quantize_target(target, args.out, args.qformat, calib_prompts, args.calib_samples, force=args.force)
     return 0
 
 
@@ -175,14 +176,14 @@ def add_parsers(sub) -> None:
                    help="train a draft here even where the package ships one for this target")
     d.set_defaults(func=cmd_draft)
 
-    from spectrt.quant.recipes import CALIBRATION_PROMPTS, DEFAULT_QFORMAT, DEFAULT_SAMPLES, RECIPES
+    from spectrt.quant.recipes import DEFAULT_QFORMAT, DEFAULT_SAMPLES, RECIPES
 
     q = sub.add_parser("quantize", help="calibrate + quantize the target to INT8 with ModelOpt (+ accuracy gates)")
     q.add_argument("--target", help="HF checkpoint dir or .gguf (default: embedded model)")
     q.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS)
     q.add_argument("--qformat", default=DEFAULT_QFORMAT,
                    help=f"the recipe (quant/recipes.py): {', '.join(RECIPES)}; default {DEFAULT_QFORMAT}")
-    q.add_argument("--calib-prompts", type=Path, default=CALIBRATION_PROMPTS,
+    q.add_argument("--calib-prompts", type=Path,
                    help="calibration prompts, one per line; must not overlap the evaluation prompts")
     q.add_argument("--calib-samples", type=int, default=DEFAULT_SAMPLES, help="calibration conversations to use")
     q.add_argument("--out", type=Path, help="output dir (default: <target>-<qformat> next to the target)")

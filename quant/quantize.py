@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from spectrt.build.corpus import (
+    DISTILL_PROMPTS,
     HELDOUT_PROMPTS,
     Conversation,
     generate_distill_data,
@@ -38,11 +39,12 @@ from spectrt.build.corpus import (
 from spectrt.build.distill import DistillConfig
 from spectrt.build.export import GRAPH_DTYPES, TreeVerifyModel, export_module, sequence_inputs
 from spectrt.build.slice import TOKENIZER_FILES
-from spectrt.quant.recipes import CALIBRATION_PROMPTS, DEFAULT_QFORMAT, DEFAULT_SAMPLES, PROJECTIONS, get_recipe
+from spectrt.quant.recipes import DEFAULT_QFORMAT, DEFAULT_SAMPLES, PROJECTIONS, get_recipe
 from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS as BENCH_PROMPTS
 from spectrt.runtime.engines.int8 import QUANT_WEIGHTS, quant_format, quant_spec, quantize, scale_of
 from spectrt.runtime.engines.model import ModelConfig
 
+CALIBRATION_PROMPTS = DISTILL_PROMPTS  # the draft's training prompts: shipped, disjoint from every eval set
 EVAL_PROMPTS = (HELDOUT_PROMPTS, BENCH_PROMPTS)
 MAX_SAMPLE_TOKENS = 384
 STATE_FILE = "modelopt_state.pt"

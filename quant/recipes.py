@@ -25,12 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from spectrt.runtime.resources import package_path
-
-# calibration: the draft's training prompts (shipped, disjoint from every eval set), this many conversations. Here,
-# not in quantize.py, so that building the CLI's parser imports no transformers (it cost every `spectrt` call ~2 s)
-CALIBRATION_PROMPTS = package_path("build/prompts") / "distill.txt"
-DEFAULT_SAMPLES = 64
+DEFAULT_SAMPLES = 64  # calibration conversations (here, not in quantize.py: the CLI's parser shows it, light)
 PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # fused q/k/v, attention output, gate/up, down (build/export.py)
 ACTIVATIONS = ("static", "per_token")
 KEPT_DTYPES = ("fp32", "bf16")

@@ -78,8 +78,7 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list
         work[index, best] = -np.inf
     top = np.stack(ids, -1)
     peak = rows[index, top[:, 0]][:, None]
-    # the row minus its maximum, exponentiated in the copy (its k best were overwritten: put back as exp(<= 0))
-    np.subtract(rows, peak, out=work)
+    np.subtract(rows, peak, out=work)  # exp(row - max) in the scratch copy: no second allocation
     np.exp(work, out=work)
     lse = peak + np.log(work.sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
     probs = np.exp(np.take_along_axis(rows, top, -1) - lse)
