@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)  ## virtual environment + embedded model converted to a HF checkpoint
-	$(BIN)/python -c "from spectrt.build.checkpoint import resolve_target; print(resolve_target())"
+	$(BIN)/python -c "from spectrt.runtime.engines.checkpoint import resolve_target; print(resolve_target())"
 
 draft: setup  ## the target's draft: the shipped one for the embedded target (installed in seconds), else trained
 	$(BIN)/spectrt draft
@@ -159,7 +159,7 @@ $(PERF_STAMP):
 	touch $(PERF_STAMP)
 
 perf: setup $(PERF_STAMP)  ## against `make serve` (other terminal): genai-perf sweep over PERF_SWEEP concurrencies -> $(PERF_OUT) (PERF_ENDPOINT=chat: the OpenAI endpoint)
-	tok=$$($(BIN)/python -c "from spectrt.build.checkpoint import resolve_target; print(resolve_target())"); \
+	tok=$$($(BIN)/python -c "from spectrt.runtime.engines.checkpoint import resolve_target; print(resolve_target())"); \
 	cudart=$$(echo $(CURDIR)/$(PERF_VENV)/lib/python3*/site-packages/nvidia/cuda_runtime/lib); \
 	for c in $(PERF_SWEEP); do \
 		PATH="$(CURDIR)/$(PERF_VENV)/bin:$$PATH" LD_LIBRARY_PATH="$$cudart:$$LD_LIBRARY_PATH" \

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from spectrt.build.checkpoint import eos_ids
 from spectrt.build.distill import DistillConfig, atomic_save, bf16_pays
+from spectrt.runtime.engines.checkpoint import eos_ids
 from spectrt.runtime.resources import package_path
 
 PROMPTS_DIR = package_path("build/prompts")

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -331,34 +330,9 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
     return out
 
 
-def engine_models(engines: Path, backend: str) -> tuple[Path, Path]:
-    """(target, draft) paths for `--engines DIR --backend B`: the role dirs, or for torch the source checkpoints."""
-    engines = Path(engines)
-    manifest_path = engines / MANIFEST
-    if not manifest_path.is_file():
-        raise EngineBuildError(f"{engines} is not an engines directory (no {MANIFEST}): build one with "
-                               "`spectrt engines` (make engines)")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("precision") == "int8" and backend != "tensorrt":
-        print(f"spectrt: note: {engines} is an INT8 build whose Q/DQ graph is for TensorRT; --backend {backend} runs "
-              "the FP target. For INT8 on the CPU pass --target <the `spectrt quantize` checkpoint> (torch backend).",
-              file=sys.stderr)
-    if backend != "torch":
-        return engines / "target", engines / "draft"
-    models = manifest["models"]
-    paths = []
-    for role in ROLES:
-        src = Path(models[role]["source"]["path"])
-        if not (src / "config.json").is_file():
-            raise EngineBuildError(f"--backend torch runs the source checkpoint {src} recorded in {manifest_path}, "
-                                   "which is gone: pass --target/--draft, or use --backend onnxruntime|tensorrt")
-        paths.append(src)
-    return paths[0], paths[1]
-
-
 def engine_sources(target: str | None, draft: str | None, artifacts: Path) -> tuple[Path, Path]:
     """The (target, draft) checkpoints `spectrt engines` compiles: a draft is required, and a sliced one."""
-    from spectrt.build.checkpoint import resolve_models
+    from spectrt.runtime.engines.checkpoint import resolve_models
     from spectrt.runtime.engines.eagle3 import is_eagle3
 
     target_dir, draft_dir = resolve_models(target, draft, artifacts)

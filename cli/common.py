@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
 
 
 def positive(value: str) -> int:
@@ -14,10 +14,36 @@ def positive(value: str) -> int:
     return int(value)
 
 
+def tree_specs(value: str) -> tuple[str, ...]:
+    """`--trees '1,1,1;2,1'`: static tree specs, each checked as `Tree.parse` reads it."""
+    from spectrt.runtime.decoding.tree import Tree, TreeError
+
+    specs = tuple(spec.strip() for spec in value.split(";") if spec.strip())
+    try:
+        for spec in specs:
+            Tree.parse(spec)
+    except TreeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:
+        raise argparse.ArgumentTypeError(f"no tree in {value!r}: give semicolon-separated trees, e.g. '1,1,1;2,1'")
+    return specs
+
+
+def temperatures(value: str) -> tuple[float, ...]:
+    """`--temperatures 0,0.7`: comma-separated, each >= 0."""
+    try:
+        values = tuple(float(t) for t in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not comma-separated numbers, e.g. 0,0.7,1.0") from None
+    if any(t < 0 for t in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0 (0 = greedy), got {value!r}")
+    return values
+
+
 def model_dirs(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """(target, draft) checkpoint or engine dirs for the chosen backend; draft None for --no-spec."""
     if args.engines:
-        from spectrt.build.engines import engine_models
+        from spectrt.runtime.engines.onnx_engine import engine_models
 
         target, draft = engine_models(args.engines, args.backend)
         return target, None if getattr(args, "no_spec", False) else draft

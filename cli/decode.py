@@ -7,8 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, resolve_models
-from spectrt.cli.common import add_model_args, add_sampling_args, model_dirs, positive, sampling
+from spectrt.cli.common import (
+    add_model_args,
+    add_sampling_args,
+    model_dirs,
+    positive,
+    sampling,
+    temperatures,
+    tree_specs,
+)
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, resolve_models
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -41,10 +49,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from spectrt.runtime.decoding.bench import run_bench, run_multi_turn
+    from spectrt.runtime.decoding.bench import BenchSettings, run_bench, run_multi_turn
 
     target, draft = model_dirs(args)
-    (run_multi_turn if args.multi_turn else run_bench)(target, draft, args)
+    settings = BenchSettings(prompts=args.prompts, limit=args.limit, trees=args.trees, temperatures=args.temperatures,
+                             max_new_tokens=args.max_new_tokens, backend=args.backend, dtype=args.dtype,
+                             max_seq_len=args.max_seq_len, out=args.out, artifacts=args.artifacts,
+                             concurrency=args.concurrency)
+    (run_multi_turn if args.multi_turn else run_bench)(target, draft, settings)
     return 0
 
 
@@ -97,10 +109,12 @@ def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="AR vs chain vs tree on a prompt set; writes bench/results")
     add_model_args(b)
     b.add_argument("--prompts", type=Path, help="one prompt per line (default: bench/prompts.txt)")
-    b.add_argument("--trees", default=None, help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
+    b.add_argument("--trees", type=tree_specs, default=None,
+                   help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
     b.add_argument("--max-new-tokens", type=positive, default=128)
     b.add_argument("--limit", type=positive, help="use only the first N prompts")
-    b.add_argument("--temperatures", default="0", help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
+    b.add_argument("--temperatures", type=temperatures, default=(0.0,),
+                   help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="results go to OUT/<cpu class>/ (scripts/bench_tables.py renders them into docs/benchmarks.md)")
     b.add_argument("--multi-turn", action="store_true",

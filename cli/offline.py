@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 from spectrt.build.distill import DistillConfig
 from spectrt.cli.common import add_model_args, model_dirs, positive
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 
 
 def cmd_draft(args: argparse.Namespace) -> int:
@@ -132,7 +132,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from spectrt.build.compile import RTX_ARCHS
     from spectrt.build.engines import DEFAULT_MAX_BATCH, DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_TREE_TOKENS, PRECISIONS
-    from spectrt.runtime.engines.int8 import QFORMATS
+    from spectrt.quant.recipes import RECIPES
 
     p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
@@ -148,7 +148,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plans", action="store_true", help="graphs only (ONNX Runtime), no TensorRT plans")
     p.add_argument("--trt-module", choices=["tensorrt", "tensorrt_rtx"], default=None,
                    help="TensorRT Python module (default: tensorrt if installed, else tensorrt_rtx)")
-    p.add_argument("--qformat", default="int8_sq", choices=QFORMATS,
+    p.add_argument("--qformat", default="int8_sq", choices=list(RECIPES),
                    help="with --precision int8: which `spectrt quantize` checkpoint of the target to compile")
     p.add_argument("--int8-graph", action="append", default=[], metavar="ROLE=PATH",
                    help="a Q/DQ tree-verify ONNX for PRECISION=int8, e.g. target=quant/target.qdq.onnx")

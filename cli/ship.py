@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from spectrt.build.checkpoint import resolve_target
+    from spectrt.runtime.engines.checkpoint import resolve_target
 
     args = build_parser().parse_args(argv)
     target = resolve_target(args.target)

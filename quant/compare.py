@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.quant.accuracy import GATE_TOP1, engine_agreement, heldout_records
 from spectrt.quant.recipes import get_recipe
 from spectrt.runtime.decoding.decoder import Decoder, Job
 from spectrt.runtime.decoding.pipeline import AUTO, Pipeline
 from spectrt.runtime.decoding.policy import load_policy, policy_path
 from spectrt.runtime.decoding.profile import _cpu_name, forward_ms, prefilled_cache
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.engines.int8 import quant_spec
 from tqdm import tqdm
 
@@ -66,7 +66,8 @@ def token_match_rate(reference: list[int], candidate: list[int]) -> float:
 
 
 def tuned_policy_file(target: Path, draft: Path | None, dtype: str, artifacts: Path) -> str | None:
-    """Where `spectrt generate` finds this target's tuned policy (runtime/pipeline.default_policy), None: untuned."""
+    """Where `spectrt generate` finds this target's tuned policy (runtime/decoding/pipeline.py `default_policy`);
+    None: untuned."""
     for where in (Path(artifacts), Path(target).parent):
         path = policy_path(where, Path(target).name, Path(draft).name if draft else None, dtype)
         if load_policy(path) is not None:

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from spectrt.runtime.engines.int8 import PROJECTIONS  # the engine's projections (fused as build/export.py fuses them)
+
 DEFAULT_SAMPLES = 64  # calibration conversations (here, not in quantize.py: the CLI's parser shows it, light)
-PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # fused q/k/v, attention output, gate/up, down (build/export.py)
 ACTIVATIONS = ("static", "per_token")
 KEPT_DTYPES = ("fp32", "bf16")
 

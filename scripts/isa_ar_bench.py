@@ -6,8 +6,8 @@ only, configurations interleaved prompt by prompt (bench/results/isa/README.md h
 import os
 
 import torch
-from spectrt.build.checkpoint import resolve_target
 from spectrt.runtime.decoding.decoder import Decoder
+from spectrt.runtime.engines.checkpoint import resolve_target
 from spectrt.runtime.engines.model import Transformer
 from transformers import AutoTokenizer
 

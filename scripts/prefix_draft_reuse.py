@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from spectrt.build.checkpoint import resolve_target
 from spectrt.runtime.decoding.bench import read_conversations
 from spectrt.runtime.decoding.decoder import Decoder
 from spectrt.runtime.decoding.pipeline import Pipeline
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.propose import DraftProposer
 from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.checkpoint import resolve_target
 
 SHIPPED = DraftProposer.reuse
 

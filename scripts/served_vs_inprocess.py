@@ -30,10 +30,10 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     text through the same callback).
     """
     import torch
-    from spectrt.build.checkpoint import resolve_models
     from spectrt.runtime.decoding.pipeline import Pipeline
     from spectrt.runtime.decoding.sampling import SamplingParams
     from spectrt.runtime.decoding.tree import DEFAULT_TREE
+    from spectrt.runtime.engines.checkpoint import resolve_models
 
     if threads > 0:
         torch.set_num_threads(threads)

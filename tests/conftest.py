@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from spectrt.build.checkpoint import resolve_target
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
+from spectrt.runtime.engines.checkpoint import resolve_target
 from spectrt.runtime.engines.model import Transformer
 
 torch.manual_seed(0)

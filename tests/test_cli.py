@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from spectrt.build.checkpoint import CheckpointError, resolve_models, resolve_target
+from spectrt.runtime.engines.checkpoint import CheckpointError, resolve_models, resolve_target
 from spectrt.runtime.engines.engine import resolve_dtype
 
 REPO = Path(__file__).resolve().parent.parent

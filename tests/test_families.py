@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import COMMON, FAMILIES, VOCAB
-from spectrt.build.checkpoint import CheckpointError, resolve_target
 from spectrt.build.export import TreeVerifyModel, example_inputs, export_graph
 from spectrt.build.slice import load_state_dict, slice_target
 from spectrt.runtime.decoding.decoder import Decoder
 from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.checkpoint import CheckpointError, resolve_target
 from spectrt.runtime.engines.engine import check_draft_matches, load_engine
 from spectrt.runtime.engines.families import rope_frequencies
 from spectrt.runtime.engines.model import ModelConfig, Transformer

@@ -39,6 +39,15 @@ def test_rooms_import_only_the_rooms_below_them(room):
     assert not upward, f"runtime/{room} imports a room above it: {sorted(upward)}"
 
 
+def test_the_runtime_imports_nothing_offline():
+    """runtime/ is what a deployment runs: it may not reach into the offline packages (build/, quant/) or the CLI,
+    which import it (the model resolver and an engines folder's reader live in runtime/engines/)."""
+    offline = ("spectrt.build", "spectrt.quant", "spectrt.cli")
+    reaching = sorted(f"{path.relative_to(RUNTIME.parent)}: {name}" for path in sorted(RUNTIME.rglob("*.py"))
+                      for name in _imports(path) if any(name == o or name.startswith(o + ".") for o in offline))
+    assert not reaching, f"runtime/ imports offline code: {reaching}"
+
+
 def test_every_runtime_module_lives_in_a_room():
     loose = sorted(p.name for p in RUNTIME.glob("*.py") if p.name not in ("__init__.py", "resources.py"))
     assert not loose, f"modules outside the rooms: {loose} (move them into engines/, decoding/ or serving/)"

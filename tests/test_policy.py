@@ -8,7 +8,8 @@ from spectrt.runtime.decoding.policy import (
     Calibration,
     CostCurve,
     Policy,
-    best_size,
+    allocate,
+    allocation_gain,
     choose_drafted,
     choose_policy,
     expected_tokens,
@@ -18,6 +19,12 @@ from spectrt.runtime.decoding.policy import (
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
 
 BUDGETS, DEPTHS, WIDTHS = [2, 3, 4, 6, 8], [1, 2, 3, 4], [1, 2]
+
+
+def best_size(scores: list[float], sunk_ms: float, verify, budget: int) -> tuple[int, float]:
+    """`allocate` for a batch of one: (nodes to verify, root included, and the rate)."""
+    sizes, rate = allocate([scores], [budget], sunk_ms, verify)
+    return sizes[0], rate
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -131,8 +138,6 @@ def test_allocate_is_the_best_allocation_and_never_below_plain_batched_decoding(
     import itertools
     import random
 
-    from spectrt.runtime.decoding.policy import allocate
-
     rng = random.Random(seed)
     n = rng.randint(1, 3)
     scores = [sorted((rng.random() ** 2 for _ in range(rng.randint(0, 4))), reverse=True) for _ in range(n)]
@@ -151,8 +156,6 @@ def test_allocate_is_the_best_allocation_and_never_below_plain_batched_decoding(
 
 def test_allocate_at_batch_one_is_the_per_step_verify_size():
     """The old per-step rule, written out: B maximising (1 + top scores) / (sunk + verify(B))."""
-    from spectrt.runtime.decoding.policy import allocate
-
     verify = CostCurve({1: 10.0, 2: 10.5, 4: 12.0, 8: 20.0})
     for scores in ([0.9, 0.5, 0.2, 0.01], [0.05, 0.04], [], [0.99] * 9):
         for sunk in (0.0, 0.7, 5.0):
@@ -164,8 +167,6 @@ def test_allocate_at_batch_one_is_the_per_step_verify_size():
 
 def test_allocate_shares_one_budget_across_requests():
     """The best nodes of the whole batch win: a confident request verifies more, a hopeless one stays at its root."""
-    from spectrt.runtime.decoding.policy import allocate
-
     verify = CostCurve({1: 10.0, 4: 10.3, 8: 14.0, 16: 30.0})
     sizes, _ = allocate([[0.9, 0.8, 0.7], [0.02, 0.01], [0.6]], [4, 4, 4], 0.0, verify)
     assert sizes == [4, 1, 2]
@@ -246,3 +247,20 @@ def test_choose_drafted_takes_only_the_requests_whose_draft_pays():
         order = sorted(range(n), key=lambda j: (-gains[j], catch[j], j))
         assert rate(pick, gains, catch) >= rate([], gains, catch) - 1e-12
         assert rate(pick, gains, catch) == pytest.approx(max(rate(order[:k], gains, catch) for k in range(n + 1)))
+
+
+def test_allocation_gain_is_what_allocate_maximises():
+    """The one gain formula (the draft gate and EAGLE-2's next level weigh the allocation with it) is allocate's
+    objective: gain / (sunk + verify(rows)) is the rate allocate reports, whatever the batch and the prefills."""
+    import random
+
+    rng = random.Random(0)
+    verify = CostCurve({1: 10.0, 4: 10.4, 8: 13.0, 16: 24.0, 64: 90.0})
+    for _ in range(200):
+        scores = [sorted((rng.random() for _ in range(rng.randrange(0, 6))), reverse=True)
+                  for _ in range(rng.randrange(1, 5))]
+        budgets = [rng.randrange(1, 7) for _ in scores]
+        sunk, base, plain = rng.choice([0.0, 0.8, 4.0]), rng.randrange(0, 9), rng.randrange(0, 3)
+        sizes, rate = allocate(scores, budgets, sunk, verify, base, plain)
+        rows = base + sum(sizes) + plain
+        assert allocation_gain(scores, sizes, plain) / (sunk + verify(rows)) == pytest.approx(rate)

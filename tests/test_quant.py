@@ -238,7 +238,8 @@ def test_qdq_graph_on_onnxruntime_matches_the_fake_quantized_module(small_quanti
 
 def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target, draft_dir, engines, tmp_path,
                                                                       capsys):
-    from spectrt.build.engines import engine_models, make_engines
+    from spectrt.build.engines import make_engines
+    from spectrt.runtime.engines.onnx_engine import engine_models
 
     target, _ = int8_target
     out = make_engines(target, draft_dir, tmp_path / "int8", precision="int8", archs=ARCHS, log=lambda _: None)
@@ -528,7 +529,7 @@ def test_cli_errors_name_the_fix(capsys):
 
 
 def test_a_quantized_checkpoint_is_not_a_plain_hf_checkpoint(small_quantized):
-    from spectrt.build.checkpoint import default_draft
+    from spectrt.runtime.engines.checkpoint import default_draft
 
     src, qdir = small_quantized("tiny", "int8_sq")
     assert default_draft(qdir) == default_draft(src)  # an INT8 target speculates with its FP source's draft

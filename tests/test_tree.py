@@ -132,3 +132,5 @@ def test_one_parser_reads_every_tree_argument_within_its_bounds():
         parse_tree_arg("2,2", max_nodes=6)
     with pytest.raises(TreeError, match="max_tree_tokens=64"):
         parse_tree_arg("1000,1000,1000", max_nodes=64)  # refused from the counts, not by building a billion nodes
+    with pytest.raises(TreeError, match="more than 4096 nodes"):  # `--tree` and bench specs carry no deployment limit
+        parse_tree_arg("1000,1000,1000")

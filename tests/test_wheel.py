@@ -168,7 +168,7 @@ print(json.dumps(out))""")
 
 GENERATE = """
 import json
-from spectrt.build.checkpoint import resolve_target
+from spectrt.runtime.engines.checkpoint import resolve_target
 from spectrt.runtime.decoding.pipeline import Pipeline
 pipe = Pipeline(resolve_target(), None, max_seq_len=256)
 gen = pipe.generate("Name three colors.", 12, None)

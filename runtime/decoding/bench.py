@@ -18,16 +18,16 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.decoding.decoder import Decoder, Job
 from spectrt.runtime.decoding.pipeline import Pipeline
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.tree import AUTO, DEFAULT_TREE, Tree
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS
 from spectrt.runtime.resources import package_path
 from tqdm import tqdm
 
@@ -36,6 +36,23 @@ DEFAULT_PROMPTS = BENCH_DIR / "prompts.txt"
 PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt"}
 MULTI_TURN_PROMPTS = BENCH_DIR / "prompts_multiturn.txt"
 DEFAULT_CHAIN = "1,1,1"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one `spectrt bench` run measures, as plain values (the CLI reads the flags into one)."""
+
+    prompts: Path | None = None  # one prompt file (a conversation file with multi_turn); None: the default sets
+    limit: int | None = None  # the first N prompts (conversations) of each set
+    trees: tuple[str, ...] | None = None  # static tree specs compared (None: DEFAULT_CHAIN and DEFAULT_TREE)
+    temperatures: tuple[float, ...] = (0.0,)
+    max_new_tokens: int = 128
+    backend: str = "torch"
+    dtype: str = "auto"
+    max_seq_len: int = 2048
+    out: Path = Path("bench/results")
+    artifacts: Path = DEFAULT_ARTIFACTS
+    concurrency: int = 8  # multi_turn: conversations decoded together
 
 
 def read_prompts(path: Path | None) -> list[str]:
@@ -48,12 +65,12 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
-def bench_configs(pipe: Pipeline, trees: str | None, has_draft: bool) -> dict[str, Tree | Policy | None]:
+def bench_configs(pipe: Pipeline, trees: tuple[str, ...] | None, has_draft: bool) -> dict[str, Tree | Policy | None]:
     """AR, the static trees asked for (default: a chain and the 2,1 tree), draft-less suffix speculation and
     the default policy (what `generate` runs)."""
     configs: dict[str, Tree | Policy | None] = {"autoregressive": None}
     if has_draft:
-        for spec in trees.split(";") if trees else [DEFAULT_CHAIN, DEFAULT_TREE]:
+        for spec in trees or (DEFAULT_CHAIN, DEFAULT_TREE):
             tree = Tree.parse(spec)
             configs[f"{'chain' if all(len(k) <= 1 for k in tree.children) else 'tree'} {spec}"] = tree
     suffix_only = replace(pipe.policy, draft=False, depth=0)
@@ -83,14 +100,13 @@ def results_dir(out: Path) -> Path:
     return path
 
 
-def run_bench(target: Path, draft: Path | None, args) -> dict:
+def run_bench(target: Path, draft: Path | None, args: BenchSettings) -> dict:
     sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
     prompt_sets = {name: read_prompts(path)[: args.limit] for name, path in sets.items()}
-    temperatures = [float(t) for t in str(args.temperatures).split(",")]
     # no prefix cache: the configurations run each prompt one after another, and with the cache every later one
     # would start from the earlier one's KV and draft rows (they would not be compared on equal terms)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
-                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS), prefix_cache=False)
+                    artifacts=args.artifacts, prefix_cache=False)
     configs = bench_configs(pipe, args.trees, draft is not None)
     first = next(iter(prompt_sets.values()))[0]
     for tree in configs.values():  # warm-up: kernel choice for every shape, allocator, caches
@@ -98,7 +114,7 @@ def run_bench(target: Path, draft: Path | None, args) -> dict:
 
     rows = []
     for set_name, prompts in prompt_sets.items():
-        for temperature in temperatures:
+        for temperature in args.temperatures:
             rows += _bench_temperature(pipe, set_name, prompts, configs, temperature, args)
     report = {
         "target": str(target), "draft": str(draft), "dtype": args.dtype, "backend": args.backend,
@@ -118,7 +134,7 @@ def run_bench(target: Path, draft: Path | None, args) -> dict:
 
 
 def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], configs: dict, temperature: float,
-                       args) -> list[dict]:
+                       args: BenchSettings) -> list[dict]:
     totals = {name: {"tokens": 0, "emitted": 0, "seconds": 0.0, "passes": 0, "draft_passes": 0, "accepted": [],
                      "verified": [], "same_as_ar": 0, "per_prompt": []} for name in configs}
     for i, prompt in enumerate(tqdm(prompts, desc=f"bench {set_name} {args.dtype} T={temperature}", unit="prompt")):
@@ -232,13 +248,12 @@ def _serve_conversations(pipe: Pipeline, decoder: Decoder, turns: list[list[str]
             "answers": [[m["content"] for m in c.messages if m["role"] == "assistant"] for c in chats]}
 
 
-def run_multi_turn(target: Path, draft: Path | None, args) -> dict:
+def run_multi_turn(target: Path, draft: Path | None, args: BenchSettings) -> dict:
     """Time to first token by turn of one conversation (a decoder of one slot), then throughput of all
     conversations at `args.concurrency`, each with and without the prefix cache, on the same engines; greedy, the
     default policy. The runs alternate (cache on, off) so machine noise hits both alike."""
     conversations = read_conversations(args.prompts)[: args.limit]
-    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
-                    artifacts=getattr(args, "artifacts", DEFAULT_ARTIFACTS))
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
     engines = (pipe.decoder.target, pipe.decoder.draft, pipe.decoder.eos_ids)
 
     def decoder(cache: bool, slots: int) -> Decoder:

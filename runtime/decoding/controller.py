@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from spectrt.runtime.decoding.policy import Policy, allocate, choose_drafted
+from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain, choose_drafted
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, SuffixProposer
 from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree
 from spectrt.runtime.engines.engine import Segment
@@ -142,7 +142,7 @@ class Controller:
         caps = [min(self.policy.budget, c.budget) for c in dynamic]  # the draft's own tree bound
         scores = [c.scaled_scores() for c in dynamic]
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
-        gain = float(len(dynamic) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
+        gain = allocation_gain(scores, sizes, plain)
         catch_up = [self._catch_up(c.job) for c in grow]
         chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
                                     verify, draft_cost))

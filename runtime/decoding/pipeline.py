@@ -10,12 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, eos_ids
 from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
 from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.text import TextStream
 from spectrt.runtime.decoding.tree import AUTO, Tree, parse_tree_arg
+from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, eos_ids
 from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
 from spectrt.runtime.engines.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from transformers import AutoTokenizer

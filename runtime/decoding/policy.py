@@ -203,14 +203,10 @@ class Policy:
         return cls(**fields, calibration=calibration)
 
 
-def best_size(scores: list[float], sunk_ms: float, verify: CostCurve, budget: int) -> tuple[int, float]:
-    """Nodes to verify (root included) maximising (1 + Σ best scores) / (sunk + verify(B)); and that rate.
-
-    `scores` are the candidate nodes' path scores in descending order; B = 1 is plain decoding. The batch-of-one
-    case of `allocate`.
-    """
-    sizes, rate = allocate([scores], [budget], sunk_ms, verify)
-    return sizes[0], rate
+def allocation_gain(scores: list[list[float]], sizes: list[int], plain: int = 0) -> float:
+    """Expected tokens of a step that verifies `sizes` nodes per request (`allocate`'s objective): one per request
+    (its root, what plain batched decoding emits) plus the chosen nodes' scores, and one per `plain` request."""
+    return float(len(scores) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
 
 
 def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],

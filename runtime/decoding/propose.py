@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from spectrt.runtime.decoding.policy import Policy, allocate
+from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain
 from spectrt.runtime.decoding.sampling import draw_children, sampling_probs, top_tokens
 from spectrt.runtime.decoding.suffix import SuffixIndex
 from spectrt.runtime.decoding.tree import TokenTrie, Tree
@@ -281,7 +281,7 @@ class DraftProposer:
         budgets = [min(c.policy.budget, c.budget) for c in cands]
         scores = [c.scaled_scores() for c in cands]  # as the budget weighs them
         sizes, rate = allocate(scores, budgets, sunk, verify, base_rows, plain)
-        gain = float(len(cands) + plain) + sum(sum(row[:b - 1]) for row, b in zip(scores, sizes, strict=True))
+        gain = allocation_gain(scores, sizes, plain)
         want, added, rows = {}, 0.0, 0
         for d, c, b, cap in zip(grow, cands, sizes, budgets, strict=True):
             if depth >= c.policy.depth:

@@ -21,6 +21,8 @@ class TreeError(ValueError):
 AUTO = "auto"  # a tree argument: dynamic trees under the speculation policy
 DEFAULT_TREE = "2,1"  # the static expansion used when a caller asks for a static tree without naming one
 NO_TREE = ("none", "ar", "0")  # tree arguments for the target alone
+MAX_PARSED_NODES = 4096  # a spec parsed without a deployment's limit: far above any tree a verify forward takes, and
+# refused before "1000,1000,1000" builds a billion nodes
 
 
 def parse_tree_arg(spec: str, max_depth: int | None = None, max_nodes: int | None = None) -> Tree | str | None:
@@ -67,7 +69,8 @@ class Tree:
     @classmethod
     def parse(cls, spec: str, max_depth: int | None = None, max_nodes: int | None = None) -> Tree:
         """A SpecInfer expansion vector such as "3,2,2,1,1", refused past `max_depth` levels or `max_nodes` nodes
-        before any node is built (a request's tree is bounded by the deployment's limits)."""
+        (default `MAX_PARSED_NODES`) before any node is built (a request's tree is bounded by the deployment's
+        limits)."""
         try:
             expansion = [int(x) for x in spec.replace(" ", "").split(",")]
         except ValueError:
@@ -84,6 +87,9 @@ class Tree:
             total += width
             if max_nodes is not None and total > max_nodes:
                 raise TreeError(f"tree {spec!r} has more than max_tree_tokens={max_nodes} nodes")
+            if total > MAX_PARSED_NODES:
+                raise TreeError(f"tree {spec!r} has more than {MAX_PARSED_NODES} nodes: give a smaller tree, e.g. "
+                                "3,2,2,1,1")
         return cls.from_expansion(expansion)
 
     def __len__(self) -> int:

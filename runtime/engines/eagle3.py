@@ -45,7 +45,6 @@ PREFIX = "midlayer."
 LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")
-HEAD_WEIGHTS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:

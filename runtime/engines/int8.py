@@ -26,13 +26,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from spectrt.quant.recipes import PROJECTIONS, RECIPES
 
 QUANT_WEIGHTS = "quantized.safetensors"
 MAX_BOUND = 127.0  # ModelOpt's INT8 quantizers: scale 127/amax, values saturated to [-128, 127]
 MIN_BOUND = -128.0  # (narrow_range=False), as ONNX QuantizeLinear and TensorRT saturate
-LINEARS = PROJECTIONS
-QFORMATS = tuple(RECIPES)
+PROJECTIONS = ("wqkv", "wo", "w13", "w2")  # fused q/k/v, attention output, gate/up, down: what a recipe quantizes
 KEPT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -151,7 +149,7 @@ def load_quantized(checkpoint: Path, config) -> tuple[dict[str, torch.Tensor], l
             weights[hf + "self_attn.q_norm.weight"] = state[p + "q_norm"]
             weights[hf + "self_attn.k_norm.weight"] = state[p + "k_norm"]
         layer = {}
-        for name in LINEARS:
+        for name in PROJECTIONS:
             w, amax = state[p + name + ".weight"], state.get(p + name + ".weight_quantizer._amax")
             input_amax = state.get(p + name + ".input_quantizer._amax")
             if amax is None:  # a projection the recipe keeps in high precision

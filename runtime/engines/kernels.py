@@ -229,7 +229,7 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None) -> t
 
 
 def pack_int8(proj) -> list[torch.Tensor]:
-    """A W8A8 projection (runtime/int8.Int8Linear) as the int8 GEMM reads it: weights [P, K/4, PANEL, 4] (4
+    """A W8A8 projection (runtime/engines/int8.py Int8Linear) as the int8 GEMM reads it: weights [P, K/4, PANEL, 4] (4
     consecutive k of one column per 32-bit lane, for VNNI), pre_quant_scale (or empty), the static input scale
     (empty: per-token scales), per (group, column) output scales and 128 * sum_k w over the group (the
     unsigned-activation correction), both [groups, P * PANEL], and the group size."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,31 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 class EngineDirError(ValueError):
     """An engines directory that cannot be used; the message says why and how to fix it."""
+
+
+def engine_models(engines: Path, backend: str) -> tuple[Path, Path]:
+    """(target, draft) paths for `--engines DIR --backend B`: the role dirs, or for torch the source checkpoints."""
+    engines = Path(engines)
+    manifest_path = engines / MANIFEST
+    if not manifest_path.is_file():
+        raise EngineDirError(f"{engines} is not an engines directory (no {MANIFEST}): build one with "
+                               "`spectrt engines` (make engines)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("precision") == "int8" and backend != "tensorrt":
+        print(f"spectrt: note: {engines} is an INT8 build whose Q/DQ graph is for TensorRT; --backend {backend} runs "
+              "the FP target. For INT8 on the CPU pass --target <the `spectrt quantize` checkpoint> (torch backend).",
+              file=sys.stderr)
+    if backend != "torch":
+        return engines / "target", engines / "draft"
+    models = manifest["models"]
+    paths = []
+    for role in ("target", "draft"):
+        src = Path(models[role]["source"]["path"])
+        if not (src / "config.json").is_file():
+            raise EngineDirError(f"--backend torch runs the source checkpoint {src} recorded in {manifest_path}, "
+                                   "which is gone: pass --target/--draft, or use --backend onnxruntime|tensorrt")
+        paths.append(src)
+    return paths[0], paths[1]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

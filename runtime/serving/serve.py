@@ -162,13 +162,13 @@ def tokenizer_dir(params: dict[str, object]) -> Path:
     engine_dir's target for its backend, else target_dir, else the embedded default in artifacts/."""
     engine = str(params.get("engine_dir") or "")
     if engine:
-        from spectrt.build.engines import engine_models
+        from spectrt.runtime.engines.onnx_engine import engine_models
 
         return Path(engine_models(Path(engine), str(params.get("backend") or "torch"))[0]).resolve()
     target = str(params.get("target_dir") or "")
     if target:
         return Path(target).resolve()
-    from spectrt.build.checkpoint import resolve_target
+    from spectrt.runtime.engines.checkpoint import resolve_target
 
     return resolve_target().resolve()
 
@@ -479,7 +479,7 @@ def model_params(*, backend: str = "torch", dtype: str = "auto", max_seq_len: in
         return params
     if backend != "torch":
         raise ServeError(f"--backend {backend} runs built engines: pass --engines engines/<name>")
-    from spectrt.build.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
+    from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, resolve_models
 
     try:
         target_dir, draft_dir = resolve_models(target, draft, artifacts or DEFAULT_ARTIFACTS)

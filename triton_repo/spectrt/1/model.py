@@ -301,7 +301,7 @@ class TritonPythonModel:
         dtype = params.get("dtype") or "auto"
         engine = params.get("engine_dir", "")
         if engine:
-            from spectrt.build.engines import engine_models
+            from spectrt.runtime.engines.onnx_engine import engine_models
 
             engine = self._path(engine)
             manifest_file = engine / "manifest.json"
@@ -314,19 +314,18 @@ class TritonPythonModel:
             target, draft = engine_models(engine, backend)
             tree = params.get("tree") or manifest.get("tree_defaults", {}).get("tree")
             return target, draft, backend, resolve_dtype(dtype, backend), max_seq_len, max_tree_tokens, tree
+        from spectrt.runtime.engines.checkpoint import CheckpointError, resolve_models
+
         artifacts = Path(os.environ.get("SPECTRT_ARTIFACTS", self.base / "artifacts"))
-        target = self._path(params.get("target_dir") or str(artifacts / "smollm2-135m-instruct"))
-        draft_value = params.get("draft_dir", "")
-        if draft_value.strip().lower() == "none":
-            draft = None
-        else:
-            draft = self._path(draft_value) if draft_value else target.parent / f"{target.name}-draft"
-        for name, path in (("target_dir", target), ("draft_dir", draft)):
-            if path is not None and not (path / "config.json").is_file():
-                raise pb_utils.TritonModelException(
-                    f"{name} {path} is not a checkpoint directory (no config.json): set the model parameter "
-                    f"{name} in config.pbtxt (or `spectrt serve --target/--draft`), draft_dir 'none' for no draft"
-                )
+        target_value, draft_value = params.get("target_dir", ""), params.get("draft_dir", "").strip()
+        try:  # the one resolver every command uses: the embedded default, the target's default draft, "none"
+            target, draft = resolve_models(self._path(target_value) if target_value else None,
+                                           draft_value if draft_value.lower() in ("", "none") else
+                                           self._path(draft_value), artifacts)
+        except CheckpointError as e:
+            raise pb_utils.TritonModelException(
+                f"{e} (here: the model parameters target_dir / draft_dir in config.pbtxt, set by `spectrt serve "
+                "--target/--draft`; draft_dir 'none' for no draft model)") from None
         return target, draft, backend, resolve_dtype(dtype, backend, target), max_seq_len, max_tree_tokens, None
 
     # ------------------------------------------------------------------------------------------ requests in
