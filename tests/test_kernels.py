@@ -199,8 +199,10 @@ def test_native_matches_reference_forward(reference, engines, isa):
         assert (ref - nat).abs().max() <= 1e-4 * ref.abs().max()
 
 
-@pytest.mark.parametrize("engine_name", [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16")], "bf16_amx"])
-@pytest.mark.parametrize("nodes", [8, 64])
+# the portable build (a correctness fallback ~10x slower) checks an 8-node tree: 64 single steps there cost 16 s
+@pytest.mark.parametrize(("engine_name", "nodes"), [
+    (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16")], "bf16_amx"]
+    for nodes in (8, 64) if not (name.startswith("portable") and nodes == 64)])
 def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
     if engine_name == "bf16_amx":
@@ -273,7 +275,7 @@ def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
     from spectrt.runtime.engines.int8 import Int8Linear
 
     gen = torch.Generator().manual_seed(5)
-    prefix = torch.randint(0, 49152, (200,), generator=gen)
+    prefix = torch.randint(0, 49152, (80,), generator=gen)  # 80 rows: full and partial row blocks of every kernel
     tree = Tree.parse("3,2,2,1")
     tokens = torch.randint(0, 49152, (len(tree),), generator=gen)
     w, x = torch.randn(130, 70, generator=gen), 3 * torch.randn(9, 70, generator=gen)
@@ -283,12 +285,12 @@ def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
         out = []
         for dtype in (torch.float32, torch.bfloat16):
             engine = engines(name, dtype)
-            cache = engine.new_cache(256, 216)
-            causal = torch.ones(200, 200, dtype=torch.bool).tril()
-            out.append(engine.forward(prefix, torch.arange(200), causal, cache)[-3:].clone())
-            cache.commit(200)
-            out.append(engine.forward(tokens, tree.positions(200), tree.mask, cache).clone())
-            out.append(cache.k[:, :, :210].clone())
+            cache = engine.new_cache(128, 96)
+            causal = torch.ones(80, 80, dtype=torch.bool).tril()
+            out.append(engine.forward(prefix, torch.arange(80), causal, cache)[-3:].clone())
+            cache.commit(80)
+            out.append(engine.forward(tokens, tree.positions(80), tree.mask, cache).clone())
+            out.append(cache.k[:, :, :90].clone())
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("SPECTRT_ISA", name)
             out.append(kernels.linear(x, kernels.pack_int8(proj), 130))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -242,7 +243,14 @@ def test_int8_plan_builds_with_tensorrt_rtx_and_is_smaller_than_fp16(int8_target
     from spectrt.runtime.engines.onnx_engine import engine_models
 
     target, _ = int8_target
-    out = make_engines(target, draft_dir, tmp_path / "int8", precision="int8", archs=ARCHS, log=lambda _: None)
+    # an INT8 build next to the FP16 one reuses what they share (the fp32 graphs, the draft's FP16 graph and plan),
+    # as `make engines PRECISION=int8` into an existing folder does: only the target's Q/DQ graph and plan are built
+    shutil.copytree(engines, tmp_path / "int8")
+    lines = []
+    out = make_engines(target, draft_dir, tmp_path / "int8", precision="int8", archs=ARCHS, log=lines.append)
+    assert {line.strip() for line in lines if "reusing" in line} == {
+        "reusing target/model.fp32.onnx", "reusing draft/model.fp32.onnx", "reusing draft/model.fp16.onnx",
+        "reusing draft/model.fp16.plan"}
     manifest = json.loads((out / "manifest.json").read_text())
     fp16 = json.loads((engines / "manifest.json").read_text())
     int8_plan = manifest["models"]["target"]["plans"]["int8"]
