@@ -41,7 +41,11 @@ from spectrt.runtime.resources import package_path
 PROMPTS_DIR = package_path("build/prompts")
 DISTILL_PROMPTS = PROMPTS_DIR / "distill.txt"
 HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
-SYNTH_PROMPTS = PROMPTS_DIR / "synth.txt"  # the target's own user turns (build/synth.py)
+# the target's own user turns (build/synth.py), one file per seed, each deduplicated against the held-out prompts and
+# the files of the seeds before it
+SYNTH_SEEDS = (0, 1)
+SYNTH_PROMPTS = tuple(PROMPTS_DIR / f"synth-seed{seed}.txt" for seed in SYNTH_SEEDS)
+TRAIN_PROMPTS = (DISTILL_PROMPTS, *SYNTH_PROMPTS)  # the written prompts, then the target's own
 ANSWERS_DIR = package_path("build/answers")
 SHIPPED_FORMAT = 1
 
@@ -436,7 +440,7 @@ def teacher_force(
 
 def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes: float = 8.0,
                  rounds: int = DistillConfig.samples_per_prompt,
-                 prompts: Sequence[Path] = (DISTILL_PROMPTS, SYNTH_PROMPTS)) -> Path:
+                 prompts: Sequence[Path] = TRAIN_PROMPTS) -> Path:
     """Generate the target's answers to the held-out and training prompts for `minutes`, then write every answer
     made so far (answers already shipped kept) as the package's shipped answers; returns the output stem."""
     cfg = DistillConfig(samples_per_prompt=rounds)

@@ -8,7 +8,7 @@
 Pipeline (`make_draft`), all inside one wall-clock budget, one job per module:
 
 1. **answers** (build/corpus.py): the target's answers to the written (`build/prompts/distill.txt`) and its own
-   self-synthesized prompts (`build/prompts/synth.txt`, build/synth.py) and to the held-out ones, shipped with the
+   self-synthesized prompts (`build/prompts/synth-seed*.txt`, build/synth.py) and to the held-out ones, shipped with the
    package for the embedded target (no generation), cached or generated (build/generation.py) for any other.
 2. **teacher forcing** (build/corpus.py): one batched target forward per group of answers gives their top-k
    log-probs (and, for a head, the target's features), until the data share of the budget is spent.
@@ -42,9 +42,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from spectrt.build.corpus import (
-    DISTILL_PROMPTS,
     HELDOUT_PROMPTS,
-    SYNTH_PROMPTS,
+    TRAIN_PROMPTS,
     conv_key,
     generate_distill_data,
     read_prompts,
@@ -65,7 +64,6 @@ REPORT_NAME = "draft_report.json"
 STATE_NAME = "train_state.pt"
 SHIPPED_FILES = ("config.json", "model.safetensors", REPORT_NAME)
 SHIPPED_LIMIT_MB = 30
-TRAIN_PROMPTS = (DISTILL_PROMPTS, SYNTH_PROMPTS)  # the written prompts, then the target's own (build/synth.py)
 
 
 def frequent_ids(records: Sequence[dict], k: int, vocab: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ a conversation the target already answered. Every message is sampled through the
 on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable ASCII (English),
 not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
 
-`python -m spectrt.cli.ship prompts --count N` writes `build/prompts/synth.txt` (read by build/corpus.py like any
-corpus).
+`python -m spectrt.cli.ship prompts --count N --seed S` writes `build/prompts/synth-seed<S>.txt` (read by
+build/corpus.py like any corpus; `SYNTH_SEEDS` lists the shipped files).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from spectrt.build.corpus import Conversation
 from spectrt.build.generation import Request, generate
 from spectrt.runtime.decoding.sampling import SamplingParams
+from spectrt.runtime.engines.checkpoint import eos_ids
 
 MARK = "\x00"  # a placeholder user message: the template up to it is the pre-query template
 TEMPERATURE, TOP_P = 1.0, 0.95  # Magpie samples the user turn at T=1 (top-p keeps the tail from derailing)
@@ -66,8 +67,7 @@ def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conv
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     engine = load_engine(Path(target), "torch", dtype, measure_kernels=False)
-    end = {tokenizer.eos_token_id} | ({tokenizer.convert_tokens_to_ids("<|im_end|>")}
-                                      if "<|im_end|>" in tokenizer.get_vocab() else set())
+    end = eos_ids(target, tokenizer)  # the turn's end: chat models list it as an end-of-sequence id
     seen = {normalized(m["content"]) for conv in exclude for m in conv if m["role"] == "user"}
     wanted = len(histories) if histories else count
     out: list[Conversation] = []

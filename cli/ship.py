@@ -12,15 +12,16 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spectrt.build.corpus import DISTILL_PROMPTS, SYNTH_PROMPTS
+    from spectrt.build.corpus import TRAIN_PROMPTS
     from spectrt.build.distill import DistillConfig
 
     p = argparse.ArgumentParser(prog="python -m spectrt.cli.ship", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("prompts", help="self-synthesize user prompts with the target (Magpie)")
-    s.add_argument("--count", type=int, default=4000, help="single-turn prompts")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", type=Path, default=SYNTH_PROMPTS)
+    s.add_argument("--count", type=int, default=2000, help="single-turn prompts")
+    s.add_argument("--seed", type=int, default=0, help="its file: build/prompts/synth-seed<SEED>.txt, deduplicated "
+                   "against the held-out prompts and the files of smaller seeds")
+    s.add_argument("--force", action="store_true", help="synthesize again although this command made the file")
     a = sub.add_parser("answers", help="generate the target's answers to the held-out and training prompts for a "
                        "while and write every answer made so far as shipped package data (run it again to add more)")
     a.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--minutes", type=float, default=8.0, help="generation time for this call")
     a.add_argument("--rounds", type=int, default=DistillConfig.samples_per_prompt,
                    help="sampled answers per training prompt")
-    a.add_argument("--prompts", type=Path, nargs="+", default=[DISTILL_PROMPTS, SYNTH_PROMPTS],
+    a.add_argument("--prompts", type=Path, nargs="+", default=list(TRAIN_PROMPTS),
                    help="training prompt files")
     d = sub.add_parser("draft", help="write a trained draft as the package's shipped draft for its target")
     d.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
@@ -44,14 +45,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = resolve_target(args.target)
     if args.what == "prompts":
-        from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
+        from spectrt.build.corpus import HELDOUT_PROMPTS, PROMPTS_DIR, read_prompts
         from spectrt.build.synth import synthesize, write_prompts
 
-        convs = synthesize(target, args.count, args.seed, exclude=read_prompts(HELDOUT_PROMPTS))
-        write_prompts(args.out, convs, f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed "
-                      f"{args.seed}:\npython -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed} "
-                      "(build/synth.py)")
-        print(f"wrote {len(convs)} prompts to {args.out}")
+        earlier = [PROMPTS_DIR / f"synth-seed{seed}.txt" for seed in range(args.seed)]
+        exclude = [c for path in (HELDOUT_PROMPTS, *earlier) if path.is_file() for c in read_prompts(path)]
+        out = PROMPTS_DIR / f"synth-seed{args.seed}.txt"
+        header = (f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
+                  f"python -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed} (build/synth.py)")
+        made = "".join(f"# {line}\n" for line in header.splitlines())
+        if out.is_file() and out.read_text(encoding="utf-8").startswith(made) and not args.force:
+            print(f"{out} was made by this command: kept (--force makes it again; a seed gives the same prompts)")
+            return 0
+        convs = synthesize(target, args.count, args.seed, exclude=exclude)
+        write_prompts(out, convs, header)
+        print(f"wrote {len(convs)} prompts to {out}")
     elif args.what == "answers":
         from spectrt.build.corpus import ship_answers
 

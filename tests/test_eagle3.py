@@ -509,7 +509,8 @@ def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path
     training conversation and round has its shipped answer, and their checksum holds."""
     cfg = DistillConfig()
     fingerprint = C.target_fingerprint(target_dir)
-    written, synth = C.read_prompts(C.DISTILL_PROMPTS), C.read_prompts(C.SYNTH_PROMPTS)
+    written = C.read_prompts(C.DISTILL_PROMPTS)
+    synth = [c for path in C.SYNTH_PROMPTS for c in C.read_prompts(path)]
     train = written + synth
     held = C.read_prompts(C.HELDOUT_PROMPTS)
     for eval_set, convs in ((False, train), (True, held)):

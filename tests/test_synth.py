@@ -43,7 +43,7 @@ def test_synthesized_prompts_are_deterministic_for_a_seed_and_unique(target_dir)
 
 
 def test_shipped_prompts_are_a_corpus_disjoint_from_the_heldout_set():
-    synth = C.read_prompts(C.SYNTH_PROMPTS)
+    synth = [c for path in C.SYNTH_PROMPTS for c in C.read_prompts(path)]
     assert len(synth) >= 1000
     keys = {C.conv_key(c) for c in synth}
     assert len(keys) == len(synth) and not keys & {C.conv_key(c) for c in C.read_prompts(C.HELDOUT_PROMPTS)}
