@@ -44,7 +44,12 @@ HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
 # the target's own user turns (build/synth.py), one file per seed, each deduplicated against the held-out prompts and
 # the files of the seeds before it
 SYNTH_SEEDS = (0, 1)
-SYNTH_PROMPTS = tuple(PROMPTS_DIR / f"synth-seed{seed}.txt" for seed in SYNTH_SEEDS)
+def synth_prompts_path(seed: int) -> Path:
+    """The file of the prompts the target synthesized with `seed` (`python -m spectrt.cli.ship prompts`)."""
+    return PROMPTS_DIR / f"synth-seed{seed}.txt"
+
+
+SYNTH_PROMPTS = tuple(synth_prompts_path(seed) for seed in SYNTH_SEEDS)
 TRAIN_PROMPTS = (DISTILL_PROMPTS, *SYNTH_PROMPTS)  # the written prompts, then the target's own
 ANSWERS_DIR = package_path("build/answers")
 SHIPPED_FORMAT = 1

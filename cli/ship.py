@@ -45,12 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = resolve_target(args.target)
     if args.what == "prompts":
-        from spectrt.build.corpus import HELDOUT_PROMPTS, PROMPTS_DIR, read_prompts
+        from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts, synth_prompts_path
         from spectrt.build.synth import synthesize, write_prompts
 
-        earlier = [PROMPTS_DIR / f"synth-seed{seed}.txt" for seed in range(args.seed)]
+        earlier = [synth_prompts_path(seed) for seed in range(args.seed)]
         exclude = [c for path in (HELDOUT_PROMPTS, *earlier) if path.is_file() for c in read_prompts(path)]
-        out = PROMPTS_DIR / f"synth-seed{args.seed}.txt"
+        out = synth_prompts_path(args.seed)
         header = (f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
                   f"python -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed} (build/synth.py)")
         made = "".join(f"# {line}\n" for line in header.splitlines())
