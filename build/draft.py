@@ -128,6 +128,7 @@ def make_draft(
     max_steps: int | None = None,
     progress: bool = True,
     config: DistillConfig | None = None,
+    init_from: Path | None = None,
     **overrides,
 ) -> Path:
     """Make a `kind` draft (slice: `target`'s first `layers` layers; eagle3: a feature head) within `budget_minutes`.
@@ -137,16 +138,20 @@ def make_draft(
     shipped or cached) and their teacher forcing, then training answers (shipped, cached, or generated) and their
     teacher forcing while less than `data_fraction` (a head: `head_data_fraction`) of the budget has passed, then
     training until the budget minus the final evaluation. With `resume` a matching training state in `work_dir` is
-    continued (interrupted or finished run), so running again keeps improving the draft. `max_steps` caps training
-    steps (tests); `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for an unknown kind,
-    a layer count outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the corpus, a
-    target without LM head or without config.json, a negative vocab_subset.
+    continued (interrupted or finished run), so running again keeps improving the draft; without one, `init_from`
+    (an EAGLE-3 head made for this target, e.g. the shipped draft) gives the starting weights and the draft
+    vocabulary, so a run on more data continues a finished draft (the optimizer starts afresh). `max_steps` caps
+    training steps (tests); `overrides` set DistillConfig fields. Raises ValueError (saying what to fix) for an
+    unknown kind, a layer count outside 1..target layers-1, an empty or missing corpus, held-out prompts inside the
+    corpus, a target without LM head or without config.json, a negative vocab_subset, `init_from` for a slice.
     """
     t_start = time.monotonic()
     target, out_dir = Path(target), Path(out_dir)
     cfg = dataclasses.replace(config or DistillConfig(), **overrides)
     if kind not in KINDS:
         raise ValueError(f"--kind {kind!r} is not a draft kind: choose one of {', '.join(KINDS)}")
+    if init_from is not None and kind != "eagle3":
+        raise ValueError("--init-from continues an EAGLE-3 head: use it with --kind eagle3")
     if budget_minutes <= 0:
         raise ValueError(f"budget_minutes must be positive, got {budget_minutes}")
     if not (target / "config.json").is_file():
@@ -178,28 +183,37 @@ def make_draft(
     # held-out answers first (small, needed for the report), then as much training data as the data share allows
     eval_answers, eval_stats = generate_distill_data(target, eval_convs, work_dir, cfg, eval_set=True,
                                                      progress=progress)
+    forced_dir = work_dir / f"teacher-{fingerprint[:16]}"  # kept across runs: forcing 1M tokens takes most of an hour
     eval_records, eval_tf = teacher_force(target, eval_answers, cfg.eval_dtype, cfg.top_k, features,
-                                          progress=progress, desc="teacher forcing (held-out)")
+                                          progress=progress, desc="teacher forcing (held-out)", cache_dir=forced_dir)
     fraction = cfg.data_fraction if kind == "slice" else cfg.head_data_fraction
     data_end = t_start + fraction * budget_s
     answers, data_stats = generate_distill_data(target, train_convs, work_dir, cfg, deadline=data_end,
                                                 progress=progress, time_budget_s=fraction * budget_s)
     records, train_tf = teacher_force(target, answers, cfg.gen_dtype, cfg.top_k, features, deadline=data_end,
-                                      rows_per_call=cfg.tf_rows_per_call, seed=cfg.seed, progress=progress)
+                                      rows_per_call=cfg.tf_rows_per_call, seed=cfg.seed, progress=progress,
+                                      cache_dir=forced_dir)
     data_stats["teacher_forcing"] = train_tf
     vocab_ids = frequent_ids(records, subset, vocab) if subset else None
+    init = None
+    if init_from is not None:
+        from spectrt.build.eagle3 import load_head_init
+
+        init = load_head_init(Path(init_from), target_config, features)
+        vocab_ids = init["d2t"] + torch.arange(len(init["d2t"]))  # the vocabulary the head was trained on
     if kind == "slice":
         train = _train_slice(target, slice_dir, out_dir, layers, records, eval_records, vocab_ids, cfg, deadline,
                              work_dir, resume, max_steps, progress, fingerprint)
     else:
         train = _train_eagle3(target, target_config, out_dir, features, records, eval_records, vocab_ids, cfg,
-                              deadline, work_dir, resume, max_steps, progress, fingerprint)
+                              deadline, work_dir, resume, max_steps, progress, fingerprint, init)
     untrained, distilled, train_stats, extra_report = train
     report = {
         "target": str(target),
         "kind": kind,
         **extra_report,
         "budget_minutes": budget_minutes,
+        "init_from": str(init_from) if init_from is not None else None,
         "vocab_subset": subset,
         "heldout": {"prompts": len(eval_convs), "tokens": untrained["tokens"], "untrained": untrained,
                     "distilled": distilled},
@@ -239,7 +253,7 @@ def _train_slice(target, slice_dir, out_dir, layers, records, eval_records, voca
 
 
 def _train_eagle3(target, target_config, out_dir, features, records, eval_records, vocab_ids, cfg, deadline,
-                  work_dir, resume, max_steps, progress, fingerprint):
+                  work_dir, resume, max_steps, progress, fingerprint, init=None):
     from spectrt.build.eagle3 import Eagle3Module, evaluate_head, save_head, train_head
     from spectrt.runtime.engines.model import Transformer
 
@@ -255,7 +269,7 @@ def _train_eagle3(target, target_config, out_dir, features, records, eval_record
         records, target_config, ref.embed, ref.head, ref.norm, ids,
         work_dir / f"{STATE_NAME[:-3]}-{out_dir.name}-eagle3.pt", cfg,
         budget_s=_train_budget(deadline, untrained["tokens"]), max_steps=max_steps, resume=resume,
-        progress=progress, tag=fingerprint, pad_id=pad,
+        progress=progress, tag=fingerprint, pad_id=pad, init=init,
         evaluate=lambda m: evaluate_head(m, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad),
     )
     distilled = evaluate_head(model, eval_records, ref.embed, cfg.ttt_steps, pad_id=pad)

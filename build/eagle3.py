@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from spectrt.build.distill import (
     DistillConfig,
     _batches,
@@ -243,12 +243,14 @@ def train_head(
     pad_id: int = 0,
     evaluate: Callable[[Eagle3Module], dict] | None = None,
     evaluate_every_s: float = 300.0,
+    init: dict[str, torch.Tensor] | None = None,
 ) -> tuple[Eagle3Module, dict]:
     """Train a head on teacher-forced `records` (with `features`, `top_ids`, `top_logp`); returns (module, stats).
 
     Budget, checkpoint/resume, schedule and progress bar as `train_draft` (build/distill.py) for the slice. With
     `evaluate` (module -> held-out metrics) the learning curve is measured every `evaluate_every_s` of training and
-    returned as `stats["curve"]`: minutes, steps, answer tokens seen, held-out top-1 by draft depth.
+    returned as `stats["curve"]`: minutes, steps, answer tokens seen, held-out top-1 by draft depth. `init` (a
+    head's state dict, `load_head_init`) replaces the starting weights when no training state is resumed.
     """
     from tqdm.auto import tqdm
 
@@ -270,6 +272,7 @@ def train_head(
     meta = {"kind": "eagle3", "trainable": names, "records": len(records), "tag": tag, "vocab": len(draft_ids),
             "ttt_steps": cfg.ttt_steps}
     step = epoch = pos = 0
+    resumed = False
     if resume and Path(state_path).is_file():
         state = torch.load(state_path, weights_only=True)
         same = all(state["meta"].get(k) == meta[k] for k in ("kind", "trainable", "tag", "vocab"))
@@ -281,6 +284,13 @@ def train_head(
                     params[n].copy_(state["params"][n])
             opt.load_state_dict(state["optimizer"])
             step, epoch, pos = state["step"], state["epoch"], state["pos"]
+            resumed = True
+    if init is not None and not resumed:
+        if not torch.equal(init["d2t"], model.d2t):
+            raise ValueError("the starting head's draft vocabulary differs from this run's: pass its draft_ids")
+        with torch.no_grad():
+            for n in names:
+                params[n].copy_(init[n].float())
     start_step = step
     remap = subset_remap(draft_ids.long(), target_config.vocab_size)
     embed_c = embed.detach().to(torch.bfloat16 if cfg.amp else torch.float32)
@@ -431,6 +441,23 @@ def evaluate_head(model: Eagle3Module, records: Sequence[dict], embed: torch.Ten
             "top1_by_step": [round(h / max(r, 1), 4) for h, r in zip(hit1, rows, strict=True)]}
 
 
+def load_head_init(head_dir: Path, target: ModelConfig, feature_layers: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The state dict of an EAGLE-3 head in `head_dir` to continue training from (`train_head(init=...)`), checked
+    against the target it will train for: hidden sizes and feature layers. Raises ValueError saying what differs."""
+    config_path, weights = Path(head_dir) / "config.json", Path(head_dir) / "model.safetensors"
+    if not (config_path.is_file() and weights.is_file()):
+        raise ValueError(f"--init-from {head_dir}: not an EAGLE-3 head (config.json and model.safetensors needed)")
+    config = json.loads(config_path.read_text())
+    layers = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if config.get("architectures") != [ARCHITECTURE] or config.get("target_hidden_size") != target.hidden_size:
+        raise ValueError(f"--init-from {head_dir}: not an EAGLE-3 head for a target of hidden size "
+                         f"{target.hidden_size}")
+    if list(layers or ()) != [int(j) for j in feature_layers]:
+        raise ValueError(f"--init-from {head_dir}: reads target layers {layers}, this target's head reads "
+                         f"{list(feature_layers)}")
+    return load_file(weights)
+
+
 def save_head(model: Eagle3Module, target: Path, out_dir: Path, feature_layers: Sequence[int],
               extra: dict | None = None) -> Path:
     """Write the head in SpecForge's EAGLE-3 layout (config.json + model.safetensors, no embed_tokens: the target's
@@ -464,4 +491,5 @@ def save_head(model: Eagle3Module, target: Path, out_dir: Path, feature_layers: 
     return out_dir
 
 
-__all__ = ["Eagle3Module", "default_feature_layers", "evaluate_head", "head_config", "save_head", "train_head"]
+__all__ = ["Eagle3Module", "default_feature_layers", "evaluate_head", "head_config", "load_head_init", "save_head",
+           "train_head"]

@@ -37,7 +37,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
                   "--train makes one here instead)")
             return 0
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
-               vocab_subset=args.vocab_subset)
+               vocab_subset=args.vocab_subset, init_from=args.init_from)
     if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
         return _report_head(target, out, report_path)
     # what the draft buys at run time, measured on held-out prompts with the default tree
@@ -171,6 +171,9 @@ def add_parsers(sub) -> None:
     d.add_argument("--vocab-subset", type=int, default=DistillConfig.vocab_subset,
                    help="draft head over the K most frequent ids of the target's answers (0: full vocabulary)")
     d.add_argument("--out", help="output dir (default: <artifacts>/<target>-draft)")
+    d.add_argument("--init-from", type=Path, default=None,
+                   help="eagle3: start from this head's weights and draft vocabulary (e.g. the shipped draft, to "
+                        "continue it on more data) when no training state of this --out is resumed")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")

@@ -199,6 +199,30 @@ def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tm
     assert 0 < cut_stats["records"] < 16 and "features" not in cut[0]  # a passed deadline: one call, then stop
 
 
+def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, corpora, tmp_path):
+    """A run cut by its deadline leaves its prompts in the cache; the next run reads them back unchanged and forces
+    only the others; other settings (top-k) do not read them."""
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=1.0, samples_per_prompt=2)
+    recs, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:6], tmp_path, cfg, progress=False)
+    cache = tmp_path / "forced"
+    cut, cut_stats = C.teacher_force(tiny, recs, "float32", 5, (1, 3), deadline=0.0, rows_per_call=16,
+                                     progress=False, cache_dir=cache)
+    assert 0 < cut_stats["records"] < len(recs) and cut_stats["cached"] == 0
+    full, stats = C.teacher_force(tiny, recs, "float32", 5, (1, 3), rows_per_call=16, progress=False,
+                                  cache_dir=cache)
+    assert stats["records"] == len(recs) and stats["cached"] == cut_stats["records"]
+    assert stats["tokens"] + stats["cached_tokens"] == sum(len(r["input_ids"]) for r in recs)
+    fresh, _ = C.teacher_force(tiny, recs, "float32", 5, (1, 3), rows_per_call=16, progress=False)
+    by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
+    for got in full:
+        want = by_ids[tuple(got["input_ids"].tolist())]
+        assert all(torch.equal(got[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+    _, again = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
+    assert again["cached"] == len(recs) and again["forward_rows"] == 0
+    _, other = C.teacher_force(tiny, recs, "float32", 4, (1, 3), progress=False, cache_dir=cache)
+    assert other["cached"] == 0
+
+
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
     import shutil
 

@@ -21,7 +21,7 @@ from spectrt.build import eagle3 as B
 from spectrt.build.distill import DistillConfig
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
 from spectrt.runtime.engines.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
-from spectrt.runtime.engines.model import Transformer
+from spectrt.runtime.engines.model import ModelConfig, Transformer
 from test_draft import TINY, _corpus_lines, make_tiny_target
 
 SPECFORGE_WEIGHTS = {
@@ -498,6 +498,24 @@ def test_eagle3_resume_continues(tiny, corpora, tmp_path):
     assert stats["resumed_from_step"] == 2 and stats["steps"] == 6
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_run_can_continue_a_finished_head(tiny, corpora, trained, tmp_path):
+    """--init-from: a run continues another head's weights and draft vocabulary (zero steps give it back, held-out
+    agreement included); a head for other feature layers, or a slice, is refused with the reason."""
+    out = tmp_path / "continued"
+    D.make_draft(tiny, out, kind="eagle3", budget_minutes=3, prompts=corpora[0], heldout=corpora[1], max_steps=0,
+                 progress=False, init_from=trained, **{**TINY, "head_batch_tokens": 1024})
+    before, after = load_file(trained / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    report = json.loads((out / D.REPORT_NAME).read_text())
+    first = json.loads((trained / D.REPORT_NAME).read_text())
+    assert report["init_from"] == str(trained) and report["train"]["steps"] == 0
+    assert report["heldout"]["distilled"]["top1"] == first["heldout"]["distilled"]["top1"]
+    with pytest.raises(ValueError, match="reads target layers"):
+        B.load_head_init(trained, ModelConfig.from_dir(tiny), (1, 2, 3))
+    with pytest.raises(ValueError, match="--kind eagle3"):
+        D.make_draft(tiny, tmp_path / "slice", kind="slice", init_from=trained, progress=False)
 
 
 # ------------------------------------------------------------------------------------------- shipped answers
