@@ -19,8 +19,11 @@ from spectrt.build import corpus as C
 from spectrt.build import draft as D
 from spectrt.build import eagle3 as B
 from spectrt.build.distill import DistillConfig
+from spectrt.runtime.decoding.propose import Eagle3Proposer
+from spectrt.runtime.decoding.sampling import top_tokens
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
 from spectrt.runtime.engines.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
+from spectrt.runtime.engines.kernels import native_unavailable
 from spectrt.runtime.engines.model import ModelConfig, Transformer
 from test_draft import TINY, _corpus_lines, make_tiny_target
 
@@ -316,6 +319,28 @@ def test_native_head_matches_the_reference(tiny, tmp_path, dtype):
         torch.testing.assert_close(a[:, ids], c[:, ids], **tol)
         torch.testing.assert_close(b, d, **tol)
     assert torch.equal(nat_level[1][0], nat_logits[:3]) and torch.equal(nat_level[1][1], nat_hidden[:3])
+
+
+def test_the_proposer_reads_draft_vocabulary_columns(tiny, tmp_path):
+    """The loop reads a head's draft-vocabulary logits (no 384- or 49k-wide -inf rows to fill and scan): they are the
+    full rows' columns at head_ids, bitwise, on both paths; their top-k as target ids is the full rows' top-k."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    out = B.save_head(_random_module(target), tiny, tmp_path / "head", (2, 2, 1))
+    feats = torch.randn(5, 3 * 64, generator=torch.Generator().manual_seed(4))
+    tokens = torch.tensor([5, 77, 300, 12, 9])
+    for native in (False, True) if native_unavailable() is None else (False,):
+        head = Eagle3Head.load(out, target, native=native)
+        rows = {}
+        for full in (True, False):
+            rows[full] = head.forward(tokens, torch.arange(1, 6), _causal(5), head.new_cache(32, 8),
+                                      head.project(feats), full_vocab=full)
+        (sub, sub_hidden), (full_rows, full_hidden) = rows[False], rows[True]
+        assert sub.shape == (5, 100) and torch.equal(sub, full_rows[:, head.head_ids])
+        assert torch.equal(sub_hidden, full_hidden) and torch.equal(head.full_rows(sub), full_rows)
+        proposer = Eagle3Proposer(head, 1, 32, 8, target)
+        (toks, probs), (want_toks, want_probs) = proposer._top(sub, 3), top_tokens(full_rows, 3)
+        assert toks == want_toks
+        assert all(r == pytest.approx(w, rel=1e-6) for r, w in zip(probs, want_probs, strict=True))
 
 
 def test_mismatched_heads_are_refused(tiny, tmp_path):

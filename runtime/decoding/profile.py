@@ -225,8 +225,8 @@ class HeadRows:
     def forward_many(self, segments) -> list[torch.Tensor]:
         rows = [len(s[0]) for s in segments]
         hidden = self.hidden[:sum(rows)].split(rows)
-        return [logits for logits, _ in self.head.forward_many([(*s, h) for s, h in zip(segments, hidden,
-                                                                                        strict=True)])]
+        segments = [(*s, h) for s, h in zip(segments, hidden, strict=True)]
+        return [logits for logits, _ in self.head.forward_many(segments, full_vocab=False)]  # as the loop reads it
 
     def forward(self, tokens, positions, tree_mask, cache) -> torch.Tensor:
         return self.forward_many([(tokens, positions, tree_mask, cache)])[0]

@@ -120,6 +120,7 @@ class DraftProposer:
     """
 
     feature_layers: tuple[int, ...] | None = None  # target features this proposer reads (Eagle3Proposer)
+    vocab_ids: list[int] | None = None  # target id of each draft logit column (None: the full vocabulary)
 
     def __init__(self, engine: Engine, slots: int, capacity: int, window: int):
         self.engine, self.window = engine, window
@@ -220,6 +221,8 @@ class DraftProposer:
     def _forward(self, segments: list[Segment]) -> list:
         start = time.perf_counter()
         try:
+            if self.vocab_ids is not None:
+                return self.engine.forward_many(segments, full_vocab=False)
             return self.engine.forward_many(segments)
         finally:
             self.forward_seconds += time.perf_counter() - start
@@ -237,12 +240,12 @@ class DraftProposer:
                 level, parents = tree.levels[depth], tree.levels[depth - 1]
                 sampled = not params.greedy and job.children == "sample"
                 if sampled:
-                    q = sampling_probs(d.logits, params)
+                    q = sampling_probs(self._full_rows(d.logits), params)
                     for row, node in enumerate(parents):
                         cand.q[node] = q[row]
                     top = draw_children(q, k, job.draft_gen)
                 else:
-                    top = torch.tensor(top_tokens(d.logits, k)[0])
+                    top = torch.tensor(self._top(d.logits, k)[0])
                 tokens = top[parent_row, rank].tolist()
                 for node, tok in zip(level, tokens, strict=True):
                     got = cand.trie.add(tree.parents[node], tok, 1.0, sampled=sampled)
@@ -251,15 +254,27 @@ class DraftProposer:
             policy = cand.policy
             cal = policy.calibration
             if params.greedy:
-                toks, probs = top_tokens(d.logits, policy.width)
+                toks, probs = self._top(d.logits, policy.width)
             else:
-                top = sampling_probs(d.logits, params).topk(policy.width, dim=-1)
+                top = sampling_probs(self._full_rows(d.logits), params).topk(policy.width, dim=-1)
                 probs, toks = top.values.tolist(), top.indices.tolist()
             d.top1 = sum(p[0] for p in probs) / len(probs)
             for row, parent in enumerate(d.frontier):
                 for rank, (prob, tok) in enumerate(zip(probs[row], toks[row], strict=True)):
                     node = cand.trie.add(parent, tok, cand.trie.scores[parent] * cal.draft_edge(prob))
                     cand.keys.setdefault(node, []).append(("draft", (depth, rank, prob)))
+
+    def _top(self, logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+        """`top_tokens` of draft logits, as target ids (a draft vocabulary is sorted: ties still go to the lower id)."""
+        toks, probs = top_tokens(logits, k)
+        if self.vocab_ids is not None:
+            ids = self.vocab_ids
+            toks = [[ids[t] for t in row] for row in toks]
+        return toks, probs
+
+    def _full_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits as full-vocabulary rows (sampling compares the draft's q with the target's p)."""
+        return logits if self.vocab_ids is None else self.engine.full_rows(logits)
 
     @staticmethod
     def _next_static(d: _Drafting, depth: int) -> list[int]:
@@ -339,6 +354,10 @@ class Eagle3Proposer(DraftProposer):
                              "them (use the torch or native target engine)")
         super().__init__(head, slots, capacity, window)
         self.feature_layers = tuple(head.feature_layers)
+        # the head's logits over its draft vocabulary only (8,192 of 49,152 ids for the shipped head): no -inf fill
+        # and a 6x narrower top-k per drafted row; full rows only where a sampled request needs the draft's q
+        if len(head.head_ids) < head.config.model.vocab_size:
+            self.vocab_ids = head.head_ids.tolist()
         self.base = [0] * slots  # position of the first pending feature row
         self.count = [0] * slots  # pending feature rows: `pending` and then `arrived`, in position order
         self.pending = [torch.empty(0, head.fc.shape[1]) for _ in range(slots)]

@@ -278,31 +278,42 @@ class Eagle3Head:
         return F.linear(features.to(self.dtype), self.fc)
 
     @torch.no_grad()
-    def forward_many(self, segments: Sequence[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
         native forward all segments' rows share each GEMM. Logits are full-vocabulary rows, -inf outside the draft
-        vocabulary (its probability 0: top-k and sampling over a row are exact)."""
+        vocabulary (its probability 0: top-k and sampling over a row are exact); with `full_vocab=False` the draft
+        vocabulary's columns only ([T, len(head_ids)], column j is target id `head_ids[j]`), which is what the
+        proposer reads: a 49,152-wide row per drafted node cost its fill and a 6x wider top-k scan."""
         c = self.config.model
         for tokens, _, mask, cache, hidden in segments:
             cache.new_slots(tokens, mask)
             if hidden.shape != (mask.shape[0], c.hidden_size):
                 raise ValueError(f"hidden must be [{mask.shape[0]}, {c.hidden_size}], got {tuple(hidden.shape)}")
         if self.native is None:
-            return [self._forward(*segment) for segment in segments]
+            out = [self._forward(*segment) for segment in segments]
+            return [(self.full_rows(lg), h) for lg, h in out] if full_vocab else out
         logits, out, rows = self.native.forward_many(segments)
-        full = torch.full((len(logits), c.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-        return list(zip(full.split(rows), out.split(rows), strict=True))
+        if full_vocab:
+            logits = self.full_rows(logits)
+        return list(zip(logits.split(rows), out.split(rows), strict=True))
+
+    def full_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, len(head_ids)] -> full-vocabulary rows, -inf outside the draft vocabulary."""
+        if len(self.head_ids) == self.config.model.vocab_size:
+            return logits
+        full = torch.full((len(logits), self.config.model.vocab_size), -torch.inf)
+        return full.index_copy_(1, self.head_ids, logits)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache: KVCache,
-                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden: torch.Tensor, full_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One head pass over T rows: tokens [T], positions [T], tree_mask [T, W] over the cache's uncommitted
         window (as for every engine), hidden [T, H] (`project`ed target features or parent rows' outputs).
-        Returns full-vocabulary logits (-inf outside the draft vocabulary) and the rows' output hidden."""
-        return self.forward_many([(tokens, positions, tree_mask, cache, hidden)])[0]
+        Returns logits (as `forward_many`) and the rows' output hidden."""
+        return self.forward_many([(tokens, positions, tree_mask, cache, hidden)], full_vocab)[0]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache: KVCache,
                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch reference of one segment."""
+        """The torch reference of one segment: draft-vocabulary logits and output hidden."""
         c = self.config.model
         t = tree_mask.shape[0]
         n = cache.length
@@ -326,9 +337,7 @@ class Eagle3Head:
         h = g + F.linear(o.transpose(0, 1).reshape(t, q_dim), self.wo)
         gate, up = F.linear(self._rms_norm(h, self.post_norm), self.w13).chunk(2, dim=-1)
         h = h + F.linear(F.silu(gate) * up, self.w2)
-        logits = F.linear(self._rms_norm(h, self.norm), self.head).float()
-        full = torch.full((t, c.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-        return full, h.float()
+        return F.linear(self._rms_norm(h, self.norm), self.head).float(), h.float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -348,9 +357,9 @@ class Eagle3Head:
 
 def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: int = 20) -> dict[str, float]:
     """Median ms of the head's work per speculative step, measured like `runtime/decoding/profile.py` measures engines:
-    `level`: one draft level of `nodes` rows after `context` committed rows (what each tree level costs, the
-    figure compared with a target step); `catch_up`: fc + one pass over `nodes` committed rows' target features
-    (once per step, for the accepted tokens)."""
+    `level`: one draft level of `nodes` rows after `context` committed rows (draft-vocabulary logits, as the proposer
+    reads them: what each tree level costs, the figure compared with a target step); `catch_up`: fc + one pass over
+    `nodes` committed rows' target features (once per step, for the accepted tokens)."""
     import statistics
     import time
 
@@ -378,5 +387,6 @@ def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: 
             times.append(time.perf_counter() - start)
         return round(statistics.median(times) * 1e3, 4)
 
-    return {"level": median_ms(lambda: head.forward(tokens, positions, mask, cache, hidden)),
-            "catch_up": median_ms(lambda: head.forward(tokens, positions, mask, cache, head.project(features)))}
+    return {"level": median_ms(lambda: head.forward(tokens, positions, mask, cache, hidden, full_vocab=False)),
+            "catch_up": median_ms(lambda: head.forward(tokens, positions, mask, cache, head.project(features),
+                                                       full_vocab=False))}
