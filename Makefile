@@ -11,7 +11,9 @@ DRAFT     ?=
 PRECISION ?= fp16
 ARCH      ?=
 BACKEND   ?= torch
-ENGINES   ?= engines/smollm2-135m-instruct-$(PRECISION)
+# the embedded target's name, as artifacts/ and build/drafts/ name its folders
+EMBEDDED  := smollm2-135m-instruct
+ENGINES   ?= engines/$(EMBEDDED)-$(PRECISION)
 QFORMAT   ?= int8_sq
 
 INSTANCES   ?= 1
@@ -40,11 +42,15 @@ setup: $(STAMP)  ## virtual environment + embedded model converted to a HF check
 draft: setup  ## the target's draft: the shipped one for the embedded target (installed in seconds), else trained
 	$(BIN)/spectrt draft
 
-ship-draft: setup  ## remake the shipped draft (~1.5 h on 2 cores): the seeded prompt files and the answers ship (kept, nothing to regenerate), one 85-minute run
+# the shipped draft, trained further: the prompt files and answers ship (kept, nothing to regenerate); one 2-hour run
+# continues the shipped head on all shipped answers. Teacher forcing and the training state stay in
+# artifacts/ship-eagle3.work, so running it again (another session) forces only what is left and resumes training
+ship-draft: setup  ## train the shipped draft further (2 h on 2 cores, resumable) and ship it
 	$(BIN)/python -m spectrt.cli.ship prompts --count 2000 --seed 0
 	$(BIN)/python -m spectrt.cli.ship prompts --count 3000 --seed 1
 	$(BIN)/python -m spectrt.cli.ship answers --minutes 60
-	$(BIN)/spectrt draft --kind eagle3 --train --force --budget-minutes 85 --out artifacts/ship-eagle3
+	$(BIN)/spectrt draft --kind eagle3 --train --force --budget-minutes 120 --out artifacts/ship-eagle3 \
+		--init-from build/drafts/$(EMBEDDED)
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-eagle3
 
 TUNED := artifacts/.tuned-default
@@ -96,17 +102,18 @@ recipes: setup  ## every INT8 recipe on the same held-out positions + verify cos
 # fp32, bf16, INT8 W8A8 ($(QFORMAT)) and INT8 weight-only targets, each AR and with the default speculation (each
 # precision's policy tuned on this machine, as generate runs it), single stream and batched, in one interleaved run
 COMPARE_LIMIT ?=
-TUNED_BF16 := artifacts/policy-smollm2-135m-instruct-smollm2-135m-instruct-draft-bf16.json
-TUNED_INT8 := $(foreach q,$(QFORMAT) int8_wo,artifacts/policy-smollm2-135m-instruct-$(q)-smollm2-135m-instruct-draft-fp32.json)
+# policy files as runtime/decoding/policy.py `policy_path` names them: policy-<target>-<draft>-<dtype>.json
+TUNED_BF16 := artifacts/policy-$(EMBEDDED)-$(EMBEDDED)-draft-bf16.json
+TUNED_INT8 := $(foreach q,$(QFORMAT) int8_wo,artifacts/policy-$(EMBEDDED)-$(q)-$(EMBEDDED)-draft-fp32.json)
 
 $(TUNED_BF16): | draft
 	$(BIN)/spectrt profile --dtype bf16 --repeats 5
 	$(BIN)/spectrt tune --dtype bf16
 
-artifacts/policy-smollm2-135m-instruct-%-smollm2-135m-instruct-draft-fp32.json: | draft  # an INT8 target's policy
+artifacts/policy-$(EMBEDDED)-%-$(EMBEDDED)-draft-fp32.json: | draft  # an INT8 target's policy
 	$(BIN)/spectrt quantize --qformat $*
-	$(BIN)/spectrt profile --target artifacts/smollm2-135m-instruct-$* --dtype fp32 --repeats 5
-	$(BIN)/spectrt tune --target artifacts/smollm2-135m-instruct-$* --dtype fp32
+	$(BIN)/spectrt profile --target artifacts/$(EMBEDDED)-$* --dtype fp32 --repeats 5
+	$(BIN)/spectrt tune --target artifacts/$(EMBEDDED)-$* --dtype fp32
 
 compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  ## every target precision, AR vs speculation, single and batched -> bench/results/compare/
 	$(BIN)/spectrt quantize --qformat int8_wo $(if $(TARGET),--target $(TARGET))
@@ -115,7 +122,7 @@ compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  #
 
 # the exported graphs take a sliced draft (the shipped draft is an EAGLE-3 head, whose target features they do not
 # return yet): for the embedded target a slice is trained once here (10 minutes); DRAFT= names another
-EMBEDDED_SLICE := artifacts/smollm2-135m-instruct-slice
+EMBEDDED_SLICE := artifacts/$(EMBEDDED)-slice
 ENGINE_DRAFT    = $(or $(DRAFT),$(if $(TARGET),,$(EMBEDDED_SLICE)))
 
 $(EMBEDDED_SLICE): | setup

@@ -288,11 +288,20 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def ship_draft(draft_dir: Path, target: Path, out_dir: Path, command: str) -> Path:
+def ship_draft(draft_dir: Path, target: Path, out_dir: Path, command: str, force: bool = False) -> Path:
     """Write `draft_dir` (a trained draft of `target`) as package data in `out_dir`: its weights in bf16 (half the
     bytes; the runtime casts them to its precision), config and report, and `ship.json` with the target's weights
-    checksum (no other target ever reads it), a sha256 per file and the `command` that remakes it."""
+    checksum (no other target ever reads it), a sha256 per file and the `command` that remakes it. A draft with a
+    lower held-out top-1 than the one `out_dir` ships for the same target is refused (ValueError) unless `force`:
+    a shorter run on a slower day must not replace a better draft."""
     draft_dir, out_dir = Path(draft_dir), Path(out_dir)
+    new_top1 = _heldout_top1(draft_dir)
+    if not force and (out_dir / SHIP_NAME).is_file() and (out_dir / REPORT_NAME).is_file():
+        shipped_for = json.loads((out_dir / SHIP_NAME).read_text()).get("target")
+        old_top1 = _heldout_top1(out_dir)
+        if shipped_for == target_fingerprint(target) and new_top1 < old_top1:
+            raise ValueError(f"{draft_dir} agrees less with the target than the shipped draft (held-out top-1 "
+                             f"{new_top1:.1%} < {old_top1:.1%}): train it longer, or pass --force to ship it anyway")
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
              for k, v in load_file(draft_dir / "model.safetensors").items()}
@@ -306,6 +315,10 @@ def ship_draft(draft_dir: Path, target: Path, out_dir: Path, command: str) -> Pa
             "sha256": {n: _sha256(out_dir / n) for n in SHIPPED_FILES}}
     (out_dir / SHIP_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
+
+
+def _heldout_top1(draft_dir: Path) -> float:
+    return json.loads((Path(draft_dir) / REPORT_NAME).read_text())["heldout"]["distilled"]["top1"]
 
 
 def shipped_draft(target: Path, drafts_dir: Path = DRAFTS_DIR) -> Path | None:

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft", help="write a trained draft as the package's shipped draft for its target")
     d.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
     d.add_argument("--command", default="make ship-draft", help="the command that remade it (recorded)")
+    d.add_argument("--force", action="store_true",
+                   help="ship it even with a lower held-out top-1 than the draft shipped now")
     for q in (s, a, d):
         q.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded model)")
     return p
@@ -68,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         from spectrt.build.draft import DRAFTS_DIR, SHIPPED_FILES, ship_draft
 
-        out = ship_draft(args.draft, target, DRAFTS_DIR / Path(target).name, args.command)
+        out = ship_draft(args.draft, target, DRAFTS_DIR / Path(target).name, args.command, args.force)
         size = sum((out / n).stat().st_size for n in SHIPPED_FILES) / 2**20
         print(f"shipped {args.draft} as {out} ({size:.1f} MB)")
     return 0

@@ -52,13 +52,13 @@ def test_shipped_prompts_are_a_corpus_disjoint_from_the_heldout_set():
 # ------------------------------------------------------------------------------------------- the shipped draft
 
 
-def _fake_draft(path, scale: float = 1.0):
+def _fake_draft(path, scale: float = 1.0, top1: float = 0.5):
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
     save_file({"fc.weight": torch.full((4, 12), scale), "d2t": torch.arange(4)}, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-    (path / "draft_report.json").write_text(json.dumps({"heldout": {"distilled": {"top1": 0.5}}}))
+    (path / "draft_report.json").write_text(json.dumps({"heldout": {"distilled": {"top1": top1}}}))
     return path
 
 
@@ -83,6 +83,23 @@ def test_a_shipped_draft_installs_only_for_its_target_and_refuses_corruption(tmp
     (drafts / "tiny" / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="model.safetensors fails its sha256"):
         D.install_shipped(tiny, tmp_path / "again", drafts)
+
+
+def test_a_worse_draft_does_not_replace_the_shipped_one(tmp_path):
+    """Shipping keeps the better draft: a lower held-out top-1 for the same target is refused with both figures,
+    unless forced; a better one, or one for another target, replaces it."""
+    from test_draft import make_tiny_target
+
+    tiny, other = make_tiny_target(tmp_path / "tiny"), make_tiny_target(tmp_path / "other", layers=2)
+    drafts = tmp_path / "drafts" / "tiny"
+    D.ship_draft(_fake_draft(tmp_path / "a", top1=0.45), tiny, drafts, "first")
+    with pytest.raises(ValueError, match=r"40.0% < 45.0%.*--force"):
+        D.ship_draft(_fake_draft(tmp_path / "b", top1=0.40), tiny, drafts, "worse")
+    assert json.loads((drafts / "ship.json").read_text())["command"] == "first"
+    D.ship_draft(tmp_path / "b", tiny, drafts, "forced", force=True)
+    D.ship_draft(_fake_draft(tmp_path / "c", top1=0.42), tiny, drafts, "better")
+    D.ship_draft(_fake_draft(tmp_path / "d", top1=0.1), other, drafts, "another target")
+    assert json.loads((drafts / "ship.json").read_text())["command"] == "another target"
 
 
 def test_the_package_ships_a_draft_for_the_embedded_target_that_decodes_exactly(target_dir, tmp_path):
