@@ -7,8 +7,10 @@ and the shipped answers use the real embedded target.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -486,6 +488,11 @@ def test_pipeline_loads_a_head_through_draft(tiny, trained):
         got = spec.generate(prompt, 24, tree="2,2,1")
         assert got.token_ids == alone.generate(prompt, 24, tree=None).token_ids
         assert got.stats.draft_passes > 0
+    # a loaded pipeline is frozen out of the cycle collector, and a dropped one is still freed (no reference cycle)
+    assert gc.get_freeze_count() > 0
+    decoder, head = weakref.ref(spec.decoder), weakref.ref(spec.decoder.drafter.engine)
+    del spec
+    assert decoder() is None and head() is None
 
 
 # ------------------------------------------------------------------------------------------- training
