@@ -495,6 +495,22 @@ def test_pipeline_loads_a_head_through_draft(tiny, trained):
     assert decoder() is None and head() is None
 
 
+def test_sampled_trees_with_the_head_draw_from_full_vocabulary_rows(tiny, trained, monkeypatch):
+    """Sampling with a head: children are drawn from the draft's q as full-vocabulary rows (zero outside the head's
+    vocabulary), the verify rule gets q of the target's width, and seeded requests decode alike run twice."""
+    from spectrt.runtime.decoding import propose
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.sampling import SamplingParams
+
+    pipe = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=128)
+    widths, real = [], propose.draw_children
+    monkeypatch.setattr(propose, "draw_children", lambda q, k, gen: (widths.append(tuple(q.shape)), real(q, k, gen))[1])
+    params = SamplingParams(temperature=1.0, seed=7)
+    runs = [pipe.generate("the cat sat on", 16, tree="2,2", params=params) for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and runs[0].stats.draft_passes > 0
+    assert widths and all(w[-1] == 384 for w in widths)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 
