@@ -194,13 +194,14 @@ def make_draft(
                                       rows_per_call=cfg.tf_rows_per_call, seed=cfg.seed, progress=progress,
                                       cache_dir=forced_dir)
     data_stats["teacher_forcing"] = train_tf
-    vocab_ids = frequent_ids(records, subset, vocab) if subset else None
     init = None
-    if init_from is not None:
+    if init_from is not None:  # the vocabulary the head was trained on
         from spectrt.build.eagle3 import load_head_init
 
         init = load_head_init(Path(init_from), target_config, features)
-        vocab_ids = init["d2t"] + torch.arange(len(init["d2t"]))  # the vocabulary the head was trained on
+        vocab_ids = init["d2t"] + torch.arange(len(init["d2t"]))
+    else:
+        vocab_ids = frequent_ids(records, subset, vocab) if subset else None
     if kind == "slice":
         train = _train_slice(target, slice_dir, out_dir, layers, records, eval_records, vocab_ids, cfg, deadline,
                              work_dir, resume, max_steps, progress, fingerprint)
