@@ -19,6 +19,7 @@ QFORMAT   ?= int8_sq
 INSTANCES   ?= 1
 CONCURRENCY ?=
 OPENAI_PORT ?= 9000
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast bench profile tune draft ship-draft quantize recipes compare engines gpu-check serve client perf lint clean check-aarch64
 
@@ -51,7 +52,7 @@ ship-draft: setup  ## train the shipped draft further (2 h on 2 cores, resumable
 	$(BIN)/python -m spectrt.cli.ship prompts --count 3000 --seed 1
 	$(BIN)/python -m spectrt.cli.ship answers --minutes 60
 	$(BIN)/spectrt draft --kind eagle3 --train --force --budget-minutes 120 --out artifacts/ship-eagle3 \
-		--init-from build/drafts/$(EMBEDDED)
+		--init-from build/drafts/$(EMBEDDED) --lr 5e-4
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-eagle3
 
 TUNED := artifacts/.tuned-default
@@ -70,8 +71,8 @@ demo: draft $(TUNED)  ## the main job on the embedded default: tree speculative 
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" $(TREE_ARG)
 	$(BIN)/spectrt generate --prompt "$(PROMPT)" --no-spec
 
-test: setup  ## the test suite (CPU): every tier
-	$(BIN)/python -m pytest -q --durations=25
+test: setup  ## the test suite (CPU): every tier, a file per worker at a time (two workers overlap what one waits on)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: setup  ## the unit tier: no model load, no server (tests/conftest.py says what is in it)
 	$(BIN)/python -m pytest -q -m unit --durations=10

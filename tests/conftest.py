@@ -23,6 +23,14 @@ from spectrt.runtime.engines.model import Transformer
 
 torch.manual_seed(0)
 
+# `make test` runs the suite in worker processes (pytest-xdist, one file at a time per worker): each takes its share
+# of the cores, and so does every process it starts (OMP_NUM_THREADS), else the workers' OpenMP threads outnumber
+# the cores and spin against each other (on 2 cores a forward collapses several-fold)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(THREADS)
+    torch.set_num_threads(THREADS)
+
 PROMPTS = [  # chat prompts of the decoding tests
     "Write a Python function that checks whether a number is prime.",
     "List five animals that live in the ocean.",
