@@ -177,7 +177,8 @@ def add_parsers(sub) -> None:
                         "continue it on more data) when no training state of this --out is resumed")
     d.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default {DistillConfig.head_lr:g}); a run that continues a trained head "
-                        "does better with a lower one: at the full rate its held-out top-1 first drops ~5 points")
+                        "does better with a lower one (make ship-draft: 5e-4): at the full rate the shipped head first "
+                        "fell from 45.1%% to 42.5%% held-out top-1")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")

@@ -79,6 +79,20 @@ def test_help_and_bad_input_answer_without_loading_transformers():
         assert result.stdout.split()[-3:] == ["0" if args == ["--help"] else "2", "False", "False"], result
 
 
+@pytest.mark.unit
+def test_every_subcommand_prints_its_help():
+    """`spectrt <command> --help` renders for every subcommand (argparse formats help lazily: a bare % in one
+    option's text only fails when someone asks for that command's help)."""
+    import argparse
+
+    from spectrt.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"generate", "draft", "serve"} <= set(sub.choices)
+    for name, parser in sub.choices.items():
+        assert parser.format_help().startswith(f"usage: spectrt {name}"), name
+
+
 def test_prompt_longer_than_context(draft_dir):
     result = spectrt("generate", "--prompt", "word " * 100, "--max-seq-len", "32", "--draft", str(draft_dir))
     assert result.returncode == 2 and "shorten the prompt or raise max_seq_len (--max-seq-len)" in result.stderr
