@@ -8,6 +8,7 @@ import os
 import torch
 from spectrt.runtime.decoding.decoder import Decoder
 from spectrt.runtime.engines.checkpoint import resolve_target
+from spectrt.runtime.engines.kernels import runnable_isas
 from spectrt.runtime.engines.model import Transformer
 from transformers import AutoTokenizer
 
@@ -19,7 +20,7 @@ prompts = ["Explain how a hash map works.", "Write a haiku about autumn leaves."
 ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                    return_dict=True)["input_ids"]) for p in prompts]
 decs = {}
-for isa in ("avx2", "avx512"):
+for isa in [i for i in runnable_isas() if i != "portable"]:  # every vector build this CPU executes
     os.environ["SPECTRT_ISA"] = isa
     for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         e = Transformer.load(target, dt)

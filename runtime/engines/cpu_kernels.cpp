@@ -44,31 +44,58 @@ inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<cons
 // -> 17.4 at 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// out[m][c0 : c0 + 16 C] = sum_k x[m][k] * panel[k][c0 : c0 + 16 C], k ascending, one FMA chain per output.
+// Panel rows of k per chunk: a chunk of a panel (16 KB) stays in L1 while every register block and every pass of
+// columns reads it. Why: unchunked, the passes after the first re-read the whole panel (37-147 KB) from L2 at one
+// 64-byte line per k per pass, and multi-row GEMMs ran at a third of the FMA ports' rate (AVX2, Zen 3: fp32 T=8 ~15
+// GFMA/s a core). The chunks change no sum: an output's accumulator is stored and reloaded exactly between chunks,
+// so each output is still one FMA chain over k ascending.
+template <typename W>
+constexpr int64_t K_CHUNK = 16384 / (NR * sizeof(W));
+
+// out[m][c0 : c0 + 16 C] (+)= sum_k x[m][k] * panel[k][c0 : c0 + 16 C] over this chunk's k, ascending, one FMA chain
+// per output; `resume`: the chain continues from what `out` holds (an earlier chunk), else it starts at zero.
+// noinline: inlined into its callers, GCC 12 kept some blocks' accumulators in memory (the 3-row block stored
+// them every k: half a bf16 T=3 forward's time on AVX2); compiled alone, every block keeps them in registers.
 template <typename W, int M, int C>
-inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                        int64_t cols, int64_t c0) {
-  // The first pass over a panel prefetches whole panel rows: later passes (narrower register blocks) find them in
-  // cache. Why: prefetching only a pass's own columns left the passes that start a new cache line waiting on
-  // memory (AVX2, bf16 T=8 forward 36.7 -> see kernels.py).
-  constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes;
-  const int64_t prefetch_bytes = c0 == 0 ? row_bytes : 0;
+__attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
+                        int64_t cols, int64_t c0, bool resume, bool prefetch) {
+  // Prefetching (the first register block of rows only): a block that takes all 64 columns in one pass prefetches
+  // whole panel rows PREFETCH_BYTES ahead. A block that takes them in passes prefetches, in each pass, its own
+  // columns of the next chunk, so the next chunk streams in while every pass computes. Why: when the first pass
+  // prefetched whole rows ahead and the others nothing, memory streamed only during the first pass and the
+  // other passes' FMAs did not overlap it: the first pass's weight loads took ~30% of a bf16 T=8 forward (AVX2).
+  constexpr bool one_pass = C * LANES == NR;
+  constexpr int64_t ahead = one_pass ? PREFETCH_BYTES / (NR * sizeof(W)) * NR : K_CHUNK<W> * NR;
+  constexpr int64_t lines = one_pass ? NR * sizeof(W) : std::max<int64_t>(64, C * LANES * sizeof(W));
+  const int64_t prefetch_bytes = prefetch ? lines : 0;
   Vec acc[M][C];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
+    for (int j = 0; j < C; ++j) {
+      const int64_t c = c0 + j * LANES;
+      acc[m][j] = resume && c < cols ? simd::load_first(out + m * ldo + c, cols - c) : simd::zero();
+    }
   for (int64_t k = 0; k < K; ++k) {
     const W* w = panel + k * NR + c0;
-    for (int64_t b = 0; b < prefetch_bytes; b += 64) simd::prefetch(reinterpret_cast<const char*>(w + ahead * NR) + b);
-    Vec wv[C];
-    for (int j = 0; j < C; ++j) {
-      wv[j] = simd::load(raw(w + j * LANES));
-      simd::pin(wv[j]);
-    }
-#pragma GCC unroll 8  // keeps the accumulators in registers in the portable build (GCC left them in memory)
-    for (int m = 0; m < M; ++m) {
-      const Vec xb = simd::set1(x[m * ldx + k]);
+    // __builtin_prefetch, not an inline wrapper of it (simd.h had one): with a call there GCC 12 kept the AVX2
+    // accumulators in memory, storing each every k (12 stores a k in the 6-row block; fp32 GEMMs ran at ~15
+    // GFMA/s a Zen 3 core at any row count). A prefetch never faults: reading past the panel's end is harmless.
+    for (int64_t b = 0; b < prefetch_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(w + ahead) + b, 0, 3);
+    if constexpr (M == 1) {  // each weight used once: loaded at its FMA (loading all first spilled one register)
+      const Vec xb = simd::set1(x[k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < C; ++j) acc[m][j] = simd::fmadd(xb, wv[j], acc[m][j]);
+      for (int j = 0; j < C; ++j) acc[0][j] = simd::fmadd(xb, simd::load(raw(w + j * LANES)), acc[0][j]);
+    } else {
+      Vec wv[C];
+      for (int j = 0; j < C; ++j) {
+        wv[j] = simd::load(raw(w + j * LANES));
+        simd::pin(wv[j]);
+      }
+#pragma GCC unroll 8  // keeps the accumulators in registers in the portable build (GCC left them in memory)
+      for (int m = 0; m < M; ++m) {
+        const Vec xb = simd::set1(x[m * ldx + k]);
+#pragma GCC unroll 8
+        for (int j = 0; j < C; ++j) acc[m][j] = simd::fmadd(xb, wv[j], acc[m][j]);
+      }
     }
   }
   for (int m = 0; m < M; ++m)
@@ -79,29 +106,37 @@ inline void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, 
     }
 }
 
-// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns)
+// M rows over a whole panel chunk, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64)
 template <typename W, int M>
 inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                       int64_t cols) {
+                       int64_t cols, bool resume, bool prefetch) {
   constexpr int C = simd::gemm_vecs(M);
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES) panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0);
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES)
+    panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0, resume, prefetch);
 }
 
 template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
                 int64_t cols) {
   constexpr int MR = simd::GEMM_ROWS;
-  int64_t m = 0;
-  for (; m + MR <= rows; m += MR) panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
-  const float* xr = x + m * ldx;
-  float* o = out + m * ldo;
-  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
-    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
-    default: break;
+  for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK<W>) {
+    const int64_t kn = std::min(K_CHUNK<W>, K - k0);
+    const W* chunk = panel + k0 * NR;
+    const bool resume = k0 > 0;
+    int64_t m = 0;
+    for (; m + MR <= rows; m += MR)
+      panel_rows<W, MR>(x + m * ldx + k0, ldx, chunk, kn, out + m * ldo, ldo, cols, resume, m == 0);
+    const float* xr = x + m * ldx + k0;
+    float* o = out + m * ldo;
+    const bool first = m == 0;
+    switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
+      case 1: panel_rows<W, 1>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
+      case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
+      case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
+      case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
+      case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
+      default: break;
+    }
   }
 }
 

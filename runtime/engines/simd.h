@@ -30,14 +30,6 @@ namespace simd {
 
 constexpr int64_t LANES = 16;  // fp32 lanes of a Vec, int32 lanes of an IVec, on every ISA
 
-inline void prefetch(const void* p) {  // a hint: never faults, so reading past a buffer's end is harmless
-#if defined(SPECTRT_ISA_PORTABLE)
-  __builtin_prefetch(p);
-#else
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------------- AVX-512
 #if defined(SPECTRT_ISA_AVX512)
 constexpr const char* ISA = "avx512";
