@@ -57,8 +57,10 @@ ship-draft: setup  ## train the shipped draft further (2 h on 2 cores, resumable
 
 TUNED := artifacts/.tuned-default
 
+# its report goes to artifacts/ (ignored): `make demo` must not rewrite the tracked bench/results/profile/, which
+# `make profile` and `make tune` update on purpose
 $(TUNED): | draft  # this machine's cost curve (short) and the policy tuned on it, once, in the default precision
-	$(BIN)/spectrt profile --repeats 5
+	$(BIN)/spectrt profile --repeats 5 --out artifacts/profile
 	$(BIN)/spectrt tune
 	touch $@
 
