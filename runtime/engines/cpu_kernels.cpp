@@ -126,7 +126,7 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
     const W* chunk = panel + k0 * NR;
     const bool resume = k0 > 0;
     int64_t m = 0;
-    for (; m + MR <= rows; m += MR)
+    for (; m + MR <= rows; m += MR)  // only the first register block of rows prefetches (panel_block)
       panel_rows<W, MR>(x + m * ldx + k0, ldx, chunk, kn, out + m * ldo, ldo, cols, resume, m == 0);
     const float* xr = x + m * ldx + k0;
     float* o = out + m * ldo;
