@@ -44,37 +44,25 @@ inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<cons
 // -> 17.4 at 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
-// Panel rows of k per chunk: a chunk of a panel (16 KB) stays in L1 while every register block and every pass of
-// columns reads it, and gives each pass a next chunk to prefetch its share of (panel_block), so memory streams
-// during every pass. Measured together with that prefetch (AVX2, Zen 3, bf16 forward at context 128, interleaved
-// with the previous code): T=3 21.0 -> 16.0 ms, T=4 21.7 -> 17.7, T=8 29.1 -> 25.7; chunking alone, with the
-// first pass prefetching whole rows as before, moved T=2..16 within noise. The chunks change no sum: an output's
-// accumulator is stored and reloaded exactly between chunks, so each output is still one FMA chain, k ascending.
-template <typename W>
-constexpr int64_t K_CHUNK = 16384 / (NR * sizeof(W));
-
-// out[m][c0 : c0 + 16 C] (+)= sum_k x[m][k] * panel[k][c0 : c0 + 16 C] over this chunk's k, ascending, one FMA chain
-// per output; `resume`: the chain continues from what `out` holds (an earlier chunk), else it starts at zero.
+// out[m][c0 : c0 + 16 C] = sum_k x[m][k] * panel[k][c0 : c0 + 16 C], k ascending, one FMA chain per output.
 // noinline: inlined into its callers, GCC 12 kept some blocks' accumulators in memory (the 3-row block stored
-// them every k: half a bf16 T=3 forward's time on AVX2); compiled alone, every block keeps them in registers.
+// them every k: half a bf16 T=3 forward's time on AVX2, Zen 3); compiled alone, every block keeps them in registers.
+// A k-chunked variant (8df4d5a: 16 KB of a panel kept in L1 across the column passes, accumulators stored and
+// reloaded between chunks, each pass prefetching its columns of the next chunk) helped on Zen 3 but lost on Zen 4
+// in both builds (one process, interleaved, context 128, ms, against the code before it: AVX-512 bf16 T=8 17.0 vs
+// 14.7, fp32 23.1 vs 19.2; AVX2 bf16 T=2 13.4 vs 10.9, fp32 29.0 vs 19.0), so each panel streams once, as here
+// (bench/results/isa/README.md; scripts/isa_tcurve.py compares kernel revisions on a CPU).
 template <typename W, int M, int C>
 __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out,
-                                           int64_t ldo, int64_t cols, int64_t c0, bool resume, bool prefetch) {
-  // Prefetching (the first register block of rows only): a block that takes all 64 columns in one pass prefetches
-  // whole panel rows PREFETCH_BYTES ahead. A block that takes them in passes prefetches, in each pass, its own
-  // columns of the next chunk, so the next chunk streams in while every pass computes. Why: when the first pass
-  // prefetched whole rows ahead and the others nothing, memory streamed only during the first pass and the
-  // other passes' FMAs did not overlap it: the first pass's weight loads took ~30% of a bf16 T=8 forward (AVX2).
-  constexpr bool one_pass = C * LANES == NR;
-  constexpr int64_t ahead = one_pass ? PREFETCH_BYTES / (NR * sizeof(W)) * NR : K_CHUNK<W> * NR;
-  constexpr int64_t lines = one_pass ? NR * sizeof(W) : std::max<int64_t>(64, C * LANES * sizeof(W));
-  const int64_t prefetch_bytes = prefetch ? lines : 0;
+                                           int64_t ldo, int64_t cols, int64_t c0) {
+  // The first pass over a panel prefetches whole panel rows: later passes (narrower register blocks) find them in
+  // cache. Why: prefetching only a pass's own columns left the passes that start a new cache line waiting on
+  // memory (AVX2, bf16 T=8 forward 36.7 -> see kernels.py).
+  constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes * NR;
+  const int64_t prefetch_bytes = c0 == 0 ? row_bytes : 0;
   Vec acc[M][C];
   for (int m = 0; m < M; ++m)
-    for (int j = 0; j < C; ++j) {
-      const int64_t c = c0 + j * LANES;
-      acc[m][j] = resume && c < cols ? simd::load_first(out + m * ldo + c, cols - c) : simd::zero();
-    }
+    for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
   for (int64_t k = 0; k < K; ++k) {
     const W* w = panel + k * NR + c0;
     // __builtin_prefetch, not an inline wrapper of it (simd.h had one): with a call there GCC 12 kept the AVX2
@@ -108,37 +96,29 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     }
 }
 
-// M rows over a whole panel chunk, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64)
+// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns)
 template <typename W, int M>
 inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                       int64_t cols, bool resume, bool prefetch) {
+                       int64_t cols) {
   constexpr int C = simd::gemm_vecs(M);
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES)
-    panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0, resume, prefetch);
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES) panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0);
 }
 
 template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
                 int64_t cols) {
   constexpr int MR = simd::GEMM_ROWS;
-  for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK<W>) {
-    const int64_t kn = std::min(K_CHUNK<W>, K - k0);
-    const W* chunk = panel + k0 * NR;
-    const bool resume = k0 > 0;
-    int64_t m = 0;
-    for (; m + MR <= rows; m += MR)  // only the first register block of rows prefetches (panel_block)
-      panel_rows<W, MR>(x + m * ldx + k0, ldx, chunk, kn, out + m * ldo, ldo, cols, resume, m == 0);
-    const float* xr = x + m * ldx + k0;
-    float* o = out + m * ldo;
-    const bool first = m == 0;
-    switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
-      case 1: panel_rows<W, 1>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
-      case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
-      case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
-      case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
-      case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, chunk, kn, o, ldo, cols, resume, first); break;
-      default: break;
-    }
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
+  const float* xr = x + m * ldx;
+  float* o = out + m * ldo;
+  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
+    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
+    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
+    default: break;
   }
 }
 

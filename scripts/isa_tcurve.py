@@ -1,0 +1,94 @@
+"""Forward ms of the native kernels by T (tree rows) at context 128, per ISA build and dtype, for this checkout's
+kernel source and, with --against REV, a git revision's: every build in one process, rounds interleaved, the best
+of the rounds' medians (bench/results/isa/README.md has the figures). A kernel change is kept only where it wins on
+the CPU it is measured on; run this on every CPU class a change may touch.
+
+    .venv/bin/python scripts/isa_tcurve.py --against HEAD~1 --dtypes bf16,fp32 --rows 1,2,4,8,16
+"""
+import argparse
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import spectrt.runtime.engines.kernels as kernels
+from spectrt.runtime.engines.checkpoint import resolve_target
+from spectrt.runtime.engines.model import Transformer
+
+CONTEXT = 128
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def binary_tree_mask(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [T, T], depths [T]) of a binary tree of T nodes in breadth-first order."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, rows)]
+    mask, depth = torch.zeros(rows, rows, dtype=torch.bool), [0] * rows
+    for i in range(rows):
+        j = i
+        while j >= 0:
+            mask[i, j], j = True, parents[j]
+        depth[i] = depth[parents[i]] + 1 if i else 0
+    return mask, torch.tensor(depth)
+
+
+def sources_at(rev: str, into: Path) -> tuple[Path, Path]:
+    """The kernel source and SIMD header of a git revision, written into `into`."""
+    out = []
+    for path in (kernels.SOURCE, kernels.HEADER):
+        rel = path.relative_to(Path(__file__).resolve().parents[1])
+        text = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True, check=True).stdout
+        (into / path.name).write_text(text)
+        out.append(into / path.name)
+    return out[0], out[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--against", help="a git revision whose kernels to time next to this checkout's")
+    p.add_argument("--isas", default=",".join(i for i in kernels.runnable_isas() if i != "portable"))
+    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    target = resolve_target()
+    variants = {"this checkout": (kernels.SOURCE, kernels.HEADER)}
+    tmp = Path(tempfile.mkdtemp())
+    if args.against:
+        variants[args.against] = sources_at(args.against, tmp)
+    models = {}
+    for name, (source, header) in variants.items():
+        kernels.SOURCE, kernels.HEADER = source, header
+        for isa in args.isas.split(","):
+            os.environ["SPECTRT_ISA"] = isa
+            kernels._build.cache_clear()  # another source: another build (cached by its content)
+            for dt in args.dtypes.split(","):
+                model = Transformer.load(target, DTYPES[dt], measure_kernels=False)
+                assert model.native is not None and model.native.isa == isa, (name, isa)
+                models[name, isa, dt] = (model, model.new_cache(512, 64))
+    rows = [int(t) for t in args.rows.split(",")]
+    best: dict = {}
+    for _ in range(args.rounds):
+        for t in rows:
+            mask, depth = binary_tree_mask(t)
+            tokens = torch.randint(0, 49152, (t,), generator=torch.Generator().manual_seed(t))
+            for key, (model, cache) in models.items():
+                cache.length = CONTEXT
+                segment = [(tokens, depth + CONTEXT, mask, cache)]
+                model.forward_many(segment)
+                times = []
+                for _ in range(10):
+                    start = time.perf_counter()
+                    model.forward_many(segment)
+                    times.append(time.perf_counter() - start)
+                best[key, t] = min(best.get((key, t), float("inf")), sorted(times)[len(times) // 2])
+    print("| kernels | ISA | dtype | " + " | ".join(f"T={t}" for t in rows) + " |")
+    print("|---|---|---|" + "---|" * len(rows))
+    for key in models:
+        print("| " + " | ".join(key) + " | " + " | ".join(f"{1e3 * best[key, t]:.1f}" for t in rows) + " |")
+
+
+if __name__ == "__main__":
+    main()
