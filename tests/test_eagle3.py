@@ -586,9 +586,10 @@ def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path
         assert set(shipped) == wanted  # every conversation, every round
         if eval_set:
             picks = [(held[5], 0)]
-        else:  # the first shipped answer to a written prompt, and a second-round one to a synthesized prompt
+        else:  # the first shipped answer to a written prompt, and a last-round one to a synthesized prompt
+            last = cfg.samples_per_prompt - 1
             picks = [next((c, 0) for c in written if C.conv_key(c) in shipped),
-                     next((c, 1) for c in synth[::-1] if C.conv_key(c) + "#1" in shipped)]
+                     next((c, last) for c in synth[::-1] if C.conv_key(c) + f"#{last}" in shipped)]
         for conv_index, (conv, sample) in enumerate(picks):
             key = C.conv_key(conv) + (f"#{sample}" if sample else "")
             one = DistillConfig(samples_per_prompt=sample + 1)
