@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import spectrt.runtime.engines.kernels as kernels
+import torch
 from spectrt.runtime.engines.checkpoint import resolve_target
 from spectrt.runtime.engines.model import Transformer
 
