@@ -14,6 +14,14 @@ def positive(value: str) -> int:
     return int(value)
 
 
+def share(value: str) -> float:
+    """argparse type: a fraction strictly between 0 and 1."""
+    v = float(value)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a share of the budget: pass a number between 0 and 1")
+    return v
+
+
 def tree_specs(value: str) -> tuple[str, ...]:
     """`--trees '1,1,1;2,1'`: static tree specs, each checked as `Tree.parse` reads it."""
     from spectrt.runtime.decoding.tree import Tree, TreeError

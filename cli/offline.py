@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from spectrt.build.distill import DistillConfig
-from spectrt.cli.common import add_model_args, model_dirs, positive
+from spectrt.cli.common import add_model_args, model_dirs, positive, share
 from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 
 
@@ -36,9 +36,11 @@ def cmd_draft(args: argparse.Namespace) -> int:
             print(f"installed the shipped draft in {installed} (held-out top-1 {held['top1']:.1%}; "
                   "--train makes one here instead)")
             return 0
-    lr = {} if args.lr is None else {"head_lr" if args.kind == "eagle3" else "lr": args.lr}
+    overrides = {} if args.lr is None else {"head_lr" if args.kind == "eagle3" else "lr": args.lr}
+    if args.data_share is not None:
+        overrides["head_data_fraction" if args.kind == "eagle3" else "data_fraction"] = args.data_share
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
-               vocab_subset=args.vocab_subset, init_from=args.init_from, **lr)
+               vocab_subset=args.vocab_subset, init_from=args.init_from, **overrides)
     if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
         return _report_head(target, out, report_path)
     # what the draft buys at run time, measured on held-out prompts with the default tree
@@ -179,6 +181,10 @@ def add_parsers(sub) -> None:
                    help=f"peak learning rate (default {DistillConfig.head_lr:g}); a run that continues a trained head "
                         "does better with a lower one (make ship-draft: 5e-4): at the full rate the shipped head first "
                         "fell from 45.1%% to 42.5%% held-out top-1")
+    d.add_argument("--data-share", type=share, default=None,
+                   help=f"share of the budget after which no new data is made or teacher-forced (default "
+                        f"{DistillConfig.data_fraction:g} for a slice, {DistillConfig.head_data_fraction:g} for a "
+                        "head); a long run that must force all the shipped answers before it trains needs more")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")

@@ -68,6 +68,13 @@ def test_bad_input_is_a_clear_error(args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_draft_data_share_outside_the_budget_is_refused(value):
+    result = spectrt("draft", "--data-share", value)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{value} is not a share of the budget: pass a number between 0 and 1" in result.stderr
+
+
 def test_help_and_bad_input_answer_without_loading_transformers():
     """The parser and generate's input checks import no transformers (or the decode pipeline): building the parser
     used to import quant/quantize.py for two defaults, which cost every `spectrt` call ~2 s before argparse."""
