@@ -183,6 +183,13 @@ class Scheduler:
         self.thread = threading.Thread(target=self._run, name="spectrt-scheduler", daemon=True)
         self.thread.start()
 
+    def run_here(self) -> None:
+        """Run the scheduler loop in the calling thread instead of `start`'s own: the thread that loaded the engines.
+        Why: the native forward ran at ~0.6x in a thread other than the one that first ran the process's OpenMP work
+        (loading); the Triton model loads and decodes in one thread (triton_repo/spectrt/1/model.py)."""
+        self.thread = threading.current_thread()
+        self._run()
+
     def stop(self, drain_seconds: float = 0.0) -> None:
         """Refuse new requests, let the ones in flight finish for up to `drain_seconds`, then end the rest with an
         UNAVAILABLE final response; returns once the thread is gone."""
