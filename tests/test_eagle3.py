@@ -323,6 +323,33 @@ def test_native_head_matches_the_reference(tiny, tmp_path, dtype):
     assert torch.equal(nat_level[1][0], nat_logits[:3]) and torch.equal(nat_level[1][1], nat_hidden[:3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_projects_target_features_itself(tiny, tmp_path, dtype):
+    """Segments whose inputs are target features (the loop's catch-up rows) give what `project` then the forward
+    gives, bitwise on the native head (fc runs inside its one call) and on the torch path; features mixed with
+    hidden inputs in one call are refused with the widths named."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    out = B.save_head(_random_module(target), tiny, tmp_path / "head", (2, 2, 1))
+    feats = torch.randn(7, 3 * 64, generator=torch.Generator().manual_seed(5))
+    tokens = torch.tensor([5, 77, 300, 12, 9, 41, 3])
+    for native in (False, True) if native_unavailable() is None else (False,):
+        head = Eagle3Head.load(out, target, dtype if native else torch.float32, native=native)
+        results = []
+        for project in (True, False):
+            caches = head.new_caches(2, 64, 8)
+            first, rest = (head.project(feats[:4]), head.project(feats[4:])) if project else (feats[:4], feats[4:])
+            results.append(head.forward_many([(tokens[:4], torch.arange(1, 5), _causal(4), caches[0], first),
+                                              (tokens[4:], torch.arange(1, 4), _causal(3), caches[1], rest)],
+                                             full_vocab=False))
+            assert caches[0].k.abs().sum() > 0
+        for (a, b), (c, d) in zip(*results, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+        caches = head.new_caches(2, 64, 8)
+        with pytest.raises(ValueError, match="target features"):
+            head.forward_many([(tokens[:2], torch.arange(1, 3), _causal(2), caches[0], feats[:2]),
+                               (tokens[2:4], torch.arange(1, 3), _causal(2), caches[1], head.project(feats[2:4]))])
+
+
 def test_the_proposer_reads_draft_vocabulary_columns(tiny, tmp_path):
     """The loop reads a head's draft-vocabulary logits (no 384- or 49k-wide -inf rows to fill and scan): they are the
     full rows' columns at head_ids, bitwise, on both paths; their top-k as target ids is the full rows' top-k."""

@@ -411,19 +411,39 @@ def test_draw_children_distinct_and_mass_first():
 
 
 @pytest.mark.unit
-def test_top_tokens_are_torch_topk_and_softmax():
+@pytest.mark.parametrize("top_tokens", [sampling.top_tokens, sampling.top_tokens_reference], ids=["loop", "numpy"])
+def test_top_tokens_are_torch_topk_and_softmax(top_tokens):
     """The draft's greedy children: ids as `topk` (ties to the lower id), probabilities as a float64 softmax, rows
-    with -inf (a subset head's scattered logits) included."""
+    with -inf (a subset head's scattered logits) included; the loop's (native where it builds) and numpy's."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 49152, generator=gen) * 4
     logits[1, ::2] = float("-inf")
     logits[2, 7] = logits[2, 9] = logits[2, 8] = 50.0  # a three-way tie at the top
-    ids, probs = sampling.top_tokens(logits, 3)
+    ids, probs = top_tokens(logits, 3)
     want = logits.double().softmax(-1)
     assert ids[2] == [7, 8, 9]
     for row, (row_ids, row_probs) in enumerate(zip(ids, probs, strict=True)):
         assert row_ids == want[row].topk(3).indices.tolist() or row == 2
         assert torch.allclose(torch.tensor(row_probs, dtype=torch.float64), want[row, row_ids], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.unit
+def test_native_top_tokens_match_the_numpy_reference():
+    """Property: over random widths, row counts, k, ties (rounded logits) and -inf columns, the native helper the loop
+    calls gives numpy's ids exactly and its probabilities to 1e-5 (so the same trees); where no native module builds
+    both calls are the reference."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(120):
+        m, v = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(3, 9000, (1,), generator=gen))
+        k = int(torch.randint(1, 4, (1,), generator=gen))
+        logits = torch.randn(m, v, generator=gen) * 5
+        if trial % 3 == 0:
+            logits = logits.round()
+        if trial % 5 == 0:
+            logits[:, ::7] = float("-inf")
+        (ids, probs), (want_ids, want_probs) = sampling.top_tokens(logits, k), sampling.top_tokens_reference(logits, k)
+        assert ids == want_ids, trial
+        assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial
 
 
 @pytest.mark.unit

@@ -418,9 +418,9 @@ class Eagle3Proposer(DraftProposer):
         if t <= 0:
             return None
         self.fed_nodes.pop(id(cache), None)
-        hidden = self.engine.project(pending[n - self.base[slot]:n - self.base[slot] + t])
+        features = pending[n - self.base[slot]:n - self.base[slot] + t]  # the head's forward projects them (fc)
         return HeadSegment(torch.tensor(ids[n + 1:n + 1 + t]), torch.arange(n + 1, n + 1 + t), self.causal[:t, :t],
-                           cache, hidden)
+                           cache, features)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         self.caches[slot].compact([])

@@ -684,8 +684,9 @@ template <typename W>
 void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tensor& positions,
                  std::vector<Segment>& segs, const torch::Tensor& embed, const torch::Tensor& hidden_in,
                  const std::vector<torch::Tensor>& norms, const std::vector<std::vector<torch::Tensor>>& projs,
-                 const torch::Tensor& head, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
-                 std::vector<torch::Tensor>& scratch, torch::Tensor& logits, torch::Tensor& hidden_out) {
+                 const torch::Tensor& head, const torch::Tensor& fc, const torch::Tensor& rope_cos,
+                 const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
+                 torch::Tensor& hidden_out) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
   const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
   float* a = scratch[0].data_ptr<float>();       // attention input [R, 2 * hidden]
@@ -701,6 +702,11 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* emb = embed.data_ptr<float>();
   const float* g = hidden_in.data_ptr<float>();
+  if (hidden_in.size(1) != Hd) {  // target features of committed tokens: fc first, in this call (see eagle3_forward)
+    float* projected = scratch[8].data_ptr<float>();
+    gemm<W>(g, R, hidden_in.size(1), fc, Hd, projected, nullptr, nullptr, nullptr);
+    g = projected;
+  }
   const float *in_norm = norms[0].data_ptr<float>(), *hid_norm = norms[1].data_ptr<float>();
   const float *post_norm = norms[2].data_ptr<float>(), *final_norm = norms[3].data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
@@ -767,13 +773,16 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
 
 // EAGLE-3 head forward: dims = (hidden, inter, heads, kv_heads, head_dim); norms = (input, hidden, post-attention,
 // final); projs = (q/k/v [K = 2 * hidden], o, gate/up, down); caches [1, kv_heads, capacity, head_dim] per segment.
+// hidden_in: each row's input hidden [rows, hidden], or the target features of committed tokens [rows, fc's K], which
+// `fc` projects here. Why here and not in a call of its own: that call opened its own OpenMP team after the Python
+// between forwards had let it sleep, and waking it cost more than its 2 MB GEMM (py-spy, batch 1 bf16: ~0.2 ms a step).
 void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
                     std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
                     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
                     torch::Tensor hidden_in, std::vector<torch::Tensor> norms,
-                    std::vector<std::vector<torch::Tensor>> projs, torch::Tensor head, torch::Tensor rope_cos,
-                    torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits,
-                    torch::Tensor hidden_out) {
+                    std::vector<std::vector<torch::Tensor>> projs, torch::Tensor head, torch::Tensor fc,
+                    torch::Tensor rope_cos, torch::Tensor rope_sin, std::vector<torch::Tensor> scratch,
+                    torch::Tensor logits, torch::Tensor hidden_out) {
   Config c{dims[0], dims[1], 1, dims[2], dims[3], dims[4], logits.size(1), static_cast<float>(eps)};
   std::vector<Segment> segs;
   int64_t row0 = 0;
@@ -784,12 +793,14 @@ void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens,
   }
   TORCH_CHECK(row0 == tokens.size(0) && hidden_in.size(0) == row0 && hidden_out.size(0) == row0,
               "segment rows, hidden inputs and outputs must agree");
+  TORCH_CHECK(hidden_in.size(1) == dims[0] || (scratch.size() > 8 && scratch[8].size(0) >= row0),
+              "target features as hidden inputs need the projection scratch");
   if (head.scalar_type() == at::kBFloat16)
-    eagle3_impl<at::BFloat16>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, rope_cos, rope_sin,
-                              scratch, logits, hidden_out);
+    eagle3_impl<at::BFloat16>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, fc, rope_cos,
+                              rope_sin, scratch, logits, hidden_out);
   else
-    eagle3_impl<float>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, rope_cos, rope_sin, scratch,
-                       logits, hidden_out);
+    eagle3_impl<float>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, fc, rope_cos, rope_sin,
+                       scratch, logits, hidden_out);
 }
 
 // One projection, exposed for tests and the profiler: out[rows, n_out] = x @ W^T (fp or W8A8 packed).
@@ -808,6 +819,50 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n
   return out;
 }
 
+// ---- host helpers of the decode loop: microseconds each, called between forwards with the GIL held ----
+// Why native: right after a forward has streamed the weights (270 MB in bf16), the loop's host work runs on cold
+// caches, and every op it dispatches pays for that: in the loop a numpy top-3 over one 8,192-wide draft row took
+// ~0.18 ms (0.03 warm); this one 0.04-0.06 (timers in the loop, batch 1 bf16, Zen 4). Not for a plain argmax:
+// numpy's over the target's rows (0.06 ms in the loop) read memory as fast as a native one did (0.09 ms).
+
+// The k largest entries of each row (ties to the lower index, largest first) and their softmax probabilities: what
+// `sampling.top_tokens` computes in numpy (its reference; rows are finite or -inf, with at least k finite entries).
+std::pair<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> top_tokens(torch::Tensor logits,
+                                                                                         int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "top_tokens takes contiguous fp32 [rows, V] logits");
+  const int64_t M = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "top_tokens needs 1 <= k <= V");
+  const float* x = logits.data_ptr<float>();
+  std::vector<std::vector<int64_t>> ids(M, std::vector<int64_t>(k));
+  std::vector<std::vector<double>> probs(M, std::vector<double>(k));
+  std::vector<float> best(k);
+  for (int64_t r = 0; r < M; ++r) {
+    const float* row = x + r * V;
+    int64_t* top = ids[r].data();
+    int64_t n = 0;  // entries held, sorted by (value desc, index asc): a later equal value never displaces one
+    for (int64_t j = 0; j < V; ++j) {
+      const float v = row[j];
+      if (n == k && !(v > best[k - 1])) continue;
+      int64_t i = n < k ? n++ : k - 1;
+      while (i > 0 && v > best[i - 1]) {
+        best[i] = best[i - 1];
+        top[i] = top[i - 1];
+        --i;
+      }
+      best[i] = v;
+      top[i] = j;
+    }
+    const Vec peak = simd::set1(best[0]);
+    Vec sum = simd::zero();
+    for (int64_t j = 0; j < V; j += LANES)
+      sum = sum + simd::keep_first(vexp(simd::load_first(row + j, V - j) - peak), V - j);
+    const float lse = best[0] + std::log(simd::reduce_add(sum));
+    for (int64_t i = 0; i < k; ++i) probs[r][i] = std::exp(best[i] - lse);
+  }
+  return {ids, probs};
+}
+
 // Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
 // and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -816,6 +871,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "packed row-invariant GEMM", py::call_guard<py::gil_scoped_release>());
   m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("top_tokens", &top_tokens, "each row's k best ids and softmax probabilities (sampling.top_tokens)");
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
   m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for
 }

@@ -165,7 +165,8 @@ class _NativeHead:
         widths = [2 * c.hidden_size, c.hidden_size, q_dim + 2 * c.num_kv_heads * c.head_dim, q_dim,
                   2 * c.intermediate_size, c.intermediate_size]
         self.scratch = [torch.zeros(self.rows, w) for w in widths] + [
-            torch.zeros(self.rows * c.num_heads, self.positions), torch.zeros(1, dtype=torch.uint8)]
+            torch.zeros(self.rows * c.num_heads, self.positions), torch.zeros(1, dtype=torch.uint8),
+            torch.zeros(self.rows, c.hidden_size)]  # fc's output when the rows come with target features
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
@@ -185,7 +186,7 @@ class _NativeHead:
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], [s[2].contiguous() for s in segments], [c.k for c in caches],
             [c.v for c in caches], self.embed, hidden.float().contiguous(), self.norms, self.projections, self.head,
-            self.rope_cos, self.rope_sin, self.scratch, logits, out)
+            self.fc, self.rope_cos, self.rope_sin, self.scratch, logits, out)
         return logits, out, rows
 
 
@@ -280,16 +281,23 @@ class Eagle3Head:
     @torch.no_grad()
     def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
-        native forward all segments' rows share each GEMM. Logits are full-vocabulary rows, -inf outside the draft
+        native forward all segments' rows share each GEMM. `hidden` is each row's input hidden [T, H], or in every
+        segment the target features of committed tokens [T, 3 * Ht], which the call `project`s itself. Logits are full-vocabulary rows, -inf outside the draft
         vocabulary (its probability 0: top-k and sampling over a row are exact); with `full_vocab=False` the draft
         vocabulary's columns only ([T, len(head_ids)], column j is target id `head_ids[j]`), which is what the
         proposer reads: a 49,152-wide row per drafted node cost its fill and a 6x wider top-k scan."""
         c = self.config.model
+        width = segments[0][4].shape[-1] if segments else c.hidden_size
+        if width not in (c.hidden_size, self.fc.shape[1]):
+            width = c.hidden_size  # named in the error below
         for tokens, _, mask, cache, hidden in segments:
             cache.new_slots(tokens, mask)
-            if hidden.shape != (mask.shape[0], c.hidden_size):
-                raise ValueError(f"hidden must be [{mask.shape[0]}, {c.hidden_size}], got {tuple(hidden.shape)}")
+            if hidden.shape != (mask.shape[0], width):
+                raise ValueError(f"hidden must be [{mask.shape[0]}, {c.hidden_size}] (or target features "
+                                 f"[{mask.shape[0]}, {self.fc.shape[1]}] in every segment), got {tuple(hidden.shape)}")
         if self.native is None:
+            if width != c.hidden_size:
+                segments = [(*s[:4], self.project(s[4])) for s in segments]
             out = [self._forward(*segment) for segment in segments]
             return [(self.full_rows(lg), h) for lg, h in out] if full_vocab else out
         logits, out, rows = self.native.forward_many(segments)
@@ -388,5 +396,4 @@ def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: 
         return round(statistics.median(times) * 1e3, 4)
 
     return {"level": median_ms(lambda: head.forward(tokens, positions, mask, cache, hidden, full_vocab=False)),
-            "catch_up": median_ms(lambda: head.forward(tokens, positions, mask, cache, head.project(features),
-                                                       full_vocab=False))}
+            "catch_up": median_ms(lambda: head.forward(tokens, positions, mask, cache, features, full_vocab=False))}

@@ -29,8 +29,8 @@ class Segment(NamedTuple):
 
 
 class HeadSegment(NamedTuple):
-    """A segment of an EAGLE-3 head (engines/eagle3.py): a `Segment` plus each row's input hidden state [T, H] (the
-    target's projected features, or the parent row's output)."""
+    """A segment of an EAGLE-3 head (engines/eagle3.py): a `Segment` plus each row's input: the target's features of a
+    committed token [T, 3 * Ht] (the head projects them), or a drafted node's parent row's output hidden [T, H]."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
