@@ -48,6 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context per KV slot (prompt + output)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a stream's responses after its first carry at least this many tokens (fewer sends take "
+                        "less CPU from the forward on a small machine; the first text is never held)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt in full (default: reuse the KV of cached prompt prefixes, exact)")
     p.add_argument("--instances", type=int, default=1,
@@ -81,8 +84,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def model_params_of(args: argparse.Namespace) -> dict[str, object]:
     return model_params(backend=args.backend, dtype=args.dtype, max_seq_len=args.max_seq_len,
                         max_tokens_limit=args.max_tokens_limit, threads=args.threads, prefix_cache=args.prefix_cache,
-                        tree=args.tree, engines=args.engines, target=args.target, draft=args.draft,
-                        artifacts=args.artifacts)
+                        stream_interval=args.stream_interval, tree=args.tree, engines=args.engines,
+                        target=args.target, draft=args.draft, artifacts=args.artifacts)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

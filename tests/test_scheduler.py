@@ -116,6 +116,37 @@ def test_streamed_text_equals_the_tokens_and_every_request_ends_once(target, dra
                                                                for r in rows for row in r)
 
 
+def test_stream_interval_sends_the_same_text_in_fewer_responses(target, draft, tokenizer, encode):
+    """With stream_interval 4 a row's first text goes out alone (time to first token), every later response but
+    its last covers >= 4 tokens, and the texts and token counts add up to what interval 1 streams, in fewer
+    responses."""
+    streamed = {}
+    for interval in (1, 4):
+        sched = _scheduler(target, draft, tokenizer, max_active=2, stream_interval=interval)
+        sinks = [Sink(), Sink()]
+        counts = [[], []]
+        for sink, got in zip(sinks, counts, strict=True):
+            def text(row, delta, tokens, sink=sink, got=got):
+                Sink.text(sink, row, delta, tokens)
+                got.append(tokens)
+            sink.text = text
+        rows = [[_row(encode, tokenizer, max_tokens=30, tree=b"auto")],
+                [_row(encode, tokenizer, text_input=b"Count from one to five.", max_tokens=25, tree=b"none")]]
+        for r, s in zip(rows, sinks, strict=True):
+            _submit(sched, r, s)
+        _drive(sched, sinks)
+        streamed[interval] = [(s.texts[0], sum(c), len(c)) for s, c in zip(sinks, counts, strict=True)]
+        for r, s, c in zip(rows, sinks, counts, strict=True):
+            assert s.finals == 1 and s.texts[0] == s.result().text and s.events[-1][0] == "row"
+            assert sum(c) <= len(r[0].job.out)  # text held back to the end (a partial character) counts 0 there
+            if interval > 1:
+                assert all(n >= interval for n in c[1:-1]), c
+    for one, four in zip(streamed[1], streamed[4], strict=True):
+        assert one[:2] == four[:2] and four[2] < one[2]
+    with pytest.raises(ValueError, match="stream_interval"):
+        _scheduler(target, draft, tokenizer, stream_interval=0)
+
+
 def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, tokenizer, encode, monkeypatch):
     """One job's forward raises: its request ends with one error response; the other requests get their normal
     final responses; the scheduler keeps serving and answers the same request the same way afterwards."""

@@ -109,6 +109,7 @@ class Request:
     streams: list[TextStream] = field(default_factory=list)
     stops: list[StopStrings] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)  # per row: its final response was handled
+    held: list[list] = field(default_factory=list)  # per row: [text, tokens] decoded but not sent yet (stream_interval)
     remaining: int = 0
     active: int = 0  # rows holding a slot
     waiting: list[int] = field(default_factory=list)  # rows not admitted yet
@@ -125,8 +126,11 @@ class Scheduler:
     """One thread decoding up to the decoder's `max_active` rows together; `submit` from any thread."""
 
     def __init__(self, decoder: Decoder, tokenizer, metrics: Metrics | None = None, max_queue: int = 64,
-                 max_queue_seconds: float = 30.0):
+                 max_queue_seconds: float = 30.0, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
         self.decoder, self.tokenizer = decoder, tokenizer
+        self.stream_interval = stream_interval
         self.metrics = metrics or CounterMetrics()
         self.max_queue, self.max_queue_seconds = max_queue, max_queue_seconds
         self.incoming: queue.Queue[Request] = queue.Queue()
@@ -232,6 +236,7 @@ class Scheduler:
         request.streams = [TextStream(self.tokenizer) for _ in request.rows]
         request.stops = [StopStrings(r.stop_strings) for r in request.rows]
         request.ended = [False] * len(request.rows)
+        request.held = [["", 0] for _ in request.rows]
         for i, row in enumerate(request.rows):
             row.job.tag = (request, i)
         try:
@@ -330,10 +335,26 @@ class Scheduler:
                 job.finish = "stop"
 
     def _text(self, request: Request, i: int, delta: str, tokens: int) -> None:
+        """A row's new text: its first text goes out at once (time to first token), later text once
+        `stream_interval` tokens are held, and whatever is held when the row ends (`_flush`). Why hold: every send
+        wakes the server's and the client's threads on the cores the forward runs on, and a forward waits for its
+        slowest thread."""
+        held = request.held[i]
+        held[0] += delta
+        held[1] += tokens
         if request.first_text is None:
             request.first_text = time.monotonic()
             self.metrics.observe("ttft", request.first_text - request.arrived)
-        self._send(request, "text", i, delta, tokens)
+        elif held[1] < self.stream_interval:
+            return
+        self._flush(request, i)
+
+    def _flush(self, request: Request, i: int) -> None:
+        held = request.held[i]
+        if held[0] or held[1]:
+            text, tokens = held
+            held[0], held[1] = "", 0
+            self._send(request, "text", i, text, tokens)
 
     def _row_finished(self, job: Job) -> None:
         request, i = job.tag
@@ -353,6 +374,9 @@ class Scheduler:
         rest = "" if stream.stopped else stream.finish()
         if rest:
             self._text(request, i, rest, 0)
+        self._flush(request, i)
+        if request.done:  # a send raised: the request was dropped and answered
+            return
         accepted = sum(stats.accepted) if stats.proposed else 0
         tokens = len(stream.ids)  # the decoder's output up to the stop string's last token
         self.metrics.count("tokens", tokens)

@@ -462,13 +462,16 @@ def host_warning(host: str) -> str | None:
 
 
 def model_params(*, backend: str = "torch", dtype: str = "auto", max_seq_len: int = 2048,
-                 max_tokens_limit: int = 1024, threads: int = 0, prefix_cache: bool = True, tree: str | None = None,
+                 max_tokens_limit: int = 1024, threads: int = 0, prefix_cache: bool = True, stream_interval: int = 1,
+                 tree: str | None = None,
                  engines: Path | None = None, target: str | None = None, draft: str | None = None,
                  artifacts: Path | None = None) -> dict[str, object]:
     """The model's config.pbtxt parameters (absolute paths) from `spectrt serve`'s model choices."""
     params: dict[str, object] = {"backend": backend, "dtype": dtype, "max_seq_len": max_seq_len,
                                  "max_tokens_limit": max_tokens_limit, "threads": threads,
-                                 "prefix_cache": str(prefix_cache).lower()}
+                                 "prefix_cache": str(prefix_cache).lower(), "stream_interval": stream_interval}
+    if stream_interval < 1:
+        raise ServeError(f"--stream-interval must be >= 1 token, got {stream_interval}")
     if tree:
         params["tree"] = tree
     if engines:

@@ -281,7 +281,7 @@ class TritonPythonModel:
                 self.drain_seconds = number("drain_seconds", 5.0, float)
                 self.metrics = TritonMetrics(args["model_name"])
                 self.scheduler = Scheduler(decoder, tokenizer, self.metrics, number("max_queue_size", 64),
-                                           number("max_queue_seconds", 30.0, float))
+                                           number("max_queue_seconds", 30.0, float), number("stream_interval", 1))
             except BaseException as e:  # initialize raises it: the model does not load
                 failure.append(e)
                 return
