@@ -288,6 +288,14 @@ def test_config_overrides_are_written():
     assert re.search(r"instance_group \[ \{ count: 5 kind: KIND_CPU \} \]", out)
 
 
+def test_stream_interval_is_written_and_checked():
+    from spectrt.runtime.serving.serve import ServeError, model_params
+
+    with pytest.raises(ServeError, match="--stream-interval must be >= 1"):
+        model_params(stream_interval=0)
+    assert model_params(stream_interval=4, engines=None, draft="none")["stream_interval"] == 4
+
+
 # ------------------------------------------------------------------------------------------ in-flight batching
 def _inputs(fields: dict):
     """grpc_inputs with the types of the tensorrtllm_backend fields request_fields does not know."""

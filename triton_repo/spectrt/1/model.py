@@ -17,6 +17,7 @@ import locale
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +138,26 @@ class TritonMetrics:
         self.metrics, self.families = {}, []  # metrics first, then their families
 
 
+def _number(params: dict[str, str], key: str, default, kind=int):
+    """A numeric model parameter (its default when empty); positive unless 0 means "automatic" for it."""
+    value = kind(params.get(key) or default)
+    if value <= 0 and key not in ("threads", "tree_budget", "prefill_chunk"):
+        raise pb_utils.TritonModelException(f"model parameter {key} must be positive, got {value}")
+    return value
+
+
+@dataclass
+class Loaded:
+    """What an instance loaded (its load log line)."""
+
+    target: object
+    draft: object
+    backend: str
+    dtype: str
+    max_seq_len: int
+    seconds: float
+
+
 def error_response(message: str, code: str) -> pb_utils.InferenceResponse:
     """A final error response; `code` is the scheduler's ("invalid", "unavailable", "deadline", "internal")."""
     error = pb_utils.TritonError(INVALID_PREFIX + message if code == "invalid" else message,
@@ -209,27 +230,13 @@ class TritonSink:
 
 class TritonPythonModel:
     def initialize(self, args):
-        import torch
-        from spectrt.runtime.decoding.pipeline import Pipeline
-        from spectrt.runtime.serving import requests as validator
-        from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler
-
-        self.validator, self.Overloaded, self.Request = validator, Overloaded, Request
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("spectrt needs model_transaction_policy { decoupled: true }")
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.instance = args.get("model_instance_name", args["model_name"])
         self.base = Path(args["model_repository"]).resolve().parent.parent  # <repo parent>: relative paths
-
-        def number(key, default, kind=int):
-            value = kind(params.get(key) or default)
-            if value <= 0 and key not in ("threads", "tree_budget", "prefill_chunk"):
-                raise pb_utils.TritonModelException(f"model parameter {key} must be positive, got {value}")
-            return value
-
-        max_seq_len, max_tree_tokens = number("max_seq_len", 2048), number("max_tree_tokens", 64)
-        threads = number("threads", 0)
+        threads = _number(params, "threads", 0)
         if threads <= 0:
             count = sum(g.get("count", 1) for g in config.get("instance_group", [])) or 1
             threads = max(1, len(os.sched_getaffinity(0)) // count)
@@ -239,49 +246,11 @@ class TritonPythonModel:
             """Load, warm up and decode in this one thread. Why: the native forward ran at ~0.6x when the model was
             loaded in the stub's main thread and decoded in the scheduler thread (served AR 61.5 vs 99.1 tok/s in
             process, Zen 4, bf16; in process a thread that loaded the model itself decoded at full speed)."""
-            nonlocal target, draft, backend, dtype, max_seq_len, max_tree_tokens, tree, load_start, decoder, policy
             try:
-                torch.set_num_threads(threads)
-                target, draft, backend, dtype, max_seq_len, max_tree_tokens, tree = self._models(params, max_seq_len,
-                                                                                                  max_tree_tokens)
-                load_start = time.perf_counter()
-                # measure_kernels=false: the torch reference path's GEMM formulation is fixed, not timed at load
-                self.pipe = Pipeline(target, draft, backend, dtype, max_seq_len, max_tree_tokens,
-                                     measure_kernels=_truthy(params.get("measure_kernels", "true")),
-                                     max_active=number("max_active", 8), tree_budget=number("tree_budget", 0) or None,
-                                     prefill_budget=number("prefill_chunk", 0) or None,
-                                     prefix_cache=_truthy(params.get("prefix_cache", "true")))
-                decoder, tokenizer = self.pipe.decoder, self.pipe.tokenizer
-                policy = self.pipe.policy
-                # a token covers at most this many bytes of text: a longer prompt cannot fit, refuse it before
-                # tokenizing
-                longest = max(len(tokenizer.decode([i]).encode("utf-8")) for i in range(len(tokenizer)))
-                max_tokens = number("max_tokens_limit", 1024)
-                self.limits = validator.Limits(
-                    max_seq_len=max_seq_len, max_tokens=max_tokens,
-                    default_max_tokens=min(number("default_max_tokens", 128), max_tokens),
-                    max_tree_tokens=max_tree_tokens,
-                    max_tree_depth=number("max_tree_depth", 16), max_request_cost=number("max_request_cost", 16384),
-                    max_prompt_bytes=max_seq_len * max(longest, 1),
-                    max_request_seconds=number("max_request_seconds", 300.0, float),
-                    speculation=draft is not None or policy.suffix)
-                self.chat_default = _truthy(params.get("chat_template", "true"))
-                try:
-                    self.default_tree = validator.parse_tree(tree or params.get("tree") or "auto", self.limits)
-                except validator.RequestError as e:
-                    raise pb_utils.TritonModelException(f"model parameter tree: {e}") from None
-                # first forwards (allocator, scratch growth): now, not in a request
-                if _truthy(params.get("warmup", "true")):
-                    from spectrt.runtime.serving.scheduler import warm_up
+                import torch
 
-                    try:
-                        warm_up(decoder, [self.pipe.encode("Hi"), self.pipe.encode("Hello")], self.default_tree)
-                    except RuntimeError as e:  # not READY: every request would fail the same way
-                        raise pb_utils.TritonModelException(f"spectrt {self.instance}: {e}") from None
-                self.drain_seconds = number("drain_seconds", 5.0, float)
-                self.metrics = TritonMetrics(args["model_name"])
-                self.scheduler = Scheduler(decoder, tokenizer, self.metrics, number("max_queue_size", 64),
-                                           number("max_queue_seconds", 30.0, float), number("stream_interval", 1))
+                torch.set_num_threads(threads)
+                self.loaded = self._load(params, args["model_name"])
             except BaseException as e:  # initialize raises it: the model does not load
                 failure.append(e)
                 return
@@ -289,21 +258,69 @@ class TritonPythonModel:
                 loaded.set()
             self.scheduler.run_here()
 
-        target = draft = backend = dtype = tree = decoder = policy = None
-        load_start = 0.0
         threading.Thread(target=load_then_decode, name="spectrt-scheduler", daemon=True).start()
         loaded.wait()
         if failure:
             raise failure[0]
+        info, decoder, policy = self.loaded, self.pipe.decoder, self.pipe.policy
         mode = {None: "none (target alone)", "auto": f"auto (budget {policy.budget}, depth "
-                f"{policy.depth if draft else 0}, width {policy.width}{', suffix' if policy.suffix else ''})"}
+                f"{policy.depth if info.draft else 0}, width {policy.width}{', suffix' if policy.suffix else ''})"}
         pb_utils.Logger.log_info(
-            f"spectrt {self.instance}: target {target}, draft {draft}, backend {backend}/{dtype}, tree "
-            f"{mode.get(self.default_tree, self.default_tree)}, max_seq_len {max_seq_len}, max_active "
+            f"spectrt {self.instance}: target {info.target}, draft {info.draft}, backend {info.backend}/{info.dtype}, "
+            f"tree {mode.get(self.default_tree, self.default_tree)}, max_seq_len {info.max_seq_len}, max_active "
             f"{decoder.max_active}, {threads} thread(s), prefix cache "
-            f"{'on' if decoder.prefix is not None else 'off'}, loaded in {time.perf_counter() - load_start:.1f}s")
+            f"{'on' if decoder.prefix is not None else 'off'}, loaded in {info.seconds:.1f}s")
         if decoder.prefix is None and decoder.prefix_refusal and _truthy(params.get("prefix_cache", "true")):
             pb_utils.Logger.log_warn(f"spectrt {self.instance}: no prefix cache: {decoder.prefix_refusal}")
+
+    def _load(self, params: dict[str, str], model_name: str) -> Loaded:
+        """The pipeline, limits, default tree, metrics and scheduler from the model parameters, warmed up (runs in
+        the thread that will decode: `initialize`); returns what the load log line names."""
+        from spectrt.runtime.decoding.pipeline import Pipeline
+        from spectrt.runtime.serving import requests as validator
+        from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler, warm_up
+
+        self.validator, self.Overloaded, self.Request = validator, Overloaded, Request
+        max_seq_len, max_tree_tokens = _number(params, "max_seq_len", 2048), _number(params, "max_tree_tokens", 64)
+        target, draft, backend, dtype, max_seq_len, max_tree_tokens, tree = self._models(params, max_seq_len,
+                                                                                          max_tree_tokens)
+        load_start = time.perf_counter()
+        # measure_kernels=false: the torch reference path's GEMM formulation is fixed, not timed at load
+        self.pipe = Pipeline(target, draft, backend, dtype, max_seq_len, max_tree_tokens,
+                             measure_kernels=_truthy(params.get("measure_kernels", "true")),
+                             max_active=_number(params, "max_active", 8),
+                             tree_budget=_number(params, "tree_budget", 0) or None,
+                             prefill_budget=_number(params, "prefill_chunk", 0) or None,
+                             prefix_cache=_truthy(params.get("prefix_cache", "true")))
+        decoder, tokenizer, policy = self.pipe.decoder, self.pipe.tokenizer, self.pipe.policy
+        # a token covers at most this many bytes of text: a longer prompt cannot fit, refuse it before tokenizing
+        longest = max(len(tokenizer.decode([i]).encode("utf-8")) for i in range(len(tokenizer)))
+        max_tokens = _number(params, "max_tokens_limit", 1024)
+        self.limits = validator.Limits(
+            max_seq_len=max_seq_len, max_tokens=max_tokens,
+            default_max_tokens=min(_number(params, "default_max_tokens", 128), max_tokens),
+            max_tree_tokens=max_tree_tokens,
+            max_tree_depth=_number(params, "max_tree_depth", 16),
+            max_request_cost=_number(params, "max_request_cost", 16384),
+            max_prompt_bytes=max_seq_len * max(longest, 1),
+            max_request_seconds=_number(params, "max_request_seconds", 300.0, float),
+            speculation=draft is not None or policy.suffix)
+        self.chat_default = _truthy(params.get("chat_template", "true"))
+        try:
+            self.default_tree = validator.parse_tree(tree or params.get("tree") or "auto", self.limits)
+        except validator.RequestError as e:
+            raise pb_utils.TritonModelException(f"model parameter tree: {e}") from None
+        if _truthy(params.get("warmup", "true")):  # first forwards (allocator, scratch growth): now, not in a request
+            try:
+                warm_up(decoder, [self.pipe.encode("Hi"), self.pipe.encode("Hello")], self.default_tree)
+            except RuntimeError as e:  # not READY: every request would fail the same way
+                raise pb_utils.TritonModelException(f"spectrt {self.instance}: {e}") from None
+        self.drain_seconds = _number(params, "drain_seconds", 5.0, float)
+        self.metrics = TritonMetrics(model_name)
+        self.scheduler = Scheduler(decoder, tokenizer, self.metrics, _number(params, "max_queue_size", 64),
+                                   _number(params, "max_queue_seconds", 30.0, float),
+                                   _number(params, "stream_interval", 1))
+        return Loaded(target, draft, backend, dtype, max_seq_len, time.perf_counter() - load_start)
 
     def _path(self, value: str) -> Path:
         path = Path(value).expanduser()
