@@ -282,7 +282,8 @@ class Eagle3Head:
     def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
         native forward all segments' rows share each GEMM. `hidden` is each row's input hidden [T, H], or in every
-        segment the target features of committed tokens [T, 3 * Ht], which the call `project`s itself. Logits are full-vocabulary rows, -inf outside the draft
+        segment the target features of committed tokens [T, 3 * Ht], which the call `project`s itself. Logits are
+        full-vocabulary rows, -inf outside the draft
         vocabulary (its probability 0: top-k and sampling over a row are exact); with `full_vocab=False` the draft
         vocabulary's columns only ([T, len(head_ids)], column j is target id `head_ids[j]`), which is what the
         proposer reads: a 49,152-wide row per drafted node cost its fill and a 6x wider top-k scan."""
