@@ -585,11 +585,11 @@ class Decoder:
                         rows.append(i)
                         cols.append(word[-1])
         # numpy's indexed writes: a torch one cost ~0.1 ms in the loop, on the caches a forward had just flushed
-        masked = logits.numpy() if logits.dtype == torch.float32 else None
+        masked = logits.numpy() if logits.dtype == torch.float32 else logits
         if singles:
-            (masked if masked is not None else logits)[:, singles] = float("-inf")
+            masked[:, singles] = float("-inf")
         if rows:
-            (masked if masked is not None else logits)[rows, cols] = float("-inf")
+            masked[rows, cols] = float("-inf")
         return logits
 
     def _accept(self, cand: Candidates, tree: Tree, order: list[int], tokens: torch.Tensor, logits: torch.Tensor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -56,8 +57,10 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@cache
 def _host_kernels():
-    """The native module (its host helper `top_tokens`) where it builds here, else None (numpy's reference)."""
+    """The native module (its host helper `top_tokens`) where it builds here, else None (numpy's reference). Resolved
+    once a process: `load_kernels` re-reads the environment and the CPU's flags (~7 us warm), once per draft level."""
     from spectrt.runtime.engines.kernels import load_kernels
 
     return load_kernels()

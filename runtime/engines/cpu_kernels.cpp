@@ -826,7 +826,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n
 // numpy's over the target's rows (0.06 ms in the loop) read memory as fast as a native one did (0.09 ms).
 
 // The k largest entries of each row (ties to the lower index, largest first) and their softmax probabilities: what
-// `sampling.top_tokens` computes in numpy (its reference; rows are finite or -inf, with at least k finite entries).
+// `sampling.top_tokens_reference` computes in numpy (rows are finite or -inf, with at least k finite entries).
 std::pair<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> top_tokens(torch::Tensor logits,
                                                                                          int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
