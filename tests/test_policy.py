@@ -193,7 +193,9 @@ def test_batched_cost_interpolates_rows_segments_and_context():
     assert cost(12, 4) == pytest.approx(10 + 12 + 8)  # between measured rows
     assert cost(16, 3) == pytest.approx(10 + 16 + 6)  # between measured segment counts
     assert cost(96, 1) == pytest.approx(10 + 96 + 2)  # above the largest rows: the last slope
-    assert cost(3, 3) == pytest.approx((cost(3, 2) + (10 + 4 + 8)) / 2)  # 4 segments start at 4 rows: reads 4
+    # 4 segments start at 4 rows: 3 rows extend their first slope down (not 4 rows' cost: a row must cost a row)
+    assert cost(3, 3) == pytest.approx((cost(3, 2) + (10 + 3 + 8)) / 2)
+    assert cost(8, 7) - cost(7, 7) == pytest.approx(1.0)
     assert cost(8, 1, 576) == pytest.approx(10 + 1.5 * 8 + 2)  # between contexts
     assert cost(8, 1, 64) == cost(8, 1)  # below the smallest context: flat
     # a step's curve (what allocate reads) agrees with the table at every row count, in the step's context bucket

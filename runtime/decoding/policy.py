@@ -66,11 +66,17 @@ class Calibration:
 CONTEXT_BUCKET = 64  # step cost curves are built per 64 committed tokens (the cost moves ~1% per 64 at batch 1)
 
 
-def _interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise linear through the points; flat below the first, the last slope above the last."""
+def _interpolate(points: dict[int, float], x: float, below: bool = False) -> float:
+    """Piecewise linear through the points; the last slope above the last; below the first flat, or (`below`) the
+    first slope down to half the first value."""
     xs = sorted(points)
-    if x <= xs[0] or len(xs) == 1:
+    if len(xs) == 1:
         return points[xs[0]]
+    if x <= xs[0]:
+        if not below:
+            return points[xs[0]]
+        slope = (points[xs[1]] - points[xs[0]]) / (xs[1] - xs[0])
+        return max(points[xs[0]] - slope * (xs[0] - x), points[xs[0]] / 2)
     i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     a, b = xs[i - 1], xs[i]
     return points[a] + (points[b] - points[a]) * (x - a) / (b - a)
@@ -82,10 +88,13 @@ class BatchedCost:
     `<role>_batched` table {context: {segments: {rows: ms}}}.
 
     Linear in rows, then in segments, then in context between measured points (a grid point returns its
-    measurement), flat below the smallest measured value of each, the last slope above the largest. A segment count
-    whose smallest measured row count exceeds `rows` (3 rows, 4 segments measured from 4 rows) reads that smallest
-    one: a slight overestimate. Why segments and context: at batch 8 the same rows cost more than one request's tree
-    (attention reads eight caches), and 1024 committed tokens cost ~2x 128 at 16 rows (measured, bf16)."""
+    measurement), the last slope above the largest. Below the smallest measured segment count or context: flat. A
+    segment count whose smallest measured row count exceeds `rows` (7 rows against 8 segments measured from 8 rows)
+    is extended down with its first slope. Why not flat there: 7 requests then read 7 and 8 rows at almost the same
+    cost (8 segments' 8-row figure for both), so a seventh request's extra row looked a quarter of its price and
+    batch 7 verified one every step (in process, bf16: 0.93x plain batched decoding). Why segments and context: at
+    batch 8 the same rows cost more than one request's tree (attention reads eight caches), and 1024 committed
+    tokens cost ~2x 128 at 16 rows (measured, bf16)."""
 
     table: dict[int, dict[int, dict[int, float]]]
     _curves: dict = field(default_factory=dict, compare=False, repr=False)  # (segments, context bucket) -> curve
@@ -105,7 +114,8 @@ class BatchedCost:
     def __call__(self, rows: int, segments: int = 1, context: int = 128) -> float:
         if rows < segments or segments < 1:
             raise ValueError(f"a forward over {segments} segments needs at least one row each, got {rows} rows")
-        at_context = {c: _interpolate({s: _interpolate(by_rows, rows) for s, by_rows in by_s.items()}, segments)
+        at_context = {c: _interpolate({s: _interpolate(by_rows, rows, below=True) for s, by_rows in by_s.items()},
+                                      segments)
                       for c, by_s in self.table.items()}
         return _interpolate(at_context, context)
 
