@@ -22,22 +22,26 @@ class CostCurve:
     """Median forward milliseconds vs new tokens T (at one context length), linearly interpolated."""
 
     ms: dict[int, float]
+    _ts: list[int] = field(default_factory=list, compare=False, repr=False)  # sorted token counts (once: the
+    # budget reads a curve ~10 times a request a step)
 
     def __post_init__(self) -> None:
         if not self.ms or 1 not in self.ms or any(v <= 0 for v in self.ms.values()):
             raise ValueError(f"a cost curve needs positive milliseconds for T=1 at least, got {self.ms}")
+        self._ts.extend(sorted(self.ms))
 
     def __call__(self, tokens: int) -> float:
-        ts = sorted(self.ms)
+        ts, ms = self._ts, self.ms
         if tokens <= ts[0]:
-            return self.ms[ts[0]]
+            return ms[ts[0]]
         if tokens >= ts[-1]:  # extrapolate with the last segment's slope
-            a, b = (ts[-2], ts[-1]) if len(ts) > 1 else (ts[-1], ts[-1] + 1)
-            slope = (self.ms[b] - self.ms.get(a, self.ms[b])) / (b - a) if len(ts) > 1 else 0.0
-            return self.ms[ts[-1]] + slope * (tokens - ts[-1])
+            if len(ts) == 1:
+                return ms[ts[0]]
+            a, b = ts[-2], ts[-1]
+            return ms[b] + (ms[b] - ms[a]) / (b - a) * (tokens - b)
         i = bisect.bisect_left(ts, tokens)
         a, b = ts[i - 1], ts[i]
-        return self.ms[a] + (self.ms[b] - self.ms[a]) * (tokens - a) / (b - a)
+        return ms[a] + (ms[b] - ms[a]) * (tokens - a) / (b - a)
 
 
 @dataclass(frozen=True)
