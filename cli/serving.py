@@ -26,6 +26,7 @@ from spectrt.runtime.serving.serve import (
     ADMIN_HEADER,
     GRPC_ADMIN_HEADER,
     RESTRICTED_APIS,
+    STREAM_INTERVAL,
     ServeError,
     TritonServer,
     host_warning,
@@ -48,9 +49,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context per KV slot (prompt + output)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask for")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="a stream's responses after its first carry at least this many tokens (fewer sends take "
-                        "less CPU from the forward on a small machine; the first text is never held)")
+    p.add_argument("--stream-interval", type=int, default=STREAM_INTERVAL,
+                   help="a stream's responses after its first carry at least this many tokens (1: every token; "
+                        "fewer sends take less CPU from the forward on a small machine; the first text is never "
+                        "held)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt in full (default: reuse the KV of cached prompt prefixes, exact)")
     p.add_argument("--instances", type=int, default=1,

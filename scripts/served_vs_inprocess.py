@@ -14,14 +14,27 @@ import argparse
 import json
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 
 from spectrt.runtime.serving.client import DEFAULT_MODEL, DEFAULT_PROMPTS, GrpcSession, Result
 
 
+def _step_metrics(url: str) -> dict[str, float]:
+    """The server's step counters (Prometheus text, summed over labels): steps, step and target forward seconds."""
+    names = ("spectrt_batch_steps_total", "spectrt_step_seconds_total", "spectrt_target_forward_seconds_total")
+    values = dict.fromkeys(names, 0.0)
+    for line in urllib.request.urlopen(url, timeout=30).read().decode().splitlines():
+        name, value = line.partition("{")[0].partition(" ")[0], line.rsplit(" ", 1)[-1]
+        if name in values:
+            values[name] += float(value)
+    return values
+
+
 def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1:8001", model: str = DEFAULT_MODEL,
                       target: str | None = None, draft: str | None = None, tree: str | None = None,
-                      max_seq_len: int = 2048, threads: int = 0, timeout: float = 600.0, **options) -> dict:
+                      max_seq_len: int = 2048, threads: int = 0, timeout: float = 600.0,
+                      metrics_url: str = "http://127.0.0.1:8002/metrics", **options) -> dict:
     """Streaming overhead at concurrency 1: each prompt served (gRPC stream), then `Pipeline.generate` in-process.
 
     The two alternate prompt by prompt so that a change in machine load hits both alike. Give the in-process
@@ -30,6 +43,7 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     text through the same callback).
     """
     import torch
+    from spectrt.runtime.decoding.decoder import StepClock
     from spectrt.runtime.decoding.pipeline import Pipeline
     from spectrt.runtime.decoding.sampling import SamplingParams
     from spectrt.runtime.decoding.tree import DEFAULT_TREE
@@ -47,6 +61,7 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     local = {"tokens": 0, "seconds": 0.0, "ttft": []}
     with GrpcSession(url, model) as session:
         session.generate("Hi", 4, True, timeout=timeout, **options)
+        before, pipe.decoder.clock = _step_metrics(metrics_url), StepClock()
         for prompt in prompts:
             served.append(session.generate(prompt, max_tokens, True, timeout=timeout, **options))
             first: list[float] = []
@@ -56,6 +71,12 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
             local["seconds"] += time.perf_counter() - start
             local["tokens"] += gen.stats.new_tokens
             local["ttft"].extend(first)
+    after, clock = _step_metrics(metrics_url), pipe.decoder.clock
+    steps = after["spectrt_batch_steps_total"] - before["spectrt_batch_steps_total"]
+    served_steps = {k: round(1000 * (after[f"spectrt_{k}_seconds_total"] - before[f"spectrt_{k}_seconds_total"])
+                             / max(steps, 1), 3) for k in ("step", "target_forward")}
+    local_steps = {"step": round(1000 * clock.total / max(clock.steps, 1), 3),
+                   "target_forward": round(1000 * clock.target / max(clock.steps, 1), 3)}
     served_tokens = sum(r.tokens for r in served)
     served_seconds = sum(r.latency for r in served)
     served_tps = served_tokens / served_seconds if served_seconds else 0.0
@@ -66,10 +87,12 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
         "served": {"output_tokens": served_tokens, "seconds": round(served_seconds, 3),
                    "tokens_per_second": round(served_tps, 2), "server_generation_seconds": round(server_side, 3),
                    "transport_seconds": round(served_seconds - server_side, 3),
-                   "ttft_ms_mean": round(1000 * statistics.mean(r.ttft for r in served if r.ttft is not None), 1)},
+                   "ttft_ms_mean": round(1000 * statistics.mean(r.ttft for r in served if r.ttft is not None), 1),
+                   "steps": int(steps), "ms_per_step": served_steps},
         "inprocess": {"output_tokens": local["tokens"], "seconds": round(local["seconds"], 3),
                       "tokens_per_second": round(local_tps, 2),
-                      "ttft_ms_mean": round(1000 * statistics.mean(local["ttft"]), 1) if local["ttft"] else 0.0},
+                      "ttft_ms_mean": round(1000 * statistics.mean(local["ttft"]), 1) if local["ttft"] else 0.0,
+                      "steps": clock.steps, "ms_per_step": local_steps},
         "same_tokens": served_tokens == local["tokens"],
         "served_over_inprocess": round(served_tps / local_tps, 3) if local_tps else 0.0,
     }
@@ -88,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=2048, help="the served max_seq_len")
     p.add_argument("--threads", type=int, default=0, help="torch threads in process (the served instance's)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="the server's Prometheus endpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     prompts = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
     report = compare_inprocess(prompts[:args.requests], args.max_tokens, args.url, args.model, args.target,
-                               args.draft, args.tree, args.max_seq_len, args.threads, args.timeout)
+                               args.draft, args.tree, args.max_seq_len, args.threads, args.timeout, args.metrics_url)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -100,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report['requests']} prompts at concurrency 1 | served (gRPC stream) {sv['tokens_per_second']:.1f} tok/s, "
           f"TTFT {sv['ttft_ms_mean']:.0f} ms | in-process {ip['tokens_per_second']:.1f} tok/s, TTFT "
           f"{ip['ttft_ms_mean']:.0f} ms | served/in-process {report['served_over_inprocess']:.3f} | same token "
-          f"counts {report['same_tokens']}")
+          f"counts {report['same_tokens']}\nms per step (step, target forward): served {sv['ms_per_step']}, in process "
+          f"{ip['ms_per_step']}")
     return 0
 
 

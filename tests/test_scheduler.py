@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job, StepInfo
+from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job, StepClock, StepInfo
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.serving.requests import Limits, RequestError, Row, make_row
 from spectrt.runtime.serving.scheduler import CounterMetrics, Overloaded, Request, Scheduler
@@ -110,6 +110,10 @@ def test_streamed_text_equals_the_tokens_and_every_request_ends_once(target, dra
             assert s.texts[i] == result.text == tokenizer.decode(row.job.out, skip_special_tokens=True)
             assert result.output_tokens == len(row.job.out) and result.finish_reason in ("stop", "length")
     assert sched.metrics.counts["requests"] == 4 and sched.reserved == 0
+    clock = sched.decoder.clock  # step time and target forward time, as the decoder's own clock counted them
+    assert sched.metrics.counts["step_seconds"] == pytest.approx(clock.total)
+    assert sched.metrics.counts["target_forward_seconds"] == pytest.approx(clock.target)
+    assert 0 < clock.target < clock.total
     assert not sched.decoder.active and len(sched.decoder.free) == 2
     # one tau observation per finished request (not one per target pass: each is a round trip to tritonserver)
     assert sorted(sched.metrics.observations["tau"]) == sorted(len(row.job.out) / row.job.stats.target_passes
@@ -383,6 +387,7 @@ class Scripted:
     def __init__(self, scripts: dict[int, list[list[int]]], max_active: int = 4, refuse=(), broken=()):
         self.scripts, self.refuse, self.broken = scripts, set(refuse), set(broken)
         self.active, self.free = [], list(range(max_active))
+        self.clock = StepClock()  # the scheduler reads a step's time from it (nothing runs: it stays at zero)
 
     def check(self, job):
         if job.prompt_ids[0] in self.refuse:

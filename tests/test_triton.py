@@ -63,7 +63,8 @@ def _params(target_dir, draft_dir, **extra) -> dict:
     # instances and the in-process reference run bitwise the same arithmetic (timing could pick differently)
     return {"target_dir": target_dir, "draft_dir": draft_dir, "tree": TREE, "max_seq_len": MAX_SEQ_LEN,
             "max_tokens_limit": MAX_TOKENS_LIMIT, "threads": 1, "measure_kernels": "false", "max_active": MAX_ACTIVE,
-            "max_request_cost": MAX_COST, "max_queue_size": MAX_QUEUE, **extra}
+            "max_request_cost": MAX_COST, "max_queue_size": MAX_QUEUE,
+            "stream_interval": 1, **extra}  # every token its response: streamed chunks == in-process deltas
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +231,8 @@ def test_metrics_count_speculative_work(server, session):
     assert delta["spectrt_tau_sum"] == pytest.approx(r.perf["output_tokens"] / r.perf["target_passes"], rel=1e-6)
     assert delta["spectrt_requests_total"] == 1
     assert delta["spectrt_time_to_first_token_seconds_count"] == 1
+    # each step's wall time and its target forward's (served vs in-process step costs): one within the other
+    assert 0 < delta["spectrt_target_forward_seconds_total"] <= delta["spectrt_step_seconds_total"]
 
 
 def _released(server) -> float:
@@ -289,11 +292,15 @@ def test_config_overrides_are_written():
 
 
 def test_stream_interval_is_written_and_checked():
-    from spectrt.runtime.serving.serve import ServeError, model_params
+    from spectrt.runtime.serving.serve import DEFAULT_REPOSITORY, STREAM_INTERVAL, ServeError, model_params
 
     with pytest.raises(ServeError, match="--stream-interval must be >= 1"):
         model_params(stream_interval=0)
-    assert model_params(stream_interval=4, engines=None, draft="none")["stream_interval"] == 4
+    assert model_params(stream_interval=2, engines=None, draft="none")["stream_interval"] == 2
+    # one default: the CLI's, the repository's config and the model's fallback
+    assert model_params(engines=None, draft="none")["stream_interval"] == STREAM_INTERVAL
+    text = (DEFAULT_REPOSITORY / "spectrt" / "config.pbtxt").read_text()
+    assert re.search(rf'key: "stream_interval"\s+value: {{ string_value: "{STREAM_INTERVAL}" }}', text)
 
 
 # ------------------------------------------------------------------------------------------ in-flight batching

@@ -262,6 +262,8 @@ class Scheduler:
         self.metrics.gauge("queued", sum(len(r.waiting) for r in self.requests))
         if not self.decoder.active:
             return
+        clock = self.decoder.clock
+        total, target = clock.total, clock.target
         info = self.decoder.step()
         if info.fallback is not None:  # this step only: the next one is batched again
             self.metrics.count("step_fallbacks")
@@ -271,6 +273,9 @@ class Scheduler:
         self.metrics.count("steps")
         self.metrics.count("step_tokens", info.tokens)
         self.metrics.count("step_tree_tokens", info.tree_tokens)
+        # a step's time and its target forward's: served vs in-process step costs, and the host share of a step
+        self.metrics.count("step_seconds", clock.total - total)
+        self.metrics.count("target_forward_seconds", clock.target - target)
         for job, new in info.emitted:
             self._emit(job, new)
         for job in info.finished:

@@ -64,8 +64,13 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
     "step_tree_tokens": ("spectrt_step_tree_tokens_total", "Target rows spent on trees, roots included (per step: "
                          "/ batch_steps_total)"),
+    "step_seconds": ("spectrt_step_seconds_total", "Wall time of batched decoder steps (per step: / "
+                     "batch_steps_total)"),
+    "target_forward_seconds": ("spectrt_target_forward_seconds_total", "Of that, the target's forwards (the rest: "
+                               "draft forwards and the loop's host work)"),
 }
-PER_STEP = {"steps", "step_tokens", "step_tree_tokens"}  # counted every step: sent to Triton in batches
+# counted every step: sent to Triton in batches
+PER_STEP = {"steps", "step_tokens", "step_tree_tokens", "step_seconds", "target_forward_seconds"}
 FLUSH_SECONDS = 0.5
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
@@ -279,6 +284,7 @@ class TritonPythonModel:
         from spectrt.runtime.decoding.pipeline import Pipeline
         from spectrt.runtime.serving import requests as validator
         from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler, warm_up
+        from spectrt.runtime.serving.serve import STREAM_INTERVAL
 
         self.validator, self.Overloaded, self.Request = validator, Overloaded, Request
         max_seq_len, max_tree_tokens = _number(params, "max_seq_len", 2048), _number(params, "max_tree_tokens", 64)
@@ -319,7 +325,7 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(model_name)
         self.scheduler = Scheduler(decoder, tokenizer, self.metrics, _number(params, "max_queue_size", 64),
                                    _number(params, "max_queue_seconds", 30.0, float),
-                                   _number(params, "stream_interval", 1))
+                                   _number(params, "stream_interval", STREAM_INTERVAL))
         return Loaded(target, draft, backend, dtype, max_seq_len, time.perf_counter() - load_start)
 
     def _path(self, value: str) -> Path:
