@@ -50,7 +50,7 @@ class DistillConfig:
     # data generation
     max_new_tokens: int = 128
     temperature: float = 0.7  # 0 = greedy
-    samples_per_prompt: int = 3  # with sampling: answers per prompt (the shipped set: 3 x 5,461 prompts)
+    samples_per_prompt: int = 4  # with sampling: answers per prompt (the shipped set: 4 x 5,461 prompts)
     gen_batch_size: int = 32  # requests decoded together (build/generation.py)
     gen_dtype: str = "bfloat16"  # target precision for training data: the fastest exact one on the native forward
     eval_dtype: str = "float32"  # held-out answers are the fp32 target's, as served

@@ -225,6 +225,29 @@ def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, co
     assert other["cached"] == 0
 
 
+def test_teacher_forcing_cache_forces_only_an_added_round(tiny, corpora, tmp_path):
+    """Answers cached as a prompt's group of two are read back when a third round joins the group; only the new
+    answers are forced, and every record equals a fresh forcing."""
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=1.0, samples_per_prompt=3)
+    recs, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:4], tmp_path, cfg, progress=False)
+    groups = C._prompt_groups(recs)
+    assert all(len(g) == 3 for g in groups)
+    first_two = [recs[i] for g in groups for i in g[:2]]
+    cache = tmp_path / "forced"
+    _, before = C.teacher_force(tiny, first_two, "float32", 5, (1, 3), progress=False, cache_dir=cache)
+    assert before["cached"] == 0
+    grown, stats = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
+    assert stats["records"] == len(recs) and stats["cached"] == len(first_two)
+    assert stats["tokens"] == sum(len(recs[g[2]]["input_ids"]) for g in groups)  # the third round alone
+    fresh, _ = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False)
+    by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
+    for got in grown:
+        want = by_ids[tuple(got["input_ids"].tolist())]
+        assert all(torch.equal(got[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+    _, again = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
+    assert again["cached"] == len(recs) and again["forward_rows"] == 0
+
+
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
     import shutil
 
