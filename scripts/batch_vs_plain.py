@@ -1,0 +1,63 @@
+"""Speculation against plain batched decoding in one process, at one batch size (issue 31's in-process bar).
+
+Under the CPU lock, with nothing else running:
+
+    flock /tmp/spectrt.lock .venv/bin/python scripts/batch_vs_plain.py [--batch 8] [--prompts 16] [--tokens 64]
+        [--min-length] [--draft DIR|none] [--rounds 2]
+
+Decodes the bench prompts `--batch` at a time (greedy), the default (dynamic trees under the tuned policy) and the
+target alone, interleaved round by round, and prints each mode's tokens/s, tokens a step and the decoder's per-step
+breakdown (`Decoder.clock`: forwards and host work), then default over plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
+    from spectrt.runtime.decoding.decoder import Job, StepClock
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tree import AUTO
+    from spectrt.runtime.engines.checkpoint import resolve_models
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16, help="the first N bench prompts")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--min-length", action="store_true", help="every request decodes all --tokens (min_length)")
+    p.add_argument("--draft", default=None, help="draft dir ('none': suffix candidates only; default: the shipped)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--artifacts", type=Path, default=Path("artifacts"))
+    args = p.parse_args(argv)
+    target, draft = resolve_models(None, args.draft, args.artifacts)
+    pipe = Pipeline(target, draft, dtype=args.dtype, max_seq_len=1024, artifacts=args.artifacts,
+                    max_active=args.batch)
+    decoder = pipe.decoder
+    ids = [pipe.encode(text) for text in read_prompts(DEFAULT_PROMPTS)[:args.prompts]]
+    decoder.run([Job(ids[0], 8, AUTO)])  # warm up
+    totals = {"plain": [0, 0.0, 0], "default": [0, 0.0, 0]}
+    for rnd in range(args.rounds):
+        for name, tree in (("plain", None), ("default", AUTO)):
+            decoder.clock = StepClock()
+            tokens = 0
+            for start in range(0, len(ids), args.batch):
+                jobs = [Job(list(x), args.tokens, tree, min_length=args.tokens if args.min_length else 0)
+                        for x in ids[start:start + args.batch]]
+                tokens += sum(len(j.out) for j in decoder.run(jobs))
+            clock = decoder.clock
+            t = totals[name]
+            t[0], t[1], t[2] = t[0] + tokens, t[1] + clock.total, t[2] + clock.steps
+            print(f"round {rnd} {name:7s} {tokens / clock.total:6.1f} tok/s, {tokens / clock.steps:.2f} tokens a step, "
+                  f"ms a step {clock.per_step_ms()}", flush=True)
+    (pt, ps, pn), (dt, ds, dn) = totals["plain"], totals["default"]
+    print(f"batch {args.batch}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
+          f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
