@@ -334,6 +334,10 @@ class NativeModel:
         logits = torch.empty(total, self.config.vocab_size if self.head_ids is None else len(self.head_ids))
         feature_layers = [int(j) for j in feature_layers]
         features = torch.empty(total, len(feature_layers) * self.config.hidden_size) if feature_layers else None
+        # the per-segment views are made before the forward fills them: the same split after it was the first torch
+        # op on the caches the forward had flushed, ~0.1 ms a forward (batch 1 and 8, bf16)
+        split_logits = list(logits.split(rows)) if self.head_ids is None else None
+        split_features = None if features is None else list(features.split(rows))
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
@@ -343,4 +347,5 @@ class NativeModel:
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
             logits = torch.full((total, self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-        return list(logits.split(rows)), None if features is None else list(features.split(rows))
+            split_logits = list(logits.split(rows))
+        return split_logits, split_features
