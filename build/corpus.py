@@ -415,27 +415,19 @@ def teacher_force(
         missing = []
         for g in groups:
             # a prompt's earlier answers may be cached as the group they formed before a round was added (the
-            # shipped set's 4th round: 0 of 5,461 groups hit by name): read those, force only the answers after them
-            for m in range(len(g), 0, -1):
-                path = cache_dir / _group_file(records, g[:m])
-                if path.is_file():
-                    break
-            else:
-                missing.append(g)
-                continue
-            kept = torch.load(path, weights_only=True)
-            out += kept
-            cached += len(kept)
-            cached_tokens += sum(len(r["input_ids"]) for r in kept)
-            if m < len(g):
-                rest = cache_dir / _group_file(records, g[m:])
-                if rest.is_file():
-                    kept = torch.load(rest, weights_only=True)
-                    out += kept
-                    cached += len(kept)
-                    cached_tokens += sum(len(r["input_ids"]) for r in kept)
-                else:
-                    missing.append(g[m:])
+            # shipped set's 4th round: 0 of 5,461 groups hit by name): its longest cached prefix, then the rest
+            m = next((m for m in range(len(g), 0, -1) if (cache_dir / _group_file(records, g[:m])).is_file()), 0)
+            for part in (g[:m], g[m:]):
+                path = cache_dir / _group_file(records, part) if part else None
+                if path is None:
+                    continue
+                if not path.is_file():
+                    missing.append(part)
+                    continue
+                kept = torch.load(path, weights_only=True)
+                out += kept
+                cached += len(kept)
+                cached_tokens += sum(len(r["input_ids"]) for r in kept)
         groups = missing
     if not groups:
         return out, _tf_stats(out, records, cached, cached_tokens, 0, 0, time.monotonic() - t0, model,

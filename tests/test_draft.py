@@ -201,6 +201,14 @@ def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tm
     assert 0 < cut_stats["records"] < 16 and "features" not in cut[0]  # a passed deadline: one call, then stop
 
 
+def _assert_same_records(got: list[dict], fresh: list[dict]) -> None:
+    """Every record's teacher view (top-k ids and log-probs, features) equals a fresh forcing's, bitwise."""
+    by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
+    for rec in got:
+        want = by_ids[tuple(rec["input_ids"].tolist())]
+        assert all(torch.equal(rec[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+
+
 def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, corpora, tmp_path):
     """A run cut by its deadline leaves its prompts in the cache; the next run reads them back unchanged and forces
     only the others; other settings (top-k) do not read them."""
@@ -215,10 +223,7 @@ def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, co
     assert stats["records"] == len(recs) and stats["cached"] == cut_stats["records"]
     assert stats["tokens"] + stats["cached_tokens"] == sum(len(r["input_ids"]) for r in recs)
     fresh, _ = C.teacher_force(tiny, recs, "float32", 5, (1, 3), rows_per_call=16, progress=False)
-    by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
-    for got in full:
-        want = by_ids[tuple(got["input_ids"].tolist())]
-        assert all(torch.equal(got[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+    _assert_same_records(full, fresh)
     _, again = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
     assert again["cached"] == len(recs) and again["forward_rows"] == 0
     _, other = C.teacher_force(tiny, recs, "float32", 4, (1, 3), progress=False, cache_dir=cache)
@@ -240,10 +245,7 @@ def test_teacher_forcing_cache_forces_only_an_added_round(tiny, corpora, tmp_pat
     assert stats["records"] == len(recs) and stats["cached"] == len(first_two)
     assert stats["tokens"] == sum(len(recs[g[2]]["input_ids"]) for g in groups)  # the third round alone
     fresh, _ = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False)
-    by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
-    for got in grown:
-        want = by_ids[tuple(got["input_ids"].tolist())]
-        assert all(torch.equal(got[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+    _assert_same_records(grown, fresh)
     _, again = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
     assert again["cached"] == len(recs) and again["forward_rows"] == 0
 

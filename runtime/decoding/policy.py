@@ -22,8 +22,8 @@ class CostCurve:
     """Median forward milliseconds vs new tokens T (at one context length), linearly interpolated."""
 
     ms: dict[int, float]
-    _ts: list[int] = field(default_factory=list, compare=False, repr=False)  # sorted token counts (once: the
-    # budget reads a curve ~10 times a request a step)
+    # sorted token counts, once (the budget reads a curve ~10 times a request a step)
+    _ts: list[int] = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.ms or 1 not in self.ms or any(v <= 0 for v in self.ms.values()):
