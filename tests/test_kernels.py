@@ -308,6 +308,23 @@ def test_native_decoding_allocates_no_buffers(target, bf16_prompts):
     assert [t.data_ptr() for t in native.scratch + [native.rope_cos, decoder.target_caches[0].k]] == before
 
 
+def test_streamed_weights_share_one_huge_page_aligned_buffer(target):
+    """Every weight a forward streams is copied, unchanged, into one buffer starting on a 2 MB boundary, so the
+    kernel can back it with huge pages (kernels.huge_page_arena)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(5, 7, generator=gen), torch.randn(300, generator=gen).bfloat16(), torch.arange(9)]
+    copies = kernels.huge_page_arena(tensors)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(tensors, copies, strict=True))
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(tensors, copies, strict=True))
+    native = target.native
+    streamed = [native.head] + [p[0] for p in native.projections]
+    starts = sorted(w.data_ptr() for w in streamed)
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert starts[0] % kernels.HUGE_PAGE == 0
+        span = max(w.data_ptr() + w.numel() * w.element_size() for w in streamed) - starts[0]
+        assert span <= sum(-(-w.numel() * w.element_size() // 4096) * 4096 for w in streamed)
+
+
 def test_native_refuses_bad_token_ids(target):
     cache = target.new_cache(64, 8)
     with pytest.raises(ValueError, match="token ids must lie in"):

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.engines.families import rope_frequencies
-from spectrt.runtime.engines.kernels import linear, load_kernels, native_unavailable, pack
+from spectrt.runtime.engines.kernels import huge_page_arena, linear, load_kernels, native_unavailable, pack
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -148,8 +148,10 @@ class _NativeHead:
         self.kernels, self.config = load_kernels(), c
         self.embed = head.embed
         self.norms = [n.float().contiguous() for n in (head.input_norm, head.hidden_norm, head.post_norm, head.norm)]
-        self.projections = [[pack(w, dtype, amx=False)] for w in (head.wqkv, head.wo, head.w13, head.w2)]
-        self.head, self.fc = pack(head.head, dtype, amx=False), pack(head.fc, dtype, amx=False)
+        # on huge pages, as the target's weights (kernels.huge_page_arena)
+        *projections, self.head, self.fc = huge_page_arena(
+            [pack(w, dtype, amx=False) for w in (head.wqkv, head.wo, head.w13, head.w2, head.head, head.fc)])
+        self.projections = [[w] for w in projections]
         self.draft_vocab = head.head.shape[0]
         self.inv_freq, self.rope_scale = head.inv_freq, head.rope_scale
         self.dims = [c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim]
