@@ -1,5 +1,5 @@
 """Forward ms of the native kernels by T (tree rows) at context 128, per ISA build and dtype, for this checkout's
-kernel source and, with --against REV, a git revision's: every build in one process, rounds interleaved, the best
+kernel source and, with --against REV[,REV...], git revisions': every build in one process, rounds interleaved, the best
 of the rounds' medians (bench/results/isa/README.md has the figures). A kernel change is kept only where it wins on
 the CPU it is measured on; run this on every CPU class a change may touch.
 
@@ -46,7 +46,7 @@ def sources_at(rev: str, into: Path) -> tuple[Path, Path]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--against", help="a git revision whose kernels to time next to this checkout's")
+    p.add_argument("--against", help="git revisions (comma-separated) whose kernels to time next to this checkout's")
     p.add_argument("--isas", default=",".join(i for i in kernels.runnable_isas() if i != "portable"))
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--rows", default="1,2,4,8,16")
@@ -55,26 +55,36 @@ def main() -> None:
     torch.set_num_threads(2)
     target = resolve_target()
     variants = {"this checkout": (kernels.SOURCE, kernels.HEADER)}
-    tmp = Path(tempfile.mkdtemp())
-    if args.against:
-        variants[args.against] = sources_at(args.against, tmp)
-    models = {}
+    for rev in filter(None, (args.against or "").split(",")):
+        tmp = Path(tempfile.mkdtemp())
+        variants[rev] = sources_at(rev, tmp)
+    # One model per ISA and dtype, its weights shared by every kernel revision (only the module is swapped): the
+    # speed of streaming a weight depends on the memory it sits in (2 MB pages or not, and how the VM's host backs
+    # them: the same kernels ran 35 or 59 GB/s in two processes), so revisions are compared on the same memory.
+    modules = {}
     for name, (source, header) in variants.items():
         kernels.SOURCE, kernels.HEADER = source, header
         for isa in args.isas.split(","):
             os.environ["SPECTRT_ISA"] = isa
             kernels._build.cache_clear()  # another source: another build (cached by its content)
-            for dt in args.dtypes.split(","):
-                model = Transformer.load(target, DTYPES[dt], measure_kernels=False)
-                assert model.native is not None and model.native.isa == isa, (name, isa)
-                models[name, isa, dt] = (model, model.new_cache(512, 64))
+            modules[name, isa] = kernels.load_kernels()
+    shared = {}
+    for isa in args.isas.split(","):
+        os.environ["SPECTRT_ISA"] = isa
+        for dt in args.dtypes.split(","):
+            model = Transformer.load(target, DTYPES[dt], measure_kernels=False)
+            assert model.native is not None and model.native.isa == isa, isa
+            shared[isa, dt] = (model, model.new_cache(512, 64))
+    models = {(name, isa, dt): shared[isa, dt] + (modules[name, isa],)
+              for name in variants for isa in args.isas.split(",") for dt in args.dtypes.split(",")}
     rows = [int(t) for t in args.rows.split(",")]
     best: dict = {}
     for _ in range(args.rounds):
         for t in rows:
             mask, depth = binary_tree_mask(t)
             tokens = torch.randint(0, 49152, (t,), generator=torch.Generator().manual_seed(t))
-            for key, (model, cache) in models.items():
+            for key, (model, cache, module) in models.items():
+                model.native.kernels = module
                 cache.length = CONTEXT
                 segment = [(tokens, depth + CONTEXT, mask, cache)]
                 model.forward_many(segment)

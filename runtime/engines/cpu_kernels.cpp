@@ -44,6 +44,22 @@ inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<cons
 // -> 17.4 at 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
+// What a pass over a panel prefetches while it computes. A panel that one pass covers (one block of rows, all 64
+// columns) streams itself: `ahead` prefetches each k's whole panel row PREFETCH_BYTES ahead. Where a panel takes
+// several passes (more rows than one register block, or AVX2's narrower blocks), the passes after the first used to
+// run from L2 with the memory bus idle; now each pass prefetches (into L2) the slice of the *next* panel that is its
+// share of the panel's FMA work, lines spread evenly over its k steps, so one panel's compute overlaps the next
+// one's traffic. Measured (scripts/isa_tcurve.py, Zen 4, context 128, the same weights on 2 MB pages, ms, before ->
+// after): AVX2 bf16 T=2 9.2 -> 7.3, T=4 13.1 -> 9.8, T=8 18.8 -> 15.5, T=16 30.6 -> 28.2; AVX2 fp32 T=4 25.6 -> 15.0,
+// T=8 30.1 -> 19.7; AVX-512 unchanged within noise (T <= 6 is one pass there), fp32 T=16 30.4 -> 27.4. Variants
+// that also streamed every panel's first pass, or capped a pass at one line a k step, were no better (fp32 T=2 on
+// AVX2 17-18 ms instead of 19; everything else 2-10% worse).
+struct Prefetch {
+  bool ahead;         // in-panel prefetch of whole panel rows (a one-pass panel, or the first a thread takes)
+  const char* next;   // the next panel, or null
+  int64_t lo, lines;  // this pass's slice of it: `lines` cache lines from byte `lo`
+};
+
 // out[m][c0 : c0 + 16 C] = sum_k x[m][k] * panel[k][c0 : c0 + 16 C], k ascending, one FMA chain per output.
 // noinline: inlined into its callers, GCC 12 kept some blocks' accumulators in memory (the 3-row block stored
 // them every k: half a bf16 T=3 forward's time on AVX2, Zen 3); compiled alone, every block keeps them in registers.
@@ -52,14 +68,16 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 // in both builds (one process, interleaved, context 128, ms, against the code before it: AVX-512 bf16 T=8 17.0 vs
 // 14.7, fp32 23.1 vs 19.2; AVX2 bf16 T=2 13.4 vs 10.9, fp32 29.0 vs 19.0), so each panel streams once, as here
 // (bench/results/isa/README.md; scripts/isa_tcurve.py compares kernel revisions on a CPU).
-template <typename W, int M, int C>
+template <typename W, int M, int C, bool NEXT>
 __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out,
-                                           int64_t ldo, int64_t cols, int64_t c0) {
-  // The first pass over a panel prefetches whole panel rows: later passes (narrower register blocks) find them in
-  // cache. Why: prefetching only a pass's own columns left the passes that start a new cache line waiting on
-  // memory (AVX2, bf16 T=8 forward 36.7 -> see kernels.py).
+                                           int64_t ldo, int64_t cols, int64_t c0, Prefetch pf) {
+  // The in-panel prefetch takes whole panel rows: later passes (narrower register blocks) find them in cache.
+  // Why: prefetching only a pass's own columns left the passes that start a new cache line waiting on memory
+  // (AVX2, bf16 T=8 forward 36.7 -> see kernels.py).
   constexpr int64_t row_bytes = NR * sizeof(W), ahead = PREFETCH_BYTES / row_bytes * NR;
-  const int64_t prefetch_bytes = c0 == 0 ? row_bytes : 0;
+  const int64_t prefetch_bytes = pf.ahead ? row_bytes : 0;
+  const char* next_line = pf.next + pf.lo;
+  int64_t credit = 0;  // next-panel lines owed: `lines` per K steps, issued as they fall due (no division per k)
   Vec acc[M][C];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
@@ -70,6 +88,8 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     // GFMA/s a Zen 3 core at any row count). A prefetch never faults: reading past the panel's end is harmless.
     for (int64_t b = 0; b < prefetch_bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(w + ahead) + b, 0, 3);
+    if constexpr (NEXT)
+      for (credit += pf.lines; credit >= K; credit -= K, next_line += 64) __builtin_prefetch(next_line, 0, 2);
     if constexpr (M == 1) {  // each weight used once: loaded at its FMA (loading all first spilled one register)
       const Vec xb = simd::set1(x[k]);
 #pragma GCC unroll 8
@@ -96,28 +116,60 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     }
 }
 
-// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns)
+// FMA work of a pass of M rows (gemm_vecs(M) Vec columns), and of all M-row passes over a panel of `cols`
+template <int M>
+constexpr int64_t pass_work() { return M * simd::gemm_vecs(M); }
+template <int M>
+constexpr int64_t panel_work(int64_t cols) {
+  constexpr int64_t width = simd::gemm_vecs(M) * LANES;
+  return (cols + width - 1) / width * pass_work<M>();
+}
+
+// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns).
+// `done` of `work` counts the panel's FMA work so far: each pass prefetches the slice of the next panel that is
+// its share of the work, so the traffic spreads over the panel's compute time.
 template <typename W, int M>
 inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                       int64_t cols) {
+                       int64_t cols, const W* next, bool first_panel, int64_t& done, int64_t work) {
   constexpr int C = simd::gemm_vecs(M);
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES) panel_block<W, M, C>(x, ldx, panel, K, out, ldo, cols, c0);
+  const int64_t lines = K * NR * static_cast<int64_t>(sizeof(W)) / 64;
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, done += pass_work<M>()) {
+    if (work == pass_work<M>() || !next) {  // one pass, or nothing after this panel: prefetch within it
+      const bool ahead = work == pass_work<M>() || (first_panel && done == 0);
+      panel_block<W, M, C, false>(x, ldx, panel, K, out, ldo, cols, c0, {ahead, nullptr, 0, 0});
+      continue;
+    }
+    const int64_t l0 = lines * done / work, l1 = lines * (done + pass_work<M>()) / work;
+    const Prefetch pf{first_panel && done == 0, reinterpret_cast<const char*>(next), 64 * l0, l1 - l0};
+    panel_block<W, M, C, true>(x, ldx, panel, K, out, ldo, cols, c0, pf);
+  }
 }
 
 template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
-                int64_t cols) {
+                int64_t cols, const W* next, bool first_panel) {
   constexpr int MR = simd::GEMM_ROWS;
+  const int64_t full = rows / MR, rest = rows - full * MR;
+  int64_t work = full * panel_work<MR>(cols), done = 0;
+  switch (rest) {
+    case 1: work += panel_work<1>(cols); break;
+    case 2: work += panel_work<2>(cols); break;
+    case 3: work += panel_work<3>(cols); break;
+    case 4: work += panel_work<4>(cols); break;
+    case 5: work += panel_work<5>(cols); break;
+    default: break;
+  }
   int64_t m = 0;
-  for (; m + MR <= rows; m += MR) panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols);
+  for (; m + MR <= rows; m += MR)
+    panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done, work);
   const float* xr = x + m * ldx;
   float* o = out + m * ldo;
-  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
-    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols); break;
-    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols); break;
+  switch (rest) {  // the last rows: a smaller block (cases >= MR never happen)
+    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
     default: break;
   }
 }
@@ -283,7 +335,8 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
-      rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols);
+      const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
+      rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
       if (bias)
         for (int64_t m = 0; m < rows; ++m)
           for (int64_t c = c0; c < c0 + cols; ++c) out[m * n_out + c] = out[m * n_out + c] + bias[c];
