@@ -39,6 +39,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
     overrides = {} if args.lr is None else {"head_lr" if args.kind == "eagle3" else "lr": args.lr}
     if args.data_share is not None:
         overrides["head_data_fraction" if args.kind == "eagle3" else "data_fraction"] = args.data_share
+    if args.train_lm_head:
+        if args.kind != "eagle3":
+            raise SystemExit("--train-lm-head is for --kind eagle3 (a slice's LM head is the target's, frozen)")
+        overrides["head_train_lm_head"] = True
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
                vocab_subset=args.vocab_subset, init_from=args.init_from, **overrides)
     if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
@@ -185,6 +189,9 @@ def add_parsers(sub) -> None:
                    help=f"share of the budget after which no new data is made or teacher-forced (default "
                         f"{DistillConfig.data_fraction:g} for a slice, {DistillConfig.head_data_fraction:g} for a "
                         "head); a long run that must force all the shipped answers before it trains needs more")
+    d.add_argument("--train-lm-head", action="store_true",
+                   help="eagle3: train the head's draft-vocabulary LM head too (it starts as the target's rows and "
+                        "stays frozen by default)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")
