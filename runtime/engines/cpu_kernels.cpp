@@ -563,6 +563,60 @@ RowSlots visible_slots(const std::vector<Segment>& segs) {
 // the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
 // Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
+// One task's attention for NH heads of a GQA group over D = 16 CD dims, trip counts known at compile time so the
+// accumulators live in registers. Why: with runtime head and chunk counts GCC kept them on the stack, and every
+// FMA of the score and PV chains went through a store and a load. The operations per (row, head) are those of the
+// generic loop in `attention` (same chains, same order), so the logits are bitwise unchanged.
+template <int NH, int CD>
+void attend_heads(const float* const* q, float* const* sc, const float* kc, const float* vc, int64_t length,
+                  const int64_t* win, int64_t n_win, float scale, float* out) {
+  constexpr int64_t D = CD * LANES, MAXC = simd::ATT_CHUNKS;
+  const int64_t L = length + n_win;
+  float mx[NH];
+  for (int i = 0; i < NH; ++i) mx[i] = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
+    const float* kr = kc + (j < length ? j : win[j - length]) * D;
+    Vec acc[NH];
+    for (int i = 0; i < NH; ++i) acc[i] = simd::zero();
+    for (int d = 0; d < CD; ++d) {
+      const Vec kv = simd::load(kr + d * LANES);
+      for (int i = 0; i < NH; ++i) acc[i] = simd::fmadd(simd::load(q[i] + d * LANES), kv, acc[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      sc[i][j] = simd::reduce_add(acc[i]) * scale;
+      mx[i] = std::max(mx[i], sc[i][j]);
+    }
+  }
+  float inv[NH];
+  for (int i = 0; i < NH; ++i) {  // softmax numerators in place, and 1 / their sum
+    Vec sum = simd::zero();
+    const Vec vmx = simd::set1(mx[i]);
+    for (int64_t j = 0; j < L; j += LANES) {
+      const Vec e = simd::keep_first(vexp(simd::load_first(sc[i] + j, L - j) - vmx), L - j);
+      simd::store_first(sc[i] + j, e, L - j);
+      sum = sum + e;
+    }
+    inv[i] = 1.0f / simd::reduce_add(sum);
+  }
+  for (int d0 = 0; d0 < CD; d0 += MAXC) {  // out = sum_j p_j v_j, slots in order
+    constexpr int NC = MAXC < CD ? MAXC : CD;
+    static_assert(CD % NC == 0, "whole chunk groups");
+    Vec acc[NH][NC];
+    for (int i = 0; i < NH; ++i)
+      for (int cc = 0; cc < NC; ++cc) acc[i][cc] = simd::zero();
+    for (int64_t j = 0; j < L; ++j) {
+      const float* vr = vc + (j < length ? j : win[j - length]) * D + d0 * LANES;
+      for (int cc = 0; cc < NC; ++cc) {
+        const Vec vv = simd::load(vr + cc * LANES);
+        for (int i = 0; i < NH; ++i) acc[i][cc] = simd::fmadd(simd::set1(sc[i][j]), vv, acc[i][cc]);
+      }
+    }
+    for (int i = 0; i < NH; ++i)
+      for (int cc = 0; cc < NC; ++cc)
+        simd::store(out + i * D + (d0 + cc) * LANES, acc[i][cc] * simd::set1(inv[i]));
+  }
+}
+
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
   constexpr int64_t MAXG = 4, MAXC = simd::ATT_CHUNKS;  // heads per task, Vec chunks of d per PV pass
@@ -587,6 +641,16 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
         q[i] = qkv + row * ld_qkv + (h0 + i) * D;
         sc[i] = scores + (row * H + h0 + i) * scores_ld;
         mx[i] = -INFINITY;
+      }
+      float* o = out + row * (H * D) + h0 * D;
+      if (D == 4 * LANES) {
+        switch (nh) {  // the common shapes, compiled with fixed trip counts (attend_heads)
+          case 1: attend_heads<1, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
+          case 2: attend_heads<2, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
+          case 3: attend_heads<3, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
+          case 4: attend_heads<4, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
+          default: break;
+        }
       }
       for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
         const float* kr = kc + (j < g.length ? j : win[j - g.length]) * D;
