@@ -25,7 +25,7 @@ from spectrt.runtime.engines.families import (
     rope_scaling_spec,
 )
 from spectrt.runtime.engines.int8 import load_quantized, quant_format
-from spectrt.runtime.engines.kernels import NativeModel, native_unavailable
+from spectrt.runtime.engines.kernels import NativeModel, huge_page_zeros, native_unavailable
 
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
@@ -118,13 +118,15 @@ class KVCache:
 
     @classmethod
     def pool(cls, config: ModelConfig, slots: int, capacity: int, max_window: int,
-             dtype: torch.dtype) -> list[KVCache]:
-        """`slots` caches backed by one [slots, layers, kv_heads, capacity, head_dim] K and V tensor each."""
+             dtype: torch.dtype, huge_pages: bool = False) -> list[KVCache]:
+        """`slots` caches backed by one [slots, layers, kv_heads, capacity, head_dim] K and V tensor each
+        (`huge_pages`: host memory on 2 MB pages, kernels.huge_page_zeros, for the native forward)."""
         if slots < 1 or capacity < 1 or not 1 <= max_window <= capacity:
             raise ValueError(f"a KV pool needs slots >= 1 and 1 <= max_window <= capacity, got slots={slots}, "
                              f"capacity={capacity}, max_window={max_window}")
         shape = (slots, config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        zeros = huge_page_zeros if huge_pages else torch.zeros
+        k, v = zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)
         return [cls(k, v, s, max_window) for s in range(slots)]
 
     def reset(self) -> None:
@@ -305,7 +307,7 @@ class Transformer:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
             self.native.reserve(max_window, capacity)
-            return KVCache.pool(self.config, slots, capacity, max_window, torch.float32)
+            return KVCache.pool(self.config, slots, capacity, max_window, torch.float32, huge_pages=True)
         return KVCache.pool(self.config, slots, capacity, max_window, self.dtype)
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
