@@ -325,6 +325,19 @@ def test_streamed_weights_share_one_huge_page_aligned_buffer(target):
         assert span <= sum(-(-w.numel() * w.element_size() // 4096) * 4096 for w in streamed)
 
 
+def test_native_kv_pools_are_zeroed_and_huge_page_aligned(target):
+    """The native forward's KV pool comes from kernels.huge_page_zeros: zeros of the pool's shape, fp32, on a 2 MB
+    boundary where the platform has THP advice, its slots views of it."""
+    caches = target.new_caches(2, 96, 8)
+    pool = caches[0].pool_k
+    c = target.config
+    assert pool.shape == (2, c.num_layers, c.num_kv_heads, 96, c.head_dim) and pool.dtype == torch.float32
+    assert not pool.any() and not caches[1].pool_v.any()
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert pool.data_ptr() % kernels.HUGE_PAGE == 0
+    assert caches[1].k.data_ptr() == pool[1].data_ptr()
+
+
 def test_native_refuses_bad_token_ids(target):
     cache = target.new_cache(64, 8)
     with pytest.raises(ValueError, match="token ids must lie in"):
