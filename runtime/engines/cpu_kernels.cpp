@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -168,12 +169,15 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
     panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done, work);
   const float* xr = x + m * ldx;
   float* o = out + m * ldo;
-  switch (rest) {  // the last rows: a smaller block (cases >= MR never happen)
-    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
-    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
-    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
-    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
-    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+  auto last = [&](auto rows_const) {  // the last rows: a smaller block
+    panel_rows<W, decltype(rows_const)::value>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
+  };
+  switch (rest) {  // cases >= MR never happen
+    case 1: last(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (MR > 2) last(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (MR > 3) last(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (MR > 4) last(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (MR > 5) last(std::integral_constant<int, 5>{}); break;
     default: break;
   }
 }
@@ -555,14 +559,6 @@ RowSlots visible_slots(const std::vector<Segment>& segs) {
   return v;
 }
 
-// Attention of every (row, head) over exactly its visible slots, in slot order. Per (row, head) the operations are
-// fixed: score = one FMA chain over d then a lane reduction, the softmax over the slot list, each output element one
-// FMA chain over the slots in order. A task is one row and the heads of a GQA group (up to 4; one head per task
-// when there are too few rows to keep every thread busy): the group's heads share each K and V row load, and the
-// loop runs over slots with every (head, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why:
-// the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
-// Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
-// fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 // One task's attention for NH heads of a GQA group over D = 16 CD dims, trip counts known at compile time so the
 // accumulators live in registers. Why: with runtime head and chunk counts GCC kept them on the stack, and every
 // FMA of the score and PV chains went through a store and a load. The operations per (row, head) are those of the
@@ -617,6 +613,14 @@ void attend_heads(const float* const* q, float* const* sc, const float* kc, cons
   }
 }
 
+// Attention of every (row, head) over exactly its visible slots, in slot order. Per (row, head) the operations are
+// fixed: score = one FMA chain over d then a lane reduction, the softmax over the slot list, each output element one
+// FMA chain over the slots in order. A task is one row and the heads of a GQA group (up to 4; one head per task
+// when there are too few rows to keep every thread busy): the group's heads share each K and V row load, and the
+// loop runs over slots with every (head, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why:
+// the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
+// Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
+// fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
   constexpr int64_t MAXG = 4, MAXC = simd::ATT_CHUNKS;  // heads per task, Vec chunks of d per PV pass
