@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -121,13 +120,11 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     }
 }
 
-// FMA work of a pass of M rows (gemm_vecs(M) Vec columns), and of all M-row passes over a panel of `cols`
-template <int M>
-constexpr int64_t pass_work() { return M * simd::gemm_vecs(M); }
-template <int M>
-constexpr int64_t panel_work(int64_t cols) {
-  constexpr int64_t width = simd::gemm_vecs(M) * LANES;
-  return (cols + width - 1) / width * pass_work<M>();
+// FMA work of one pass of `m` rows (gemm_vecs(m) Vec columns), and of all m-row passes over a panel of `cols`
+constexpr int64_t pass_work(int m) { return m * simd::gemm_vecs(m); }
+constexpr int64_t panel_work(int m, int64_t cols) {
+  const int64_t width = simd::gemm_vecs(m) * LANES;
+  return (cols + width - 1) / width * pass_work(m);
 }
 
 // M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns).
@@ -138,15 +135,15 @@ inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, f
                        int64_t cols, const W* next, bool first_panel, int64_t& done, int64_t work) {
   constexpr int C = simd::gemm_vecs(M);
   const int64_t lines = K * NR * static_cast<int64_t>(sizeof(W)) / 64;
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, done += pass_work<M>()) {
-    if (work == pass_work<M>() || !next) {  // one pass, or nothing after this panel: prefetch within it
-      const bool ahead = work == pass_work<M>() || (first_panel && done == 0);
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, done += pass_work(M)) {
+    const bool one_pass = work == pass_work(M), ahead = one_pass || (first_panel && done == 0);
+    if (one_pass || !next) {  // nothing to overlap with, or nothing after this panel: prefetch within it
       panel_block<W, M, C, false>(x, ldx, panel, K, out, ldo, cols, c0, {ahead, nullptr, 0, 0});
       continue;
     }
-    const int64_t l0 = lines * done / work, l1 = lines * (done + pass_work<M>()) / work;
-    const Prefetch pf{first_panel && done == 0, reinterpret_cast<const char*>(next), 64 * l0, l1 - l0};
-    panel_block<W, M, C, true>(x, ldx, panel, K, out, ldo, cols, c0, pf);
+    const int64_t l0 = lines * done / work, l1 = lines * (done + pass_work(M)) / work;
+    panel_block<W, M, C, true>(x, ldx, panel, K, out, ldo, cols, c0,
+                               {ahead, reinterpret_cast<const char*>(next), 64 * l0, l1 - l0});
   }
 }
 
@@ -154,30 +151,23 @@ template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
                 int64_t cols, const W* next, bool first_panel) {
   constexpr int MR = simd::GEMM_ROWS;
-  const int64_t full = rows / MR, rest = rows - full * MR;
-  int64_t work = full * panel_work<MR>(cols), done = 0;
-  switch (rest) {
-    case 1: work += panel_work<1>(cols); break;
-    case 2: work += panel_work<2>(cols); break;
-    case 3: work += panel_work<3>(cols); break;
-    case 4: work += panel_work<4>(cols); break;
-    case 5: work += panel_work<5>(cols); break;
-    default: break;
-  }
-  int64_t m = 0;
+  const int rest = static_cast<int>(rows % MR);
+  const int64_t work = rows / MR * panel_work(MR, cols) + (rest ? panel_work(rest, cols) : 0);
+  int64_t m = 0, done = 0;
   for (; m + MR <= rows; m += MR)
     panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done, work);
   const float* xr = x + m * ldx;
   float* o = out + m * ldo;
-  auto last = [&](auto rows_const) {  // the last rows: a smaller block
-    panel_rows<W, decltype(rows_const)::value>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
-  };
-  switch (rest) {  // cases >= MR never happen
-    case 1: last(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (MR > 2) last(std::integral_constant<int, 2>{}); break;
-    case 3: if constexpr (MR > 3) last(std::integral_constant<int, 3>{}); break;
-    case 4: if constexpr (MR > 4) last(std::integral_constant<int, 4>{}); break;
-    case 5: if constexpr (MR > 5) last(std::integral_constant<int, 5>{}); break;
+  switch (rest) {  // the last rows: a smaller block (cases >= MR never happen)
+    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
+    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
+      break;
+    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
+      break;
+    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
+      break;
+    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
+      break;
     default: break;
   }
 }
@@ -559,24 +549,30 @@ RowSlots visible_slots(const std::vector<Segment>& segs) {
   return v;
 }
 
-// One task's attention for NH heads of a GQA group over D = 16 CD dims, trip counts known at compile time so the
-// accumulators live in registers. Why: with runtime head and chunk counts GCC kept them on the stack, and every
-// FMA of the score and PV chains went through a store and a load. The operations per (row, head) are those of the
-// generic loop in `attention` (same chains, same order), so the logits are bitwise unchanged.
+// One task's attention: NH heads of a GQA group (the task's rows share each K and V row load) over head_dim D in
+// 16-lane chunks, CD of them fixed at compile time (0: any D, the chunk count at run time and the last chunk
+// masked). Why templates: with runtime head and chunk counts GCC kept the score and PV accumulators on the stack,
+// and every FMA of those chains went through a store and a load (bf16 T=1 at context 2000: AVX2 18.8 -> 10.9 ms).
 template <int NH, int CD>
-void attend_heads(const float* const* q, float* const* sc, const float* kc, const float* vc, int64_t length,
-                  const int64_t* win, int64_t n_win, float scale, float* out) {
-  constexpr int64_t D = CD * LANES, MAXC = simd::ATT_CHUNKS;
-  const int64_t L = length + n_win;
+void attend_heads(const float* const* q, float* const* sc, const float* kc, const float* vc, int64_t D,
+                  int64_t length, const int64_t* win, int64_t n_win, float scale, float* out) {
+  constexpr int64_t MAXC = simd::ATT_CHUNKS, NC = CD > 0 && CD < MAXC ? CD : MAXC;  // chunks a PV pass
+  static_assert(CD % NC == 0, "whole chunk groups");
+  if constexpr (CD > 0) D = CD * LANES;  // a constant row stride in the slot loops
+  const int64_t chunks = CD > 0 ? CD : (D + LANES - 1) / LANES, L = length + n_win;
+  auto ld = [D](const float* p, int64_t d) {  // chunk d of a head vector (fixed shapes: never a partial chunk)
+    if constexpr (CD > 0) return simd::load(p + d * LANES);
+    else return simd::load_first(p + d * LANES, D - d * LANES);
+  };
   float mx[NH];
   for (int i = 0; i < NH; ++i) mx[i] = -INFINITY;
   for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
     const float* kr = kc + (j < length ? j : win[j - length]) * D;
     Vec acc[NH];
     for (int i = 0; i < NH; ++i) acc[i] = simd::zero();
-    for (int d = 0; d < CD; ++d) {
-      const Vec kv = simd::load(kr + d * LANES);
-      for (int i = 0; i < NH; ++i) acc[i] = simd::fmadd(simd::load(q[i] + d * LANES), kv, acc[i]);
+    for (int64_t d = 0; d < chunks; ++d) {
+      const Vec kv = ld(kr, d);
+      for (int i = 0; i < NH; ++i) acc[i] = simd::fmadd(ld(q[i], d), kv, acc[i]);
     }
     for (int i = 0; i < NH; ++i) {
       sc[i][j] = simd::reduce_add(acc[i]) * scale;
@@ -594,22 +590,23 @@ void attend_heads(const float* const* q, float* const* sc, const float* kc, cons
     }
     inv[i] = 1.0f / simd::reduce_add(sum);
   }
-  for (int d0 = 0; d0 < CD; d0 += MAXC) {  // out = sum_j p_j v_j, slots in order
-    constexpr int NC = MAXC < CD ? MAXC : CD;
-    static_assert(CD % NC == 0, "whole chunk groups");
+  for (int64_t d0 = 0; d0 < chunks; d0 += NC) {  // out = sum_j p_j v_j, slots in order
+    const int64_t nc = CD > 0 ? NC : std::min<int64_t>(NC, chunks - d0);  // fixed shapes: always NC
     Vec acc[NH][NC];
     for (int i = 0; i < NH; ++i)
       for (int cc = 0; cc < NC; ++cc) acc[i][cc] = simd::zero();
     for (int64_t j = 0; j < L; ++j) {
-      const float* vr = vc + (j < length ? j : win[j - length]) * D + d0 * LANES;
-      for (int cc = 0; cc < NC; ++cc) {
-        const Vec vv = simd::load(vr + cc * LANES);
+      const float* vr = vc + (j < length ? j : win[j - length]) * D;
+      for (int cc = 0; cc < NC && cc < nc; ++cc) {
+        const Vec vv = ld(vr, d0 + cc);
         for (int i = 0; i < NH; ++i) acc[i][cc] = simd::fmadd(simd::set1(sc[i][j]), vv, acc[i][cc]);
       }
     }
     for (int i = 0; i < NH; ++i)
-      for (int cc = 0; cc < NC; ++cc)
-        simd::store(out + i * D + (d0 + cc) * LANES, acc[i][cc] * simd::set1(inv[i]));
+      for (int cc = 0; cc < NC && cc < nc; ++cc) {
+        const int64_t d = (d0 + cc) * LANES;
+        simd::store_first(out + i * D + d, acc[i][cc] * simd::set1(inv[i]), D - d);
+      }
   }
 }
 
@@ -623,9 +620,14 @@ void attend_heads(const float* const* q, float* const* sc, const float* kc, cons
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
-  constexpr int64_t MAXG = 4, MAXC = simd::ATT_CHUNKS;  // heads per task, Vec chunks of d per PV pass
+  constexpr int64_t MAXG = 4;  // heads per task
+  using Attend = decltype(&attend_heads<1, 0>);
+  // per heads in the task: the common head_dim (64) compiled with its chunk count, and any other
+  static constexpr Attend FIXED[MAXG] = {attend_heads<1, 4>, attend_heads<2, 4>, attend_heads<3, 4>,
+                                         attend_heads<4, 4>};
+  static constexpr Attend ANY[MAXG] = {attend_heads<1, 0>, attend_heads<2, 0>, attend_heads<3, 0>,
+                                       attend_heads<4, 0>};
   const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
-  const int64_t chunks_d = (D + LANES - 1) / LANES;
   // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
   // at long contexts a group's heads sharing each K/V row load beats the balance of more, smaller tasks. Measured
   // (Zen 4, bf16 T=1, one process, interleaved, three runs): context 2000 11.09-12.27 -> 10.21-11.37 ms, 1024
@@ -642,70 +644,17 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
       const int64_t h0 = kvh * group + t % task_groups * per_task, nh = std::min(per_task, (kvh + 1) * group - h0);
       const Segment& g = segs[vis.seg[row]];
       const int64_t* win = vis.window.data() + vis.start[row];
-      const int64_t n_win = vis.start[row + 1] - vis.start[row], L = g.length + n_win;
+      const int64_t n_win = vis.start[row + 1] - vis.start[row];
       const float* kc = g.k + ((layer * c.kv_heads + kvh) * g.capacity) * D;
       const float* vc = g.v + ((layer * c.kv_heads + kvh) * g.capacity) * D;
       const float* q[MAXG];
       float* sc[MAXG];
-      float mx[MAXG];
       for (int64_t i = 0; i < nh; ++i) {
         q[i] = qkv + row * ld_qkv + (h0 + i) * D;
         sc[i] = scores + (row * H + h0 + i) * scores_ld;
-        mx[i] = -INFINITY;
       }
-      float* o = out + row * (H * D) + h0 * D;
-      if (D == 4 * LANES) {
-        switch (nh) {  // the common shapes, compiled with fixed trip counts (attend_heads)
-          case 1: attend_heads<1, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
-          case 2: attend_heads<2, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
-          case 3: attend_heads<3, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
-          case 4: attend_heads<4, 4>(q, sc, kc, vc, g.length, win, n_win, scale, o); continue;
-          default: break;
-        }
-      }
-      for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
-        const float* kr = kc + (j < g.length ? j : win[j - g.length]) * D;
-        Vec acc[MAXG];
-        for (int64_t i = 0; i < nh; ++i) acc[i] = simd::zero();
-        for (int64_t d = 0; d < D; d += LANES) {
-          const Vec kv = simd::load_first(kr + d, D - d);
-          for (int64_t i = 0; i < nh; ++i) acc[i] = simd::fmadd(simd::load_first(q[i] + d, D - d), kv, acc[i]);
-        }
-        for (int64_t i = 0; i < nh; ++i) {
-          sc[i][j] = simd::reduce_add(acc[i]) * scale;
-          mx[i] = std::max(mx[i], sc[i][j]);
-        }
-      }
-      float inv[MAXG];
-      for (int64_t i = 0; i < nh; ++i) {  // softmax numerators in place, and 1 / their sum
-        Vec sum = simd::zero();
-        const Vec vmx = simd::set1(mx[i]);
-        for (int64_t j = 0; j < L; j += LANES) {
-          const Vec e = simd::keep_first(vexp(simd::load_first(sc[i] + j, L - j) - vmx), L - j);
-          simd::store_first(sc[i] + j, e, L - j);
-          sum = sum + e;
-        }
-        inv[i] = 1.0f / simd::reduce_add(sum);
-      }
-      for (int64_t d0 = 0; d0 < chunks_d; d0 += MAXC) {  // out = sum_j p_j v_j, slots in order
-        const int64_t nc = std::min(MAXC, chunks_d - d0);
-        Vec acc[MAXG][MAXC];
-        for (int64_t i = 0; i < nh; ++i)
-          for (int64_t cc = 0; cc < nc; ++cc) acc[i][cc] = simd::zero();
-        for (int64_t j = 0; j < L; ++j) {
-          const float* vr = vc + (j < g.length ? j : win[j - g.length]) * D;
-          for (int64_t cc = 0; cc < nc; ++cc) {
-            const int64_t d = (d0 + cc) * LANES;
-            const Vec vv = simd::load_first(vr + d, D - d);
-            for (int64_t i = 0; i < nh; ++i) acc[i][cc] = simd::fmadd(simd::set1(sc[i][j]), vv, acc[i][cc]);
-          }
-        }
-        for (int64_t i = 0; i < nh; ++i)
-          for (int64_t cc = 0; cc < nc; ++cc) {
-            const int64_t d = (d0 + cc) * LANES;
-            simd::store_first(out + row * (H * D) + (h0 + i) * D + d, acc[i][cc] * simd::set1(inv[i]), D - d);
-          }
-      }
+      (D == 4 * LANES ? FIXED : ANY)[nh - 1](q, sc, kc, vc, D, g.length, win, n_win, scale,
+                                              out + row * (H * D) + h0 * D);
     }
   });
 }

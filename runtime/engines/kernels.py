@@ -232,42 +232,39 @@ def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None) -> t
 HUGE_PAGE = 1 << 21  # x86-64 and aarch64's transparent huge page
 
 
-def huge_page_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` in one buffer the kernel backs with 2 MB pages where it can (Linux THP, `madvise` mode).
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh memory the kernel backs with 2 MB pages where it can (Linux THP, `madvise` mode),
+    starting on a 2 MB boundary. The buffer is private anonymous memory (a shared mapping would be shmem, whose huge
+    pages are off by default); untouched pages stay unallocated (the mapping reads as zeros, where torch.zeros wrote
+    every page), so a large KV pool costs memory as requests fill it. Where the system has no THP advice it is
+    torch.zeros. For the KV pool: a forward reads every committed K/V row (fp32: 46 KB a position for SmolLM2-135M,
+    92 MB at context 2000). Measured (Zen 4, bf16, one process, interleaved): context 2000 T=1 11.82 -> 11.49 ms,
+    T=4 14.50 -> 13.94 (AVX-512), within noise at 128."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are huge from their first fault
+    data = torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    offset = -data.data_ptr() % HUGE_PAGE
+    return data[offset:offset + nbytes].view(dtype).view(shape)
 
-    Why: a forward streams every weight once, and on 4 KB pages each page costs a TLB miss (and, in a VM, a nested
-    page walk) the prefetchers stop at. Measured (Zen 4 VM, bf16 SmolLM2-135M, 2 threads, context 128, one process,
-    the same weights on 4 KB and on 2 MB pages, interleaved): T=1 8.3-9.4 -> 6.4 ms on AVX-512, 7.6-9.1 -> 6.4-6.7 ms
-    on the AVX2 build; T=8 16.2-16.4 -> 15.9-16.1. The buffer is private anonymous memory (a shared mapping would
-    be shmem, whose huge pages are off by default); where the system has no THP it is ordinary memory."""
+
+def huge_page_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` in one `huge_page_zeros` buffer, each on a 4 KB boundary (unchanged where the system has no
+    THP advice). Why: a forward streams every weight once, and on 4 KB pages each page costs a TLB miss (and, in a
+    VM, a nested page walk) the prefetchers stop at. Measured (Zen 4 VM, bf16 SmolLM2-135M, 2 threads, context 128,
+    one process, the same weights on 4 KB and on 2 MB pages, interleaved): T=1 8.3-9.4 -> 6.4 ms on AVX-512,
+    7.6-9.1 -> 6.4-6.7 ms on the AVX2 build; T=8 16.2-16.4 -> 15.9-16.1."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or not tensors:
         return tensors
     sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
-    buffer = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the pages are huge from their first fault
-    data = torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    offset, out = -data.data_ptr() % HUGE_PAGE, []
+    data, offset, out = huge_page_zeros((sum(sizes),), torch.uint8), 0, []
     for t, size in zip(tensors, sizes, strict=True):
         view = data[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         out.append(view.copy_(t))
         offset += size
     return out
-
-
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in fresh memory backed by 2 MB pages where the kernel can (as `huge_page_arena`). For the KV
-    pool: a forward reads every committed K/V row (fp32: 46 KB a position for SmolLM2-135M, 92 MB at context 2000),
-    so its pages cost TLB misses as the weights' did. Measured (Zen 4, bf16, one process, interleaved): context 2000
-    T=1 11.82 -> 11.49 ms, T=4 14.50 -> 13.94 (AVX-512), within noise at 128. Untouched pages stay unallocated (an
-    anonymous mapping reads as zeros, where torch.zeros wrote every page), so a pool costs memory as requests fill it."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)
-    data = torch.frombuffer(buffer, dtype=torch.uint8)
-    offset = -data.data_ptr() % HUGE_PAGE
-    return data[offset:offset + nbytes].view(dtype).view(shape)
 
 
 def pack_int8(proj) -> list[torch.Tensor]:
