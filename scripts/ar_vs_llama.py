@@ -1,7 +1,10 @@
-"""AR decode of the native forward against llama.cpp on this machine, paired sample by sample: each round decodes
-every prompt with each of our (ISA, dtype) configurations and runs `llama-bench` once per GGUF right after, so both
-engines see the same state of a host whose memory bandwidth drifts by 30% within minutes. Prints tok/s per side and
-the ratio of summed decode times (the figure issue 29's bar is about).
+"""AR decode of the native forward per (ISA build, dtype), and against llama.cpp on this machine, paired sample by
+sample: each round decodes every prompt with each of our configurations (one warm process, greedy, decode time only)
+and, with --llama-bench, runs `llama-bench` once per GGUF right after, so both engines see the same state of a host
+whose memory bandwidth drifts by 30% within minutes. Prints tok/s per side and the ratio of summed decode times (the
+figure issue 29's bar is about). Without --llama-bench it times our builds only (it replaced isa_ar_bench.py):
+
+    .venv/bin/python scripts/ar_vs_llama.py --isas avx512,avx2 --dtypes bf16,fp32
 
     .venv/bin/python scripts/ar_vs_llama.py --llama-bench /tmp/llama/b-avx2/bin/llama-bench \\
         --gguf bf16=/tmp/llama/smol-bf16.gguf --gguf fp32=/tmp/llama/smol-f32.gguf --isas avx2
@@ -34,14 +37,16 @@ def llama_rate(bench: str, gguf: str, tokens: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--llama-bench", required=True)
-    p.add_argument("--gguf", action="append", required=True, help="DTYPE=PATH (bf16 or fp32), once per dtype")
+    p.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (omitted: our builds only)")
+    p.add_argument("--gguf", action="append", default=[], help="DTYPE=PATH (bf16 or fp32), once per dtype")
+    p.add_argument("--dtypes", default="bf16,fp32", help="without --gguf: the dtypes timed")
     p.add_argument("--isas", default="avx2")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
     args = p.parse_args()
     torch.set_num_threads(2)
-    ggufs = dict(g.split("=", 1) for g in args.gguf)
+    ggufs = dict(g.split("=", 1) for g in args.gguf) if args.llama_bench else {}
+    dtypes = list(ggufs) or args.dtypes.split(",")
     target = resolve_target()
     tok = AutoTokenizer.from_pretrained(target)
     ids = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
@@ -49,7 +54,7 @@ def main() -> None:
     decoders = {}
     for isa in args.isas.split(","):
         os.environ["SPECTRT_ISA"] = isa
-        for dt in ggufs:
+        for dt in dtypes:
             engine = Transformer.load(target, DTYPES[dt])
             assert engine.native is not None and engine.native.isa == isa, isa
             decoders[isa, dt] = Decoder(engine, None, {-1}, max_seq_len=512)  # no stop token: always `tokens`
@@ -67,8 +72,11 @@ def main() -> None:
                 theirs[dt][0] += args.tokens
                 theirs[dt][1] += args.tokens / rate
     for (isa, dt), (n, s) in ours.items():
-        n_l, s_l = theirs[dt]
-        print(f"{isa} {dt}: spectrt {n / s:.1f} tok/s, llama.cpp {n_l / s_l:.1f} tok/s: {(n / s) / (n_l / s_l):.2f}x")
+        line = f"{isa} {dt}: spectrt {n / s:.1f} tok/s"
+        if dt in theirs:
+            n_l, s_l = theirs[dt]
+            line += f", llama.cpp {n_l / s_l:.1f} tok/s: {(n / s) / (n_l / s_l):.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":
