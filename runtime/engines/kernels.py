@@ -235,9 +235,8 @@ HUGE_PAGE = 1 << 21  # x86-64 and aarch64's transparent huge page
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in fresh memory the kernel backs with 2 MB pages where it can (Linux THP, `madvise` mode),
     starting on a 2 MB boundary. The buffer is private anonymous memory (a shared mapping would be shmem, whose huge
-    pages are off by default); untouched pages stay unallocated (the mapping reads as zeros, where torch.zeros wrote
-    every page), so a large KV pool costs memory as requests fill it. Where the system has no THP advice it is
-    torch.zeros. For the KV pool: a forward reads every committed K/V row (fp32: 46 KB a position for SmolLM2-135M,
+    pages are off by default); its pages are allocated at their first write (a KV pool writes them all at load:
+    `KVCache.pool`). Where the system has no THP advice it is torch.zeros. For the KV pool: a forward reads every committed K/V row (fp32: 46 KB a position for SmolLM2-135M,
     92 MB at context 2000). Measured (Zen 4, bf16, one process, interleaved): context 2000 T=1 11.82 -> 11.49 ms,
     T=4 14.50 -> 13.94 (AVX-512), within noise at 128."""
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
