@@ -280,7 +280,6 @@ class Eagle3Head:
             return linear(features.float(), self.native.fc, self.config.model.hidden_size)
         return F.linear(features.to(self.dtype), self.fc)
 
-    @torch.no_grad()
     def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
         native forward all segments' rows share each GEMM. `hidden` is each row's input hidden [T, H], or in every
@@ -299,13 +298,17 @@ class Eagle3Head:
                 raise ValueError(f"hidden must be [{mask.shape[0]}, {c.hidden_size}] (or target features "
                                  f"[{mask.shape[0]}, {self.fc.shape[1]}] in every segment), got {tuple(hidden.shape)}")
         if self.native is None:
-            if width != c.hidden_size:
-                segments = [(*s[:4], self.project(s[4])) for s in segments]
-            out = [self._forward(*segment) for segment in segments]
+            with torch.no_grad():  # ordinary tensors out (model.py `Transformer.forward`); the native forward needs
+                # no autograd context, whose entry and exit cost the loop's host work (model.py `Transformer.forward`)
+                if width != c.hidden_size:
+                    segments = [(*s[:4], self.project(s[4])) for s in segments]
+                out = [self._forward(*segment) for segment in segments]
             return [(self.full_rows(lg), h) for lg, h in out] if full_vocab else out
         logits, out, rows = self.native.forward_many(segments)
         if full_vocab:
             logits = self.full_rows(logits)
+        if len(rows) == 1:  # the batch-1 step: no split (a torch op on caches the forward has just flushed)
+            return [(logits, out)]
         return list(zip(logits.split(rows), out.split(rows), strict=True))
 
     def full_rows(self, logits: torch.Tensor) -> torch.Tensor:

@@ -371,16 +371,15 @@ class NativeModel:
         masks = [s[2].contiguous() for s in segments]
         for tok, _, mask, kv in segments:
             kv.new_slots(tok, mask)
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}): got {tokens.tolist()}")
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
         logits = torch.empty(total, self.config.vocab_size if self.head_ids is None else len(self.head_ids))
         feature_layers = [int(j) for j in feature_layers]
         features = torch.empty(total, len(feature_layers) * self.config.hidden_size) if feature_layers else None
         # the per-segment views are made before the forward fills them: the same split after it was the first torch
         # op on the caches the forward had flushed, ~0.1 ms a forward (batch 1 and 8, bf16)
-        split_logits = list(logits.split(rows)) if self.head_ids is None else None
-        split_features = None if features is None else list(features.split(rows))
+        one = len(rows) == 1  # the batch-1 step: no split
+        split_logits = ([logits] if one else list(logits.split(rows))) if self.head_ids is None else None
+        split_features = None if features is None else [features] if one else list(features.split(rows))
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,

@@ -326,7 +326,6 @@ class Transformer:
             return self.native.forward_many(segments)
         return [self.forward(*segment) for segment in segments]
 
-    @torch.no_grad()  # not inference_mode: see `forward`
     def forward_features(self, segments: list[tuple],
                          feature_layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(logits, features) per segment: features [T, len(feature_layers) * hidden] fp32 are the residual stream
@@ -335,9 +334,10 @@ class Transformer:
         layers = [int(j) for j in feature_layers]
         if not layers or any(not 0 <= j <= self.config.num_layers for j in layers):
             raise ValueError(f"feature layers must lie in [0, {self.config.num_layers}], got {layers}")
-        if self.native is not None:
+        if self.native is not None:  # no autograd context: see `forward`
             return self.native.forward_features(segments, layers)
-        out = [self._forward(*segment, feature_layers=layers) for segment in segments]
+        with torch.no_grad():  # not inference_mode: see `forward`
+            out = [self._forward(*segment, feature_layers=layers) for segment in segments]
         return [o[0] for o in out], [o[1] for o in out]
 
     def weight_bytes(self) -> int:
@@ -411,7 +411,6 @@ class Transformer:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for `tokens` [T]; their K/V land in the last T slots of a W-slot window.
@@ -422,11 +421,14 @@ class Transformer:
         Under no_grad, not inference_mode: the logits are ordinary tensors whichever path made them, because the
         decode loop masks them in place (`Decoder._constrain`: min_length, bad words) and an inference tensor
         refuses that outside inference mode (every constrained request failed on the torch path, and with an
-        EAGLE-3 head on the native one too). Measured on the torch path, T=1: 43.6 vs 44.4 ms, no cost.
+        EAGLE-3 head on the native one too). Measured on the torch path, T=1: 43.6 vs 44.4 ms, no cost. The native
+        forward runs outside any autograd context: it records no graph, and entering and leaving no_grad was ~7% of
+        a batch-1 step's host work in the loop (py-spy, bf16), the caches cold after the forward.
         """
         if self.native is not None:
             return self.native.forward_many([(tokens, positions, tree_mask, cache)])[0]
-        return self._forward(tokens, positions, tree_mask, cache)[0]
+        with torch.no_grad():
+            return self._forward(tokens, positions, tree_mask, cache)[0]
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache: KVCache,
                  feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
