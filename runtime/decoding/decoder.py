@@ -625,9 +625,12 @@ class Decoder:
         self.target_caches[job.slot].compact(path)
         if self.drafter is not None and self.controller.drafts(job):
             self.drafter.accept(job.slot, trie, order, path)
-            if features is not None:  # the accepted rows' target features: the head's next inputs. numpy's take:
-                # torch's index op opened an OpenMP team for 3 rows (py-spy, batch 1 bf16: ~60 us a step)
-                self.drafter.take(job.slot, cand.position, torch.from_numpy(features.numpy()[path]))
+            if features is not None:  # the accepted rows' target features: the head's next inputs. A path of the
+                # first rows (every plain step, every chain) is a view; else numpy's take: torch's index op opened an
+                # OpenMP team for 3 rows (py-spy, batch 1 bf16: ~60 us a step)
+                rows = features[:len(path)] if path[-1] == len(path) - 1 else \
+                    torch.from_numpy(features.numpy()[path])
+                self.drafter.take(job.slot, cand.position, rows)
         limit = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids))
         new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]
         eos = job.eos_ids if job.eos_ids is not None else self.eos_ids

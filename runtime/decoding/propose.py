@@ -407,7 +407,7 @@ class Eagle3Proposer(DraftProposer):
                                f"({self.base[slot]}..{self.base[slot] + self.count[slot]})")
         if keep < self.count[slot]:  # re-fed rows replace the old ones from there
             self.pending[slot] = self._pending(slot)[:keep]
-        self.arrived[slot].append(features.float())
+        self.arrived[slot].append(features if features.dtype == torch.float32 else features.float())
         self.count[slot] = keep + len(features)
 
     def lag(self, slot: int, ids: list[int]) -> int:
