@@ -173,6 +173,39 @@ def test_budget_degrades_to_plain_batched_decoding_as_the_batch_grows(models):
         assert job.out == want
 
 
+def test_requests_the_budget_keeps_plain_stop_proposing_until_the_batch_shrinks(models):
+    """Counters: at batch 4 under a cost curve where no extra row pays, a request whose candidates the budget left
+    unverified twice in a row holds (`Controller._idle`): it proposes once every HOLD_STEPS + 1 steps, not every step,
+    and the draft never runs for it; alone again (the others finished), it proposes and verifies trees every step.
+    Outputs stay each request's sequential greedy run."""
+    from spectrt.runtime.decoding.controller import HOLD_STEPS, IDLE_STEPS
+
+    target, draft, eos, _, _ = models
+    steep = Policy(budget=4, depth=2, width=2, verify_ms=((1, 1.0), (2, 1.1), (3, 1.2), (4, 4.0), (5, 9.0)),
+                   draft_ms=((1, 0.01),))
+    prompts = models[3]
+    lengths = [40, 40, 40, 64]
+    jobs = [Job(prompts[i], n, AUTO, min_length=n) for i, n in enumerate(lengths)]
+    decoder = Decoder(target, draft, eos, max_seq_len=256, max_active=4, policy=steep)
+    proposals, propose = [], decoder.controller.suffix.propose
+    decoder.controller.suffix.propose = lambda cand, *a: (proposals.append((len(decoder.active), cand.job)),
+                                                          propose(cand, *a))[1]
+    steps = _run(decoder, jobs)
+    full = [s for s in steps if s.active == 4 and not s.prefill_tokens]
+    in_full = sum(n == 4 for n, _ in proposals)
+    assert len(full) > 2 * (IDLE_STEPS + HOLD_STEPS)
+    assert in_full <= 4 * (IDLE_STEPS + len(full) / (HOLD_STEPS + 1) + 1), "held requests must not propose"
+    assert all(s.tree_tokens == 4 for s in full)
+    long = jobs[3]
+    alone = [n for n, job in proposals if job is long and n == 1]
+    assert alone and max(long.stats.verified[-len(alone):]) > 1, "alone, the request speculates again"
+    assert len(alone) == sum(1 for s in steps if s.active == 1 and not s.prefill_tokens)
+    for i, job in enumerate(jobs):
+        want = Job(prompts[i], lengths[i], AUTO, min_length=lengths[i])
+        Decoder(target, draft, eos, max_seq_len=256, policy=steep).run([want])
+        assert job.out == want.out
+
+
 class RecordingEngine:
     """Wraps an engine and records every segment's (tokens, positions, tree mask, committed length)."""
 

@@ -172,6 +172,8 @@ class Job:
     draft_gain: float | None = None  # expected tokens the draft adds per step, learned (set by `Decoder.add`)
     draft_evidence: tuple[float, float] = (0.0, 0.0)  # decayed (draft-only accepted tokens, drafted steps)
     score_evidence: tuple[float, float] = (1.0, 1.0)  # decayed (expected, accepted) tree tokens (`Controller`)
+    idle: int = 0  # consecutive steps whose candidates the budget left unverified (`Controller.plan`)
+    hold: tuple[int, int] = (0, 0)  # (steps left, batch size when set): decode plainly without proposing
 
     @property
     def score_scale(self) -> float:
