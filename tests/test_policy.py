@@ -14,6 +14,8 @@ from spectrt.runtime.decoding.policy import (
     choose_policy,
     expected_tokens,
     load_policy,
+    pick_measured,
+    rank_policies,
 )
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
@@ -82,6 +84,30 @@ def test_tuner_brute_force_optimum_on_a_small_grid():
     # (b=4,d=2,w=2): (1+.6+.3+.25)/(1.6+1.6+13) = .1327; (b=2,d=1,w=1): 1.6/12.1 = .1322; AR .1
     assert (policy.budget, policy.depth, policy.width) == (3, 1, 2)
     assert rate == pytest.approx(1.85 / 12.6)
+
+
+def test_ranking_is_best_first_and_its_head_is_the_choice():
+    verify = CostCurve({1: 10.0, 2: 10.5, 3: 11.0, 4: 13.0, 8: 20.0})
+    draft = CostCurve({1: 1.5, 2: 1.6, 8: 2.0})
+    acc = [[0.6, 0.25], [0.5, 0.2], [0.4, 0.1]]
+    ranked = rank_policies(verify, draft, acc, [2, 3, 4], [1, 2], [1, 2])
+    rates = [r for _, r in ranked]
+    assert rates == sorted(rates, reverse=True) and len(ranked) == 1 + 3 * 2 * 2  # every shape and the draft-off one
+    assert ranked[0] == choose_policy(verify, draft, acc, [2, 3, 4], [1, 2], [1, 2])
+    shapes = [(p.budget, p.depth, p.width) for p, _ in ranked]
+    assert shapes[:2] == [(3, 1, 2), (3, 2, 1)]  # the hand-computed order of the test above
+    assert [p.draft for p, _ in ranked].count(False) == 1 and ranked[-1][1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("measured", "kept"), [
+    ([100.0, 101.0, 110.0], 2),  # clearly faster than the model's choice: taken
+    ([100.0, 101.5, 90.0], 0),  # within the margin: the model's choice stands
+    ([100.0, 90.0], 0),
+    ([100.0, 105.0, 105.0], 1),  # a tie goes to the model's better-ranked one
+    ([0.0, 0.0], 0),
+])
+def test_the_tuner_keeps_a_finalist_only_when_measured_clearly_faster(measured, kept):
+    assert pick_measured(measured, 0.02) == kept
 
 
 def test_policy_json_round_trip(tmp_path):

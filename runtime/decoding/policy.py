@@ -298,30 +298,37 @@ def step_ms(verify: CostCurve, draft: CostCurve | None, budget: int, depth: int,
     return draft(2) + (depth - 1) * draft(width) + verify(budget)
 
 
+def rank_policies(verify: CostCurve, draft: CostCurve | None, acceptance: list[list[float]],
+                  budgets: list[int], depths: list[int], widths: list[int],
+                  calibration: Calibration | None = None) -> list[tuple[Policy, float]]:
+    """Every (budget, depth, width) and the draft-off policy with its expected tokens per millisecond, best first
+    (ties: the earlier in budget, depth, width order, the draft-off policy first). Suffix candidates stay on: they
+    cost no forward, and each step verifies them only when its own scores say they pay."""
+    curves = {"calibration": calibration or Calibration(), "verify_ms": tuple(sorted(verify.ms.items()))}
+    if draft is not None:
+        curves["draft_ms"] = tuple(sorted(draft.ms.items()))
+    ranked = [(Policy(budget=max(budgets), depth=0, draft=False, suffix=True, **curves), 1.0 / verify(1))]
+    if draft is not None:
+        ranked += [(Policy(budget=b, depth=d, width=w, draft=True, suffix=True, **curves),
+                    expected_tokens(acceptance, b, d, w) / step_ms(verify, draft, b, d, w))
+                   for b in budgets for d in depths for w in widths if d >= 1 and b >= 2]
+    order = sorted(range(len(ranked)), key=lambda i: (-ranked[i][1], i))
+    return [ranked[i] for i in order]
+
+
 def choose_policy(verify: CostCurve, draft: CostCurve | None, acceptance: list[list[float]],
                   budgets: list[int], depths: list[int], widths: list[int],
                   calibration: Calibration | None = None) -> tuple[Policy, float]:
     """The (budget, depth, width) with the most expected tokens per millisecond; AR (draft off) if none beats it.
+    Returns the policy and its expected tokens per millisecond (`rank_policies`' first)."""
+    return rank_policies(verify, draft, acceptance, budgets, depths, widths, calibration)[0]
 
-    Returns the policy and its expected tokens per millisecond. Suffix candidates stay on: they cost no
-    forward, and each step verifies them only when its own scores say they pay.
-    """
-    curves = {"calibration": calibration or Calibration(), "verify_ms": tuple(sorted(verify.ms.items()))}
-    if draft is not None:
-        curves["draft_ms"] = tuple(sorted(draft.ms.items()))
-    best = Policy(budget=max(budgets), depth=0, draft=False, suffix=True, **curves)
-    best_rate = 1.0 / verify(1)
-    if draft is None:
-        return best, best_rate
-    for b in budgets:
-        for d in depths:
-            for w in widths:
-                if d < 1 or b < 2:
-                    continue
-                rate = expected_tokens(acceptance, b, d, w) / step_ms(verify, draft, b, d, w)
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = Policy(budget=b, depth=d, width=w, draft=True, suffix=True, **curves), rate
-    return best, best_rate
+
+def pick_measured(measured: list[float], margin: float) -> int:
+    """Index of the candidate to keep from measured tokens per second, candidates in the model's order: the fastest,
+    unless it beats the model's first choice (index 0) by no more than `margin` (noise then decides nothing)."""
+    best = max(range(len(measured)), key=lambda i: (measured[i], -i))
+    return best if measured[best] > measured[0] * (1 + margin) else 0
 
 
 def policy_path(artifacts: Path, target: str, draft: str | None, dtype: str) -> Path:
