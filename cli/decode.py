@@ -83,7 +83,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
         # evenly spaced over the file, which runs by genre: its first 8 are all advice and science questions, where
         # suffix candidates barely occur (46 of 1,435 candidates measured), so code, lists and rewrites went untuned
         prompts = [held[i * len(held) // args.limit] for i in range(args.limit)] if args.limit < len(held) else held
-    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
+    # no prefix cache: the finalists decode each prompt one after another (`tune.time_finalists`), and a later one
+    # would start from an earlier one's KV and draft rows
+    pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts,
+                    prefix_cache=False)
     pipe.generate(prompts[0], 8, None)  # warm-up: kernel choice
     report = run_tune(pipe, target, draft, args.dtype, args.artifacts, prompts[:args.limit], args.max_new_tokens,
                       args.depth, args.width)

@@ -301,7 +301,7 @@ def step_ms(verify: CostCurve, draft: CostCurve | None, budget: int, depth: int,
 def rank_policies(verify: CostCurve, draft: CostCurve | None, acceptance: list[list[float]],
                   budgets: list[int], depths: list[int], widths: list[int],
                   calibration: Calibration | None = None) -> list[tuple[Policy, float]]:
-    """Every (budget, depth, width) and the draft-off policy with its expected tokens per millisecond, best first
+    """Every (budget, depth <= budget - 1, width) and the draft-off policy with its expected tokens per ms, best first
     (ties: the earlier in budget, depth, width order, the draft-off policy first). Suffix candidates stay on: they
     cost no forward, and each step verifies them only when its own scores say they pay."""
     curves = {"calibration": calibration or Calibration(), "verify_ms": tuple(sorted(verify.ms.items()))}
@@ -311,7 +311,7 @@ def rank_policies(verify: CostCurve, draft: CostCurve | None, acceptance: list[l
     if draft is not None:
         ranked += [(Policy(budget=b, depth=d, width=w, draft=True, suffix=True, **curves),
                     expected_tokens(acceptance, b, d, w) / step_ms(verify, draft, b, d, w))
-                   for b in budgets for d in depths for w in widths if d >= 1 and b >= 2]
+                   for b in budgets for d in depths for w in widths if 1 <= d <= b - 1]  # deeper: never verified
     order = sorted(range(len(ranked)), key=lambda i: (-ranked[i][1], i))
     return [ranked[i] for i in order]
 
