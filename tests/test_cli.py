@@ -151,6 +151,7 @@ def test_tune_saves_a_policy_that_generate_uses(target_dir, tmp_path):
     assert tuned.returncode == 0, tuned.stderr
     saved = json.loads((tmp_path / f"policy-{target_dir.name}-nodraft-{resolve_dtype('auto')}.json").read_text())
     assert saved["policy"]["draft"] is False and saved["cost_source"].startswith("measured")
+    assert [f["measured_tokens_per_second"] for f in saved["finalists"]] == [None]  # one candidate: nothing timed
     assert [t for t, _ in saved["policy"]["verify_ms"]] == [1, 2, 4, 8, 16, 32, 64]
     prompt = ["generate", "--prompt", "Repeat exactly: red, green, blue, red, green, blue.", "--max-new-tokens", "24"]
     spec = spectrt(*prompt, *model)

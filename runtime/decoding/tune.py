@@ -191,8 +191,9 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
     tables = batched_tables(artifacts, Path(target).name, dtype, decoder.draft is not None)
     finalists = [(replace(p, draft_gain=expected_tokens(acceptance, p.budget, p.depth, p.width) - 1
                           if p.draft else None, **tables), r) for p, r in distinct(ranked)[:FINALISTS]]
-    measured = time_finalists(decoder, [pipe.encode(p) for p in prompts], [p for p, _ in finalists], max_new_tokens)
-    policy, rate = finalists[pick_measured(measured, MEASURED_MARGIN)]
+    measured = (time_finalists(decoder, [pipe.encode(p) for p in prompts], [p for p, _ in finalists], max_new_tokens)
+                if len(finalists) > 1 else [None])  # nothing to choose between (no draft: the draft-off policy)
+    policy, rate = finalists[pick_measured(measured, MEASURED_MARGIN) if len(finalists) > 1 else 0]
     report = {
         "target": str(target), "draft": str(draft) if draft else None, "dtype": dtype,
         "threads": torch.get_num_threads(), "cost_source": source, "prompts": len(prompts),
@@ -200,7 +201,8 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
         "acceptance_by_depth_rank": acceptance,
         "expected_tokens_per_second": 1000 * rate, "ar_tokens_per_second": 1000 / verify(1),
         "finalists": [{"budget": p.budget, "depth": p.depth, "width": p.width, "draft": p.draft,
-                       "expected_tokens_per_second": round(1000 * r, 1), "measured_tokens_per_second": round(m, 1)}
+                       "expected_tokens_per_second": round(1000 * r, 1),
+                       "measured_tokens_per_second": None if m is None else round(m, 1)}
                       for (p, r), m in zip(finalists, measured, strict=True)],
         "time": time.strftime("%Y-%m-%d %H:%M:%S"), "tune_seconds": round(time.perf_counter() - start, 1),
         "policy": policy.to_json(),
