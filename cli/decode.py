@@ -141,7 +141,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     pr.set_defaults(func=cmd_profile)
 
-    t = sub.add_parser("tune", help="pick the speculation policy from this machine's costs and measured acceptance")
+    t = sub.add_parser("tune", help="pick the speculation policy from this machine's costs and measured acceptance, "
+                       "its best candidates timed in the decode loop")
     add_model_args(t)
     t.add_argument("--prompts", type=Path, help="one prompt per line (default: --limit prompts spread over "
                    "build/prompts/heldout.txt's genres)")
