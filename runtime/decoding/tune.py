@@ -191,9 +191,12 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
     tables = batched_tables(artifacts, Path(target).name, dtype, decoder.draft is not None)
     finalists = [(replace(p, draft_gain=expected_tokens(acceptance, p.budget, p.depth, p.width) - 1
                           if p.draft else None, **tables), r) for p, r in distinct(ranked)[:FINALISTS]]
-    measured = (time_finalists(decoder, [pipe.encode(p) for p in prompts], [p for p, _ in finalists], max_new_tokens)
-                if len(finalists) > 1 else [None])  # nothing to choose between (no draft: the draft-off policy)
-    policy, rate = finalists[pick_measured(measured, MEASURED_MARGIN) if len(finalists) > 1 else 0]
+    measured, chosen = [None], 0  # one candidate (no draft: the draft-off policy): nothing to time
+    if len(finalists) > 1:
+        measured = time_finalists(decoder, [pipe.encode(p) for p in prompts], [p for p, _ in finalists],
+                                  max_new_tokens)
+        chosen = pick_measured(measured, MEASURED_MARGIN)
+    policy, rate = finalists[chosen]
     report = {
         "target": str(target), "draft": str(draft) if draft else None, "dtype": dtype,
         "threads": torch.get_num_threads(), "cost_source": source, "prompts": len(prompts),

@@ -37,7 +37,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.engines.families import rope_frequencies
-from spectrt.runtime.engines.kernels import huge_page_arena, linear, load_kernels, native_unavailable, pack
+from spectrt.runtime.engines.kernels import (
+    huge_page_arena,
+    linear,
+    load_kernels,
+    native_unavailable,
+    pack,
+    split_rows,
+)
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -298,8 +305,7 @@ class Eagle3Head:
                 raise ValueError(f"hidden must be [{mask.shape[0]}, {c.hidden_size}] (or target features "
                                  f"[{mask.shape[0]}, {self.fc.shape[1]}] in every segment), got {tuple(hidden.shape)}")
         if self.native is None:
-            with torch.no_grad():  # ordinary tensors out (model.py `Transformer.forward`); the native forward needs
-                # no autograd context, whose entry and exit cost the loop's host work (model.py `Transformer.forward`)
+            with torch.no_grad():  # ordinary tensors out; the native path needs no context (`Transformer.forward`)
                 if width != c.hidden_size:
                     segments = [(*s[:4], self.project(s[4])) for s in segments]
                 out = [self._forward(*segment) for segment in segments]
@@ -307,9 +313,7 @@ class Eagle3Head:
         logits, out, rows = self.native.forward_many(segments)
         if full_vocab:
             logits = self.full_rows(logits)
-        if len(rows) == 1:  # the batch-1 step: no split (a torch op on caches the forward has just flushed)
-            return [(logits, out)]
-        return list(zip(logits.split(rows), out.split(rows), strict=True))
+        return list(zip(split_rows(logits, rows), split_rows(out, rows), strict=True))
 
     def full_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, len(head_ids)] -> full-vocabulary rows, -inf outside the draft vocabulary."""

@@ -236,9 +236,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in fresh memory the kernel backs with 2 MB pages where it can (Linux THP, `madvise` mode),
     starting on a 2 MB boundary. The buffer is private anonymous memory (a shared mapping would be shmem, whose huge
     pages are off by default); its pages are allocated at their first write (a KV pool writes them all at load:
-    `KVCache.pool`). Where the system has no THP advice it is torch.zeros. For the KV pool: a forward reads every committed K/V row (fp32: 46 KB a position for SmolLM2-135M,
-    92 MB at context 2000). Measured (Zen 4, bf16, one process, interleaved): context 2000 T=1 11.82 -> 11.49 ms,
-    T=4 14.50 -> 13.94 (AVX-512), within noise at 128."""
+    `KVCache.pool`). Where the system has no THP advice it is torch.zeros. For the KV pool: a forward reads every
+    committed K/V row (fp32: 46 KB a position for SmolLM2-135M, 92 MB at context 2000). Measured (Zen 4, bf16, one
+    process, interleaved): context 2000 T=1 11.82 -> 11.49 ms, T=4 14.50 -> 13.94 (AVX-512), within noise at 128."""
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -264,6 +264,12 @@ def huge_page_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(view.copy_(t))
         offset += size
     return out
+
+
+def split_rows(t: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """`t` split into per-segment row blocks; one segment (the batch-1 step) is `t` itself: no torch op on the caches
+    a forward has just flushed."""
+    return [t] if len(rows) == 1 else list(t.split(rows))
 
 
 def pack_int8(proj) -> list[torch.Tensor]:
@@ -377,9 +383,8 @@ class NativeModel:
         features = torch.empty(total, len(feature_layers) * self.config.hidden_size) if feature_layers else None
         # the per-segment views are made before the forward fills them: the same split after it was the first torch
         # op on the caches the forward had flushed, ~0.1 ms a forward (batch 1 and 8, bf16)
-        one = len(rows) == 1  # the batch-1 step: no split
-        split_logits = ([logits] if one else list(logits.split(rows))) if self.head_ids is None else None
-        split_features = None if features is None else [features] if one else list(features.split(rows))
+        split_logits = split_rows(logits, rows) if self.head_ids is None else None
+        split_features = None if features is None else split_rows(features, rows)
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
@@ -389,5 +394,5 @@ class NativeModel:
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
             logits = torch.full((total, self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-            split_logits = list(logits.split(rows))
+            split_logits = split_rows(logits, rows)
         return split_logits, split_features
