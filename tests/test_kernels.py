@@ -62,6 +62,13 @@ def test_isa_flags_follow_the_cpu(monkeypatch):
         kernels.isa_flags("neon")
 
 
+def test_the_weight_stream_prefetch_follows_the_cpu_vendor(monkeypatch):
+    """Non-temporal weight prefetch only on AMD (it halved an Intel Xeon's stream); part of the build key."""
+    for vendor, flags in (("AuthenticAMD", ["-DSPECTRT_STREAM_NTA"]), ("GenuineIntel", []), ("", [])):
+        monkeypatch.setattr(kernels, "_cpuinfo", lambda key, v=vendor: v if key == "vendor_id" else "")
+        assert kernels.stream_flags() == flags
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_forced_isa_is_the_one_that_runs(isa, target_dir, monkeypatch):
     monkeypatch.setenv("SPECTRT_ISA", isa)

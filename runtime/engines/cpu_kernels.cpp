@@ -44,6 +44,19 @@ inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<cons
 // -> 17.4 at 1024), T=8 28.1 -> 21.4; fp32 T=1 23.4 -> 22.7, T=8 46.6 -> 36.5. Logits are bitwise unchanged.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
+// The in-panel stream's prefetch locality, set per CPU vendor by kernels.py (`stream_flags`). Non-temporal (0) on
+// AMD: the stream passes through without displacing what the caches hold for the rest of the step (Zen 4, same
+// weights, interleaved: bf16 T=1 6.3 -> 5.7 ms, fp32 10.4 -> 9.7; the AR target forward in the decode loop 6.50 ->
+// 6.06). Into L2 (2, prefetcht1) elsewhere: on an Intel Xeon (model 207, AVX-512, 2 cores of a KVM guest) the
+// non-temporal hint halved the stream (scripts/isa_tcurve.py, context 128, ms, non-temporal -> L2: AVX-512 bf16
+// T=1 17.9 -> 8.9, fp32 38.8 -> 17.3, bf16 T=8 13.9 -> 13.1; AVX2 bf16 T=1 14.0 -> 8.9, fp32 41.4 -> 17.4); L1
+// (3) was 3-7% slower than L2 there and L3 (1) equal.
+#ifdef SPECTRT_STREAM_NTA
+constexpr int STREAM_LOCALITY = 0;
+#else
+constexpr int STREAM_LOCALITY = 2;
+#endif
+
 // What a pass over a panel prefetches while it computes. A panel that one pass covers (one block of rows, all 64
 // columns) streams itself: `ahead` prefetches each k's whole panel row PREFETCH_BYTES ahead. Where a panel takes
 // several passes (more rows than one register block, or AVX2's narrower blocks), the passes after the first used to
@@ -86,12 +99,10 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     // __builtin_prefetch, not an inline wrapper of it (simd.h had one): with a call there GCC 12 kept the AVX2
     // accumulators in memory, storing each every k (12 stores a k in the 6-row block; fp32 GEMMs ran at ~15
     // GFMA/s a Zen 3 core at any row count). A prefetch never faults: reading past the panel's end is harmless.
-    // Non-temporal (hint 0): the stream passes through without displacing what the caches hold for the rest of
-    // the step. Measured (Zen 4, same weights, interleaved): bf16 T=1 6.3 -> 5.7 ms, fp32 10.4 -> 9.7 (AVX-512);
-    // in the decode loop (batch 1, bf16) the AR target forward 6.50 -> 6.06 ms. The next-panel prefetch below
-    // stays temporal: its lines must survive in L2 until that panel runs (non-temporal: AVX2 bf16 T=4 10.4 -> 14.5).
+    // STREAM_LOCALITY: non-temporal on AMD, into L2 elsewhere (above). The next-panel prefetch below is always
+    // temporal: its lines must survive in L2 until that panel runs (non-temporal: AVX2 bf16 T=4 10.4 -> 14.5, Zen 4).
     for (int64_t b = 0; b < prefetch_bytes; b += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(w + ahead) + b, 0, 0);
+      __builtin_prefetch(reinterpret_cast<const char*>(w + ahead) + b, 0, STREAM_LOCALITY);
     if constexpr (NEXT)
       for (credit += pf.lines; credit >= K; credit -= K, next_line += 64) __builtin_prefetch(next_line, 0, 2);
     if constexpr (M == 1) {  // each weight used once: loaded at its FMA (loading all first spilled one register)
