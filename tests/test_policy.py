@@ -251,31 +251,39 @@ def test_policy_steps_weigh_the_batched_table_when_tuned_with_one():
 def test_choose_drafted_takes_only_the_requests_whose_draft_pays():
     verify = CostCurve({1: 10.0, 8: 10.0, 16: 20.0})  # flat to 8 rows, then 1.25 ms a row
     free = lambda rows, segments: 0.0  # noqa: E731
+    one = [1.0, 1.0, 1.0]
     # flat verify and a free draft: every request with any gain drafts, none with zero gain
-    assert choose_drafted([0.5, 0.0, 0.3], [2, 2, 2], 3.0, 3, verify, free) == [0, 2]
+    assert choose_drafted([0.5, 0.0, 0.3], one, [2, 2, 2], 3.0, 3, verify, free) == [0, 2]
     # on the steep part: a row (1.25 ms) at 8 tokens per 10 ms needs a gain above 1.25 * 0.8 = 1.0 token
-    assert choose_drafted([1.5, 0.4, 0.9], [2, 2, 2], 8.0, 8, verify, free) == [0]
+    assert choose_drafted([1.5, 0.4, 0.9], one, [2, 2, 2], 8.0, 8, verify, free) == [0]
+    # the same gain bought with three rows costs three rows: 1.5 tokens for 3.75 ms no longer pays
+    assert choose_drafted([1.5, 0.4, 0.9], [3.0, 1.0, 1.0], [2, 2, 2], 8.0, 8, verify, free) == []
+    # on the flat part rows are free, so the tree's rows do not matter there
+    assert choose_drafted([0.5, 0.3], [3.0, 3.0], [2, 2], 2.0, 2, verify, free) == [0, 1]
     # a draft pass that costs more than any gain buys: nobody drafts (= plain batched decoding)
     dear = lambda rows, segments: 50.0  # noqa: E731
-    assert choose_drafted([0.9, 0.9], [1, 1], 2.0, 2, verify, dear) == []
-    # never worse than not drafting, by the model, and the best of the prefixes by gain
+    assert choose_drafted([0.9, 0.9], [1.0, 1.0], [1, 1], 2.0, 2, verify, dear) == []
+    # never worse than not drafting, by the model, and the best of the prefixes by gain per row
     import random
 
     def draft(rows, segments):
         return 0.3 * rows + 0.5 * segments
 
-    def rate(subset, gains, catch):
+    def rate(subset, gains, rows, catch):
         spent = draft(sum(catch[j] for j in subset), len(subset)) if subset else 0.0
-        return (len(gains) + sum(gains[j] for j in subset)) / (spent + verify(len(gains) + len(subset)))
+        verified = len(gains) + sum(rows[j] for j in subset)
+        return (len(gains) + sum(gains[j] for j in subset)) / (spent + verify(verified))
 
     rng = random.Random(0)
     for _ in range(200):
         n = rng.randint(1, 6)
         gains, catch = [rng.random() for _ in range(n)], [rng.randint(1, 4) for _ in range(n)]
-        pick = choose_drafted(gains, catch, float(n), n, verify, draft)
-        order = sorted(range(n), key=lambda j: (-gains[j], catch[j], j))
-        assert rate(pick, gains, catch) >= rate([], gains, catch) - 1e-12
-        assert rate(pick, gains, catch) == pytest.approx(max(rate(order[:k], gains, catch) for k in range(n + 1)))
+        rows = [rng.uniform(0.5, 4.0) for _ in range(n)]
+        pick = choose_drafted(gains, rows, catch, float(n), n, verify, draft)
+        order = sorted(range(n), key=lambda j: (-gains[j] / rows[j], catch[j], j))
+        assert rate(pick, gains, rows, catch) >= rate([], gains, rows, catch) - 1e-12
+        best = max(rate(order[:k], gains, rows, catch) for k in range(n + 1))
+        assert rate(pick, gains, rows, catch) == pytest.approx(best)
 
 
 def test_allocation_gain_is_what_allocate_maximises():
@@ -293,3 +301,33 @@ def test_allocation_gain_is_what_allocate_maximises():
         sizes, rate = allocate(scores, budgets, sunk, verify, base, plain)
         rows = base + sum(sizes) + plain
         assert allocation_gain(scores, sizes, plain) / (sunk + verify(rows)) == pytest.approx(rate)
+
+
+def test_a_jobs_draft_rows_start_at_the_tuned_depth_and_follow_its_steps():
+    """The rows a job's draft gain comes with: the tuned policy's depth (a sure token's one row untuned) before any
+    evidence, then the decayed mean of the draft-only rows its drafted steps verified; undrafted steps fade back."""
+    from spectrt.runtime.decoding.controller import DRAFT_GAIN_DECAY, DRAFT_GAIN_PRIOR_STEPS, Controller
+    from spectrt.runtime.decoding.decoder import Job
+    from spectrt.runtime.decoding.propose import SuffixProposer
+    from spectrt.runtime.decoding.tree import AUTO
+
+    def controller(policy):
+        return Controller(policy, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16, tree_budget=16)
+
+    tuned = controller(Policy(budget=6, depth=3, width=2, draft_gain=1.2))
+    job = Job([1, 2, 3], 8, AUTO)
+    tuned.start(job)
+    assert (job.draft_gain, job.draft_rows) == (1.2, 3.0)
+    for _ in range(200):  # every drafted step verified one draft-only row and got half a token from it
+        tuned.learn_draft_gain(job, (1, 1) if _ % 2 else (0, 1))
+    steps = 1 / (1 - DRAFT_GAIN_DECAY)  # the evidence's weight once it settles, next to the prior's pseudo-steps
+    weight = DRAFT_GAIN_PRIOR_STEPS + steps
+    assert job.draft_rows == pytest.approx((DRAFT_GAIN_PRIOR_STEPS * 3.0 + steps) / weight, rel=0.02)
+    assert job.draft_gain == pytest.approx((DRAFT_GAIN_PRIOR_STEPS * 1.2 + steps / 2) / weight, rel=0.05)
+    for _ in range(400):  # not drafted: the evidence fades back to the prior
+        tuned.learn_draft_gain(job, None)
+    assert job.draft_rows == pytest.approx(3.0, abs=0.1)
+    untuned = controller(Policy(budget=6, depth=3, width=2))
+    fresh = Job([1, 2, 3], 8, AUTO)
+    untuned.start(fresh)
+    assert fresh.draft_rows == 1.0

@@ -43,7 +43,8 @@ class Controller:
         """A new job's speculation state: suffix candidates (the policy's choice for AUTO) and fresh estimates."""
         if job.suffix is None:
             job.suffix = job.tree == AUTO and self.policy.suffix
-        job.draft_gain, job.draft_evidence = self.policy.expected_draft_gain, (0.0, 0.0)  # `learn_draft_gain`
+        job.draft_gain, job.draft_rows = self.policy.expected_draft_gain, self._prior_rows()  # `learn_draft_gain`
+        job.draft_evidence = (0.0, 0.0, 0.0)
         job.score_evidence = (SCALE_PRIOR, SCALE_PRIOR)  # `Job.score_scale`
         job.idle, job.hold = 0, (0, 0)
 
@@ -152,8 +153,17 @@ class Controller:
         1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
         policy = self.policy
         verify, cost = policy.verify_at(active, context), policy.draft_at(context)
-        return bool(choose_drafted([policy.expected_draft_gain], [1 + policy.depth], float(active), active, verify,
-                                   cost))
+        return bool(choose_drafted([policy.expected_draft_gain], [self._prior_rows()], [1 + policy.depth],
+                                   float(active), active, verify, cost))
+
+    def _prior_rows(self) -> float:
+        """Verified rows the policy's expected draft gain comes with, before a job's own steps say: a tuned gain
+        (`tune`: a tree of the budget's rows) comes mostly from its best path, one row a level, so `depth` rows; an
+        untuned policy's sure token is one row. Measured (bf16, Intel Xeon, `scripts/batch_vs_plain.py`, 6 rounds):
+        one row (before) drafted every request at batch 8, 0.93x plain; the budget's rows (budget - 1) stopped it
+        there but starved batch 4 (0.90x, against 1.02x before); depth rows: batch 4 1.04x, batch 8 0.99x."""
+        policy = self.policy
+        return float(max(policy.depth, 1)) if policy.draft_gain is not None else 1.0
 
     def _catch_up(self, job: Job) -> float:
         """Draft rows a drafting step costs the job: a steady step reads its accepted tokens (1 + depth at most); a
@@ -168,10 +178,11 @@ class Controller:
 
     def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int, plain: int,
               verify: Callable[[int], float], draft_cost: Callable[[int, int], float]) -> list[Candidates]:
-        """The dynamic jobs whose draft pays this step for its pass and the row it adds (`policy.choose_drafted`);
+        """The dynamic jobs whose draft pays this step for its pass and the rows it adds (`policy.choose_drafted`);
         static trees always draft (their shape is the caller's explicit choice).
 
-        Each job's expected draft gain (`Job.draft_gain`) is learned from its own steps (`learn_draft_gain`). Why:
+        Each job's expected draft gain and the verified rows it comes with (`Job.draft_gain`, `Job.draft_rows`) are
+        learned from its own steps (`learn_draft_gain`). Why:
         a bound of "a sure token per request" let the draft run at batch 8 where the budget then verified ~0.3 of its
         nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, so a seeded
         request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`)."""
@@ -183,35 +194,41 @@ class Controller:
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
         gain = allocation_gain(scores, sizes, plain)
         catch_up = [self._catch_up(c.job) for c in grow]
-        chosen = set(choose_drafted([c.job.draft_gain for c in grow], catch_up, gain, base_rows + sum(sizes) + plain,
+        chosen = set(choose_drafted([c.job.draft_gain for c in grow], [c.job.draft_rows for c in grow], catch_up, gain,
+                                    base_rows + sum(sizes) + plain,
                                     verify, draft_cost))
         for i, c in enumerate(grow):
             if i not in chosen:  # not drafted: old evidence fades (explore again later)
                 self.learn_draft_gain(c.job, None)
         return [c for c in drafting if c.static is not None] + [c for i, c in enumerate(grow) if i in chosen]
 
-    def learn_draft_gain(self, job: Job, realized: int | None) -> None:
-        """Update a job's expected draft gain: `realized` tokens only the draft got accepted on a drafted step, None
-        for a step it did not draft (its evidence fades). The estimate is the decayed mean of the drafted steps with
-        `DRAFT_GAIN_PRIOR_STEPS` pseudo-steps at the policy's expectation (`Policy.expected_draft_gain`, tuned).
+    def learn_draft_gain(self, job: Job, realized: tuple[int, int] | None) -> None:
+        """Update a job's expected draft gain and its rows: `realized` = (tokens only the draft got accepted, verified
+        rows only the draft proposed) on a drafted step, None for a step it did not draft (its evidence fades). Each
+        estimate is the decayed mean of the drafted steps with `DRAFT_GAIN_PRIOR_STEPS` pseudo-steps at the policy's
+        expectation (`Policy.expected_draft_gain`, tuned, and the budget's rows it assumes).
 
         Why a mean with a prior, not a moving average of the last steps: the evidence only comes from drafted steps,
         and a moving average (weight 0.3) of a per-step count this noisy (0 or 1, mean ~0.45 on chat) dipped under the
         pay-off line after two misses, and the refused steps then brought no evidence back: on held-out prompts
-        the draft ran on about half the steps, bf16 1.21x AR."""
-        tokens, steps = job.draft_evidence
+        the draft ran on about half the steps, bf16 1.21x AR. Rows too, because the gain per row is what pays: at
+        batch 8 the budget verified ~1 draft row a request, not the tuned tree's 3."""
+        tokens, rows, steps = job.draft_evidence
         if realized is None:
-            tokens, steps = DRAFT_GAIN_FORGET * tokens, DRAFT_GAIN_FORGET * steps
+            tokens, rows, steps = DRAFT_GAIN_FORGET * tokens, DRAFT_GAIN_FORGET * rows, DRAFT_GAIN_FORGET * steps
         else:
-            tokens, steps = DRAFT_GAIN_DECAY * tokens + realized, DRAFT_GAIN_DECAY * steps + 1
-        job.draft_evidence = (tokens, steps)
-        prior = self.policy.expected_draft_gain
-        job.draft_gain = (DRAFT_GAIN_PRIOR_STEPS * prior + tokens) / (DRAFT_GAIN_PRIOR_STEPS + steps)
+            got, verified = realized
+            tokens = DRAFT_GAIN_DECAY * tokens + got
+            rows, steps = DRAFT_GAIN_DECAY * rows + verified, DRAFT_GAIN_DECAY * steps + 1
+        job.draft_evidence = (tokens, rows, steps)
+        weight = DRAFT_GAIN_PRIOR_STEPS + steps
+        job.draft_gain = (DRAFT_GAIN_PRIOR_STEPS * self.policy.expected_draft_gain + tokens) / weight
+        job.draft_rows = (DRAFT_GAIN_PRIOR_STEPS * self._prior_rows() + rows) / weight
 
-    def learn(self, cand: Candidates, accepted: int, realized: int | None) -> None:
-        """After verification: `accepted` tree tokens of the job's trie, `realized` of them only the draft proposed
-        (None: the draft did not run for it). Moves the job's score scale (dynamic tries the budget chose from) and
-        its draft gain (drafted steps)."""
+    def learn(self, cand: Candidates, accepted: int, realized: tuple[int, int] | None) -> None:
+        """After verification: `accepted` tree tokens of the job's trie, `realized` (of them only the draft proposed,
+        verified rows only the draft proposed; None: the draft did not run for it). Moves the job's score scale
+        (dynamic tries the budget chose from) and its draft gain and rows (drafted steps)."""
         job = cand.job
         if cand.static is None and cand.chosen > 1:
             expected, got = job.score_evidence

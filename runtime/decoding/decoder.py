@@ -170,7 +170,8 @@ class Job:
     decoding: bool = False  # prefill done
     exception: BaseException | None = field(default=None, repr=False)  # what ended it with "error"
     draft_gain: float | None = None  # expected tokens the draft adds per step, learned (set by `Decoder.add`)
-    draft_evidence: tuple[float, float] = (0.0, 0.0)  # decayed (draft-only accepted tokens, drafted steps)
+    draft_rows: float = 1.0  # verified rows that gain comes with, learned alike
+    draft_evidence: tuple[float, float, float] = (0.0, 0.0, 0.0)  # decayed (draft-only tokens, rows, drafted steps)
     score_evidence: tuple[float, float] = (1.0, 1.0)  # decayed (expected, accepted) tree tokens (`Controller`)
     idle: int = 0  # consecutive steps whose candidates the budget left unverified (`Controller.plan`)
     hold: tuple[int, int] = (0, 0)  # (steps left, batch size when set): decode plainly without proposing
@@ -615,9 +616,9 @@ class Decoder:
                                          point, sampled)
         stats.accepted.append(len(path) - 1)
         realized = None
-        if cand.drafted:  # what the draft alone brought this step: accepted nodes no other proposer offered
-            kinds = [{kind for kind, _ in cand.keys.get(order[i], ())} for i in path[1:]]
-            realized = sum(k == {"draft"} for k in kinds)
+        if cand.drafted:  # what the draft alone brought this step and the rows it took (nodes only it offered)
+            alone = [{kind for kind, _ in cand.keys.get(i, ())} == {"draft"} for i in order]
+            realized = (sum(alone[i] for i in path[1:]), sum(alone[1:]))
         self.controller.learn(cand, len(path) - 1, realized)
         if self.record:
             on_path = set(path)

@@ -254,23 +254,28 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     return [1 + c for c in counts], best_rate
 
 
-def choose_drafted(gains: list[float], catch_up: list[float], gain: float, rows: int, verify: Callable[[int], float],
-                   draft: Callable[[int, int], float]) -> list[int]:
+def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float, rows: int,
+                   verify: Callable[[int], float], draft: Callable[[int, int], float]) -> list[int]:
     """Which requests run the draft this step (indices, ascending), by expected tokens per millisecond.
 
     Without the draft the step expects `gain` tokens from a verify of `rows` rows. Drafting request j adds its
-    expected gain `gains[j]`, one verified row, and `catch_up[j]` rows to the one draft forward over the drafted
-    requests (`draft(rows, segments)` ms). Requests are taken best gain first (fewer catch-up rows on ties) and the
-    count maximises the rate, so drafting never looks worse than not drafting and a request whose draft does not
-    pay is left out while the others draft.
+    expected gain `gains[j]`, the `gain_rows[j]` verified rows that gain comes with, and `catch_up[j]` rows to the
+    one draft forward over the drafted requests (`draft(rows, segments)` ms). Requests are taken best gain per row
+    first (fewer catch-up rows on ties) and the count maximises the rate, so drafting never looks worse than not
+    drafting and a request whose draft does not pay is left out while the others draft.
+
+    Why the rows: the tuned gain is what a tree of several rows accepts (`Controller._prior_rows`); charged as one
+    row, a batch of 8 drafted every request where rows cost 0.64 ms each (bf16, Intel Xeon), and the budget then
+    verified ~1 draft row a request for 0.52 tokens: 0.93x plain batched decoding.
     """
-    order = sorted(range(len(gains)), key=lambda j: (-gains[j], catch_up[j], j))
+    order = sorted(range(len(gains)), key=lambda j: (-gains[j] / max(gain_rows[j], 1e-9), catch_up[j], j))
     best, best_rate = 0, gain / verify(rows)
-    total, draft_rows = gain, 0.0
+    total, draft_rows, verified = gain, 0.0, float(rows)
     for k, j in enumerate(order, start=1):
         total += gains[j]
         draft_rows += catch_up[j]
-        rate = total / (draft(draft_rows, k) + verify(rows + k))
+        verified += gain_rows[j]
+        rate = total / (draft(draft_rows, k) + verify(verified))
         if rate > best_rate:
             best, best_rate = k, rate
     return sorted(order[:best])
