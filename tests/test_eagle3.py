@@ -690,6 +690,7 @@ def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
     assert set(curve["16"]) == {"1", "4"} and all(ms > 0 for ms in curve["16"].values())
     assert all(ms > 0 for ms in batched["16"]["2"].values())
     loop = P.loop_host(tiny, trained, "fp32", tmp_path, batches=(1, 2), tokens=6, prompts=2)
+    assert list(loop) == ["1", "2", "2 plain"] and loop["2 plain"]["draft forwards"] == 0
     for parts in loop.values():
         assert parts["total"] > parts["target forward"] > 0 and parts["draft forwards"] >= 0
         assert parts["host"] == pytest.approx(parts["total"] - parts["target forward"] - parts["draft forwards"],

@@ -243,22 +243,26 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
               prompts: int = 8) -> dict[str, dict[str, float]]:
     """{batch: ms per step by part} of the decode loop itself under its default policy (`Decoder.clock`): the target
     and draft forwards and the host work around them (proposing, acceptance, the rest), greedy, `prompts` chat
-    prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together."""
+    prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together. Past batch 1 also
+    "B plain": the same requests without speculation (the target alone), the step speculation must not lose to."""
     from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
     from spectrt.runtime.decoding.decoder import Job, StepClock
     from spectrt.runtime.decoding.pipeline import Pipeline
     from spectrt.runtime.decoding.tree import AUTO
 
-    pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches))
+    # no prefix cache: every run decodes the same prompts, and a later one would skip the prefill an earlier one did
+    pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches),
+                    prefix_cache=False)
     decoder = pipe.decoder
     ids = [pipe.encode(p) for p in read_prompts(DEFAULT_PROMPTS)[:prompts]]
     decoder.run([Job(ids[0], 8, AUTO)])  # warm-up
     report = {}
     for batch in batches:
-        decoder.clock = StepClock()
-        for start in range(0, len(ids), batch):
-            decoder.run([Job(list(p), tokens, AUTO, min_length=tokens) for p in ids[start:start + batch]])
-        report[str(batch)] = decoder.clock.per_step_ms()
+        for name, tree in ((str(batch), AUTO), (f"{batch} plain", None))[:1 if batch == 1 else 2]:
+            decoder.clock = StepClock()
+            for start in range(0, len(ids), batch):
+                decoder.run([Job(list(p), tokens, tree, min_length=tokens) for p in ids[start:start + batch]])
+            report[name] = decoder.clock.per_step_ms()
     return report
 
 
