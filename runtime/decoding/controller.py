@@ -206,7 +206,7 @@ class Controller:
         """Update a job's expected draft gain and its rows: `realized` = (tokens only the draft got accepted, verified
         rows only the draft proposed) on a drafted step, None for a step it did not draft (its evidence fades). Each
         estimate is the decayed mean of the drafted steps with `DRAFT_GAIN_PRIOR_STEPS` pseudo-steps at the policy's
-        expectation (`Policy.expected_draft_gain`, tuned, and the budget's rows it assumes).
+        expectation (`Policy.expected_draft_gain`, tuned, and `_prior_rows`).
 
         Why a mean with a prior, not a moving average of the last steps: the evidence only comes from drafted steps,
         and a moving average (weight 0.3) of a per-step count this noisy (0 or 1, mean ~0.45 on chat) dipped under the
