@@ -258,7 +258,8 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
     decoder.run([Job(ids[0], 8, AUTO)])  # warm-up
     report = {}
     for batch in batches:
-        for name, tree in ((str(batch), AUTO), (f"{batch} plain", None))[:1 if batch == 1 else 2]:
+        modes = [(str(batch), AUTO)] + ([(f"{batch} plain", None)] if batch > 1 else [])
+        for name, tree in modes:
             decoder.clock = StepClock()
             for start in range(0, len(ids), batch):
                 decoder.run([Job(list(p), tokens, tree, min_length=tokens) for p in ids[start:start + batch]])
