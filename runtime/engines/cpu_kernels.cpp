@@ -108,11 +108,11 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     if constexpr (M == 1) {  // each weight used once: loaded at its FMA (loading all first spilled one register)
       const Vec xb = simd::set1(x[k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < C; ++j) acc[0][j] = simd::fmadd(xb, simd::load(raw(w + j * LANES)), acc[0][j]);
+      for (int j = 0; j < C; ++j) acc[0][j] = simd::fmadd(xb, simd::load_weights(raw(w + j * LANES)), acc[0][j]);
     } else {
       Vec wv[C];
       for (int j = 0; j < C; ++j) {
-        wv[j] = simd::load(raw(w + j * LANES));
+        wv[j] = simd::load_weights(raw(w + j * LANES));
         simd::pin(wv[j]);
       }
 #pragma GCC unroll 8  // keeps the accumulators in registers in the portable build (GCC left them in memory)
@@ -127,7 +127,7 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     for (int j = 0; j < C; ++j) {
       const int64_t c = c0 + j * LANES;
       if (c >= cols) break;
-      simd::store_first(out + m * ldo + c, acc[m][j], cols - c);
+      simd::store_first(out + m * ldo + c, simd::in_column_order<W>(acc[m][j]), cols - c);
     }
 }
 

@@ -45,10 +45,12 @@ inline __mmask16 first(int64_t n) {
 inline Vec zero() { return {_mm512_setzero_ps()}; }
 inline Vec set1(float x) { return {_mm512_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline Vec load(const uint16_t* bf16) {  // bf16 -> fp32 is exact: the bits move up by 16
+inline Vec load_weights(const float* p) { return load(p); }
+inline Vec load_weights(const uint16_t* bf16) {  // bf16 -> fp32 is exact: the bits move up by 16
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+template <typename W> inline Vec in_column_order(Vec a) { return a; }  // see the AVX2 one
 inline Vec load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }
 inline void pin(Vec&) {}  // see the AVX2 one
 inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
@@ -133,11 +135,23 @@ inline __m256i lane_mask(int64_t n, int base) {  // all-ones in lanes base + i <
 inline Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline __m256 widen_bf16(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// A GEMM panel's 16 weights. bf16 widens by interleaving a zero word below each weight (vpunpck*: a shuffle port),
+// not by zero-extend + shift as on AVX-512: the shift runs on the two FMA ports, and at 6 rows it is one uop in
+// seven there. The interleave works within 128-bit halves, so lo holds columns 0-3 and 8-11, hi 4-7 and 12-15;
+// in_column_order puts a finished accumulator back (once per output, not per k). Each column still gets the same
+// FMAs in the same order, so the sums are bitwise those of the AVX-512 build. Measured (scripts/isa_tcurve.py, bf16,
+// context 128, Intel Xeon model 207, ms, shift -> interleave): T=4 10.1 -> 9.2, T=8 15.9 -> 14.9, T=16 28.8 -> 27.0,
+// T=1 7.2 either way. Not yet measured on AMD (there the interleave is 2 uops per 16 weights against 4 before).
+inline Vec load_weights(const float* p) { return load(p); }
+inline Vec load_weights(const uint16_t* bf16) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16)), z = _mm256_setzero_si256();
+  return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h))};
 }
-inline Vec load(const uint16_t* bf16) { return {widen_bf16(bf16), widen_bf16(bf16 + 8)}; }
+template <typename W> inline Vec in_column_order(Vec a) {
+  if constexpr (sizeof(W) == 2)
+    return {_mm256_permute2f128_ps(a.lo, a.hi, 0x20), _mm256_permute2f128_ps(a.lo, a.hi, 0x31)};
+  else return a;
+}
 // Keep a loaded weight in registers: otherwise GCC folds the load into every row's FMA, and a pass over a panel
 // that does not fit L1 then reads L2 once per row. Measured (576 x 3072 fp32, T=8): 37 -> see kernels.py GFMA/s.
 inline void pin(Vec& a) { asm volatile("" : "+x"(a.lo), "+x"(a.hi)); }
@@ -269,13 +283,15 @@ inline Vec load(const float* p) {
   return r;
 }
 inline void pin(Vec&) {}
-inline Vec load(const uint16_t* bf16) {
+inline Vec load_weights(const float* p) { return load(p); }
+inline Vec load_weights(const uint16_t* bf16) {
   i32x16 bits;
   for (int64_t i = 0; i < LANES; ++i) bits[i] = static_cast<int32_t>(uint32_t(bf16[i]) << 16);
   Vec r;
   std::memcpy(&r.v, &bits, sizeof(r.v));
   return r;
 }
+template <typename W> inline Vec in_column_order(Vec a) { return a; }
 inline Vec load_first(const float* p, int64_t n) {
   Vec r = zero();
   for (int64_t i = 0; i < n && i < LANES; ++i) r.v[i] = p[i];
