@@ -56,6 +56,9 @@ inline void pin(Vec&) {}  // see the AVX2 one
 inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
 inline void store_first(float* p, Vec a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
 inline Vec keep_first(Vec a, int64_t n) { return {_mm512_maskz_mov_ps(first(n), a.v)}; }
+inline Vec zero_below(Vec a, Vec x, float t) {  // a where x >= t, else 0 (and 0 where x is NaN)
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(t), _CMP_GE_OQ), a.v)};
+}
 inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -169,6 +172,11 @@ inline void store_first(float* p, Vec a, int64_t n) {
 inline Vec keep_first(Vec a, int64_t n) {
   return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(lane_mask(n, 0))),
           _mm256_and_ps(a.hi, _mm256_castsi256_ps(lane_mask(n, 8)))};
+}
+inline Vec zero_below(Vec a, Vec x, float t) {
+  const __m256 tv = _mm256_set1_ps(t);
+  return {_mm256_and_ps(a.lo, _mm256_cmp_ps(x.lo, tv, _CMP_GE_OQ)),
+          _mm256_and_ps(a.hi, _mm256_cmp_ps(x.hi, tv, _CMP_GE_OQ))};
 }
 inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
@@ -303,6 +311,10 @@ inline void store_first(float* p, Vec a, int64_t n) {
 }
 inline Vec keep_first(Vec a, int64_t n) {
   for (int64_t i = n < 0 ? 0 : n; i < LANES; ++i) a.v[i] = 0.0f;
+  return a;
+}
+inline Vec zero_below(Vec a, Vec x, float t) {
+  for (int64_t i = 0; i < LANES; ++i) a.v[i] = x.v[i] >= t ? a.v[i] : 0.0f;
   return a;
 }
 inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
