@@ -98,7 +98,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from spectrt.quant.compare import run_compare
     from spectrt.quant.quantize import default_output
-    from spectrt.runtime.decoding.bench import PROMPT_SETS, read_prompts
+    from spectrt.runtime.decoding.bench import read_prompt_sets
 
     if args.backend != "torch" or args.engines:
         raise ValueError("compare runs every precision (fp32, bf16, INT8) on the CPU engines in one run: drop "
@@ -111,8 +111,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise CheckpointError(f"INT8 target {path} does not exist: run `spectrt quantize --qformat {qformat}` "
                                   f"(make quantize QFORMAT={qformat}) first")
         models[qformat] = (path, "fp32")
-    sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
-    prompt_sets = {name: read_prompts(path)[:args.limit] for name, path in sets.items()}
+    # not the long set: four precisions each prefilling 1-2k tokens a prompt, for what chat and repetitive show
+    prompt_sets = read_prompt_sets(args.prompts, args.limit, ("chat", "repetitive"))
     run_compare(target, draft, models, prompt_sets, args.max_new_tokens, args.out, args.batch, args.max_seq_len,
                 artifacts=args.artifacts)
     return 0

@@ -33,7 +33,10 @@ from tqdm import tqdm
 
 BENCH_DIR = package_path("bench")
 DEFAULT_PROMPTS = BENCH_DIR / "prompts.txt"
-PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt"}
+# long: 1.0-1.8k-token passages of the project's own docs, each with a question, where attention and the draft's
+# KV reads weigh (the set that showed the EAGLE-3 head's subnormal slowdown, cpu_kernels.cpp `vexp`)
+PROMPT_SETS = {"chat": DEFAULT_PROMPTS, "repetitive": BENCH_DIR / "prompts_repetitive.txt",
+               "long": BENCH_DIR / "prompts_long.txt"}
 MULTI_TURN_PROMPTS = BENCH_DIR / "prompts_multiturn.txt"
 DEFAULT_CHAIN = "1,1,1"
 
@@ -63,6 +66,13 @@ def read_prompts(path: Path | None) -> list[str]:
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts: write one prompt per line")
     return prompts
+
+
+def read_prompt_sets(prompts: Path | None, limit: int | None, names: tuple[str, ...] = tuple(PROMPT_SETS)
+                     ) -> dict[str, list[str]]:
+    """`--prompts FILE` as one set named by its stem, else the named default sets; the first `limit` of each."""
+    sets = {Path(prompts).stem: Path(prompts)} if prompts else {name: PROMPT_SETS[name] for name in names}
+    return {name: read_prompts(path)[:limit] for name, path in sets.items()}
 
 
 def bench_configs(pipe: Pipeline, trees: tuple[str, ...] | None, has_draft: bool) -> dict[str, Tree | Policy | None]:
@@ -101,8 +111,7 @@ def results_dir(out: Path) -> Path:
 
 
 def run_bench(target: Path, draft: Path | None, args: BenchSettings) -> dict:
-    sets = {Path(args.prompts).stem: Path(args.prompts)} if args.prompts else PROMPT_SETS
-    prompt_sets = {name: read_prompts(path)[: args.limit] for name, path in sets.items()}
+    prompt_sets = read_prompt_sets(args.prompts, args.limit)
     # no prefix cache: the configurations run each prompt one after another, and with the cache every later one
     # would start from the earlier one's KV and draft rows (they would not be compared on equal terms)
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len,
