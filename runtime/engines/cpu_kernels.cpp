@@ -106,15 +106,20 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
     if constexpr (NEXT)
       for (credit += pf.lines; credit >= K; credit -= K, next_line += 64) __builtin_prefetch(next_line, 0, 2);
     if constexpr (M == 1) {  // each weight used once: loaded at its FMA (loading all first spilled one register)
+      static_assert(C % 2 == 0, "one row takes whole pairs of Vecs");
       const Vec xb = simd::set1(x[k]);
 #pragma GCC unroll 8
-      for (int j = 0; j < C; ++j) acc[0][j] = simd::fmadd(xb, simd::load_weights(raw(w + j * LANES)), acc[0][j]);
+      for (int j = 0; j < C; j += 2) {
+        Vec a, b;
+        simd::load_weights_pair(raw(w + j * LANES), a, b);
+        acc[0][j] = simd::fmadd(xb, a, acc[0][j]);
+        acc[0][j + 1] = simd::fmadd(xb, b, acc[0][j + 1]);
+      }
     } else {
       Vec wv[C];
-      for (int j = 0; j < C; ++j) {
-        wv[j] = simd::load_weights(raw(w + j * LANES));
-        simd::pin(wv[j]);
-      }
+      for (int j = 0; j + 1 < C; j += 2) simd::load_weights_pair(raw(w + j * LANES), wv[j], wv[j + 1]);
+      if constexpr (C % 2 == 1) wv[C - 1] = simd::load_weights(raw(w + (C - 1) * LANES));
+      for (int j = 0; j < C; ++j) simd::pin(wv[j]);
 #pragma GCC unroll 8  // keeps the accumulators in registers in the portable build (GCC left them in memory)
       for (int m = 0; m < M; ++m) {
         const Vec xb = simd::set1(x[m * ldx + k]);
@@ -123,12 +128,15 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
       }
     }
   }
-  for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m) {  // back in column order, pairs and a last single as they were loaded
+    for (int j = 0; j + 1 < C; j += 2) simd::in_column_order<W>(acc[m][j], acc[m][j + 1]);
+    if constexpr (C % 2 == 1) acc[m][C - 1] = simd::in_column_order<W>(acc[m][C - 1]);
     for (int j = 0; j < C; ++j) {
       const int64_t c = c0 + j * LANES;
       if (c >= cols) break;
-      simd::store_first(out + m * ldo + c, simd::in_column_order<W>(acc[m][j]), cols - c);
+      simd::store_first(out + m * ldo + c, acc[m][j], cols - c);
     }
+  }
 }
 
 // FMA work of one pass of `m` rows (gemm_vecs(m) Vec columns), and of all m-row passes over a panel of `cols`
