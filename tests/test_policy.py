@@ -331,3 +331,30 @@ def test_a_jobs_draft_rows_start_at_the_tuned_depth_and_follow_its_steps():
     fresh = Job([1, 2, 3], 8, AUTO)
     untuned.start(fresh)
     assert fresh.draft_rows == 1.0
+
+
+def test_the_gate_charges_a_tuned_trees_level_passes():
+    """A tuned gain is what a whole tree earns, so a drafting step is charged its first pass and the `depth - 1`
+    level passes of `width` nodes a request; an untuned gain (one sure token) only the first pass. So a load where
+    the first pass alone would pay, but not the tree's passes, is left undrafted."""
+    from spectrt.runtime.decoding.controller import Controller
+    from spectrt.runtime.decoding.propose import SuffixProposer
+
+    def controller(policy):
+        return Controller(policy, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16, tree_budget=16)
+
+    calls = []
+
+    def draft(rows, requests):
+        calls.append((rows, requests))
+        return 0.5
+
+    tuned = controller(Policy(budget=6, depth=3, width=2, draft_gain=1.2))
+    assert tuned._drafting_ms(draft)(5, 2) == 0.5 * 3
+    assert calls == [(5, 2), (4, 2)]  # the first pass, and a level's shape (2 nodes for each of 2 requests), twice
+    assert controller(Policy(budget=6, depth=3, width=2))._drafting_ms(draft)(5, 2) == 0.5
+    # batch 8 at 0.2 ms an extra verified row: one request's tuned gain of 1.2 tokens on 3 rows pays 0.5 ms of
+    # draft (9.2 tokens in 9.1 ms against 8 in 8), not the 1.5 ms its tree's three passes cost (9.2 in 10.1)
+    verify = CostCurve({1: 8.0, 8: 8.0, 16: 9.6})
+    assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, lambda rows, k: 0.5) == [0]
+    assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, tuned._drafting_ms(lambda rows, k: 0.5)) == []

@@ -154,7 +154,20 @@ class Controller:
         policy = self.policy
         verify, cost = policy.verify_at(active, context), policy.draft_at(context)
         return bool(choose_drafted([policy.expected_draft_gain], [self._prior_rows()], [1 + policy.depth],
-                                   float(active), active, verify, cost))
+                                   float(active), active, verify, self._drafting_ms(cost)))
+
+    def _drafting_ms(self, draft_cost: Callable[[int, int], float]) -> Callable[[int, int], float]:
+        """ms of a drafting step's passes by (first-pass rows, requests): the pass over the requests' accepted tokens,
+        and for a tuned policy the `depth - 1` level passes of `width` nodes each that earn the tree's gain it weighs
+        (untuned, the gain is one sure token, as `_prior_rows` says: the first pass's). Why the level passes:
+        charged the first pass only, once `spectrt profile` priced the draft truthfully (its subnormal slowdown
+        fixed: 0.8 ms a pass over 8 rows at batch 8, not 1.6), batch 8 drafted as its requests finished and ran
+        0.93x plain batched decoding; with the level passes 0.97-1.00x (`scripts/batch_vs_plain.py --rounds 6`, bf16,
+        Intel Xeon, four runs; `--min-length` 1.004x), batch 4 0.98-1.00x (1.02-1.04x before), batch 1 the same
+        1.90 tokens a step."""
+        levels = max(self.policy.depth - 1, 0) if self.policy.draft_gain is not None else 0
+        width = self.policy.width
+        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k)
 
     def _prior_rows(self) -> float:
         """Verified rows the policy's expected draft gain comes with, before a job's own steps say: a tuned gain
@@ -196,7 +209,7 @@ class Controller:
         catch_up = [self._catch_up(c.job) for c in grow]
         chosen = set(choose_drafted([c.job.draft_gain for c in grow], [c.job.draft_rows for c in grow], catch_up, gain,
                                     base_rows + sum(sizes) + plain,
-                                    verify, draft_cost))
+                                    verify, self._drafting_ms(draft_cost)))
         for i, c in enumerate(grow):
             if i not in chosen:  # not drafted: old evidence fades (explore again later)
                 self.learn_draft_gain(c.job, None)
