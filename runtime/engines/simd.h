@@ -162,11 +162,11 @@ inline Vec set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 // A GEMM panel's 16 weights. bf16 widens by interleaving a zero word below each weight (vpunpck*: a shuffle port),
 // not by zero-extend + shift (the AVX-512 single load's way): the shift runs on the two FMA ports, and at 6 rows it
-// is one uop in seven there. The interleave works within 128-bit halves, so lo holds columns 0-3 and 8-11, hi 4-7 and 12-15;
-// in_column_order puts a finished accumulator back (once per output, not per k). Each column still gets the same
-// FMAs in the same order, so the sums are bitwise those of the AVX-512 build. Measured (scripts/isa_tcurve.py, bf16,
-// context 128, Intel Xeon model 207, ms, shift -> interleave): T=4 10.1 -> 9.2, T=8 15.9 -> 14.9, T=16 28.8 -> 27.0,
-// T=1 7.2 either way. Not yet measured on AMD (there the interleave is 2 uops per 16 weights against 4 before).
+// is one uop in seven there. The interleave works within 128-bit halves, so lo holds columns 0-3 and 8-11, hi 4-7
+// and 12-15; in_column_order puts a finished accumulator back (once per output, not per k). Each column still gets
+// the same FMAs in the same order, so the sums are bitwise those of the AVX-512 build. Measured (scripts/isa_tcurve.py,
+// bf16, context 128, Intel Xeon model 207, ms, shift -> interleave): T=4 10.1 -> 9.2, T=8 15.9 -> 14.9, T=16 28.8 ->
+// 27.0, T=1 7.2 either way. Not yet measured on AMD (there the interleave is 2 uops per 16 weights against 4 before).
 inline Vec load_weights(const float* p) { return load(p); }
 inline Vec load_weights(const uint16_t* bf16) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16)), z = _mm256_setzero_si256();
