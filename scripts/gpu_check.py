@@ -122,8 +122,11 @@ class TorchOn:
         d = self.device
         return self.model.forward(tokens.to(d), positions.to(d), tree_mask.to(d), cache).cpu()
 
-    def forward_many(self, segments):  # the torch reference path runs one segment at a time
-        return [self.forward(*segment) for segment in segments]
+    def forward_many(self, segments, logit_rows=None):  # the torch reference path runs one segment at a time
+        from spectrt.runtime.engines.kernels import last_rows, logit_counts
+
+        return last_rows([self.forward(*segment) for segment in segments],
+                         logit_counts([len(s[0]) for s in segments], logit_rows))
 
 
 def smollm2_config(layers: int | None = None):
@@ -428,8 +431,11 @@ class OneAtATime:
     def forward(self, *segment):
         return self.engine.forward(*segment)
 
-    def forward_many(self, segments):
-        return [self.engine.forward(*segment) for segment in segments]
+    def forward_many(self, segments, logit_rows=None):
+        from spectrt.runtime.engines.kernels import last_rows, logit_counts
+
+        return last_rows([self.engine.forward(*segment) for segment in segments],
+                         logit_counts([len(s[0]) for s in segments], logit_rows))
 
 
 # --------------------------------------------------------------------------------------------------

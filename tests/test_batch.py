@@ -215,9 +215,9 @@ class RecordingEngine:
     def new_caches(self, *args):
         return self.engine.new_caches(*args)
 
-    def forward_many(self, segments):
+    def forward_many(self, segments, logit_rows=None):
         self.calls.append([(s[0].tolist(), s[1].tolist(), s[2].clone(), s[3].length) for s in segments])
-        return self.engine.forward_many(segments)
+        return self.engine.forward_many(segments, logit_rows)
 
 
 @pytest.mark.parametrize("tree", [Tree.parse("2,2,1"), AUTO])
@@ -300,10 +300,10 @@ class PoisonedEngine(RecordingEngine):
 
     slot: int | None = None
 
-    def forward_many(self, segments):
+    def forward_many(self, segments, logit_rows=None):
         if self.slot is not None and any(s[3].slot == self.slot for s in segments):
             raise RuntimeError("poisoned request")
-        return self.engine.forward_many(segments)
+        return self.engine.forward_many(segments, logit_rows)
 
 
 def test_a_failing_request_ends_alone_and_the_batch_goes_on(models):

@@ -279,8 +279,8 @@ class Contrary:
     def forward(self, *segment):
         return self.forward_many([segment])[0]
 
-    def forward_many(self, segments):
-        return [logits.roll(1, dims=-1) for logits in self.engine.forward_many(segments)]
+    def forward_many(self, segments, logit_rows=None):
+        return [logits.roll(1, dims=-1) for logits in self.engine.forward_many(segments, logit_rows)]
 
 
 @pytest.mark.parametrize("max_active", [1, 4])
@@ -336,9 +336,9 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def forward_many(self, segments):
+    def forward_many(self, segments, logit_rows=None):
         self.calls += 1
-        return self.engine.forward_many(segments)
+        return self.engine.forward_many(segments, logit_rows)
 
 
 @pytest.mark.parametrize("suffix", [False, True])

@@ -350,6 +350,27 @@ def test_head_projects_target_features_itself(tiny, tmp_path, dtype):
                                (tokens[2:4], torch.arange(1, 3), _causal(2), caches[1], head.project(feats[2:4]))])
 
 
+def test_head_logit_rows_keep_the_hidden_of_every_row(tiny, tmp_path):
+    """A catch-up drafts from its last row: with `logit_rows` the head computes that row's logits only (none for a
+    prompt chunk), bitwise the full call's, while every row's output hidden (the children's input) is unchanged."""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    out = B.save_head(_random_module(target), tiny, tmp_path / "head", (2, 2, 1))
+    feats = torch.randn(7, 3 * 64, generator=torch.Generator().manual_seed(6))
+    tokens = torch.tensor([5, 77, 300, 12, 9, 41, 3])
+    for native in (False, True) if native_unavailable() is None else (False,):
+        head = Eagle3Head.load(out, target, native=native)
+        results = []
+        for logit_rows in (None, [1, 0]):
+            caches = head.new_caches(2, 64, 8)
+            results.append(head.forward_many([(tokens[:4], torch.arange(1, 5), _causal(4), caches[0], feats[:4]),
+                                              (tokens[4:], torch.arange(1, 4), _causal(3), caches[1], feats[4:])],
+                                             full_vocab=False, logit_rows=logit_rows))
+        (full_a, hidden_a), (full_b, hidden_b) = results[0]
+        (cut_a, cut_hidden_a), (cut_b, cut_hidden_b) = results[1]
+        assert cut_a.shape == (1, 100) and torch.equal(cut_a, full_a[-1:]) and cut_b.shape == (0, 100)
+        assert torch.equal(cut_hidden_a, hidden_a) and torch.equal(cut_hidden_b, hidden_b)
+
+
 def test_the_proposer_reads_draft_vocabulary_columns(tiny, tmp_path):
     """The loop reads a head's draft-vocabulary logits (no 384- or 49k-wide -inf rows to fill and scan): they are the
     full rows' columns at head_ids, bitwise, on both paths; their top-k as target ids is the full rows' top-k."""

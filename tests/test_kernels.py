@@ -247,6 +247,30 @@ def test_forward_many_equals_separate_forwards(engines, isa):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_logit_rows_skip_the_head_for_the_others_only(engines, isa):
+    """`logit_rows`: a prefill chunk's logits (0) and all but a row's (1) are not computed; the rows kept are bitwise
+    those of the full forward, and every row's K/V is written as before (the LM head is the forward's last step)."""
+    target = engines(isa, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (7, 20, 33)]
+    trees = [Tree.parse("1,1,1"), Tree.parse("2,1"), Tree.parse("2,2")]
+    tokens = [torch.randint(0, 49152, (len(t),), generator=gen) for t in trees]
+
+    def run(logit_rows):
+        caches = [_prefilled(target, p) for p in prefixes]
+        segments = [(tok, tree.positions(len(p)), tree.mask, c)
+                    for p, tree, tok, c in zip(prefixes, trees, tokens, caches, strict=True)]
+        return target.forward_many(segments, logit_rows), [c.k.clone() for c in caches]
+
+    (full, k_full), (cut, k_cut) = run(None), run([0, 1, None])
+    assert [len(lg) for lg in cut] == [0, 1, len(trees[2])]
+    assert torch.equal(cut[1], full[1][-1:]) and torch.equal(cut[2], full[2])
+    assert all(torch.equal(a, b) for a, b in zip(k_full, k_cut, strict=True))
+    with pytest.raises(ValueError, match="3 segments"):
+        target.forward_many([], [0, 1, 2])
+
+
 @pytest.fixture(scope="module")
 def bf16_prompts(tokenizer):
     return [chat_ids(tokenizer, p) for p in PROMPTS]

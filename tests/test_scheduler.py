@@ -163,11 +163,11 @@ def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, token
     real = target.forward_many
     poisoned = []
 
-    def forward_many(segments):
+    def forward_many(segments, logit_rows=None):
         if any(s[3] is sched.decoder.target_caches[bad.job.slot] for s in segments) and bad.job.out:
             poisoned.append(True)
             raise RuntimeError("a broken row")
-        return real(segments)
+        return real(segments, logit_rows)
 
     monkeypatch.setattr(target, "forward_many", forward_many)
     _drive(sched, sinks)
@@ -193,7 +193,7 @@ def test_a_warm_up_whose_forward_fails_raises_with_the_reason(target, draft, tok
     sched = _scheduler(target, draft, tokenizer)
     warm_up(sched.decoder, [encode("Hi"), encode("Hello")], None)  # a working model warms up silently
 
-    def broken(segments):
+    def broken(segments, logit_rows=None):
         raise RuntimeError("no kernel for this CPU")
 
     monkeypatch.setattr(target, "forward_many", broken)

@@ -524,10 +524,12 @@ class Decoder:
         layers = self.drafter.feature_layers if self.drafter is not None else None
         features = [None] * len(segments)
         start = time.perf_counter()
+        # no logits for prefill chunks: nobody reads them (the prompt's last token is the first step's root)
+        logit_rows = [0] * len(chunks) + [None] * len(plans)
         if layers and segments:  # the head's inputs come out of the same target forward
-            logits, features = self.target.forward_features(segments, layers)
+            logits, features = self.target.forward_features(segments, layers, logit_rows)
         else:
-            logits = self.target.forward_many(segments) if segments else []
+            logits = self.target.forward_many(segments, logit_rows) if segments else []
         self.clock.target += time.perf_counter() - start
         for (job, t), feats in zip(chunks, features[:len(chunks)], strict=True):
             cache = self.target_caches[job.slot]

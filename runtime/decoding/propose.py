@@ -187,12 +187,14 @@ class DraftProposer:
             return 0.0
         rows, prefill_rows = sum(len(s.tokens) for s in segments), sum(len(s.tokens) for s in prefill)
         sunk = cost(rows, len(segments)) - (cost(prefill_rows, len(prefill)) if prefill else 0.0)  # prompts: paid
-        logits = self._run(segments)
+        # logits of a drafting catch-up's last row only (its children's parent); none for prompt chunks or backlogs
+        drafts_from = {id(self.caches[d.cand.job.slot]) for d in drafting}
+        logits = self._run(segments, [1 if id(seg.cache) in drafts_from else 0 for seg in segments])
         for seg in segments:
             seg.cache.commit(len(seg.tokens))
         by_cache = {id(seg.cache): lg for seg, lg in zip(segments, logits, strict=True)}
         for d in drafting:
-            d.logits = by_cache[id(self.caches[d.cand.job.slot])][-1:]
+            d.logits = by_cache[id(self.caches[d.cand.job.slot])]
             d.cand.job.stats.draft_passes += 1
         depth = 1
         while drafting:
@@ -215,16 +217,16 @@ class DraftProposer:
             drafting, depth = level, depth + 1
         return sunk
 
-    def _run(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """One draft forward over the segments: logits per segment."""
-        return self._forward(segments)
+    def _run(self, segments: list[Segment], logit_rows: list[int | None] | None = None) -> list[torch.Tensor]:
+        """One draft forward over the segments: logits per segment (its last `logit_rows[i]` rows: `forward_many`)."""
+        return self._forward(segments, logit_rows)
 
-    def _forward(self, segments: list[Segment]) -> list:
+    def _forward(self, segments: list[Segment], logit_rows: list[int | None] | None = None) -> list:
         start = time.perf_counter()
         try:
             if self.vocab_ids is not None:
-                return self.engine.forward_many(segments, full_vocab=False)
-            return self.engine.forward_many(segments)
+                return self.engine.forward_many(segments, full_vocab=False, logit_rows=logit_rows)
+            return self.engine.forward_many(segments, logit_rows)
         finally:
             self.forward_seconds += time.perf_counter() - start
 
@@ -433,9 +435,9 @@ class Eagle3Proposer(DraftProposer):
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         self.caches[slot].compact([])
 
-    def _run(self, segments: list[HeadSegment]) -> list[torch.Tensor]:
+    def _run(self, segments: list[HeadSegment], logit_rows: list[int | None] | None = None) -> list[torch.Tensor]:
         logits = []
-        for seg, (lg, hidden) in zip(segments, self._forward(segments), strict=True):
+        for seg, (lg, hidden) in zip(segments, self._forward(segments, logit_rows), strict=True):
             nodes = self.fed_nodes.pop(id(seg.cache), None)
             if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
                 self.node_hidden[id(seg.cache)] = {0: hidden[-1]}

@@ -38,9 +38,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.engines.families import rope_frequencies
 from spectrt.runtime.engines.kernels import (
+    head_rows,
     huge_page_arena,
+    last_rows,
     linear,
     load_kernels,
+    logit_counts,
     native_unavailable,
     pack,
     split_rows,
@@ -180,7 +183,8 @@ class _NativeHead:
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
 
-    def forward_many(self, segments) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def forward_many(self, segments, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(logits of each segment's last `counts[i]` rows, output hidden of every row, rows per segment)."""
         rows = [s[0].shape[0] for s in segments]
         total = sum(rows)
         cat = len(segments) > 1
@@ -189,13 +193,13 @@ class _NativeHead:
         hidden = torch.cat([s[4] for s in segments]) if cat else segments[0][4]
         caches = [s[3] for s in segments]
         self.reserve(total, max(c.capacity for c in caches))
-        logits = torch.empty(total, self.draft_vocab)
+        logits = torch.empty(sum(counts), self.draft_vocab)
         out = torch.empty(total, self.config.hidden_size)
         self.kernels.eagle3_forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], [s[2].contiguous() for s in segments], [c.k for c in caches],
             [c.v for c in caches], self.embed, hidden.float().contiguous(), self.norms, self.projections, self.head,
-            self.fc, self.rope_cos, self.rope_sin, self.scratch, logits, out)
+            self.fc, self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts), out)
         return logits, out, rows
 
 
@@ -287,9 +291,11 @@ class Eagle3Head:
             return linear(features.float(), self.native.fc, self.config.model.hidden_size)
         return F.linear(features.to(self.dtype), self.fc)
 
-    def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def forward_many(self, segments: Sequence[tuple], full_vocab: bool = True,
+                     logit_rows: Sequence[int | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
-        native forward all segments' rows share each GEMM. `hidden` is each row's input hidden [T, H], or in every
+        native forward all segments' rows share each GEMM. With `logit_rows` the logits of each segment's last
+        `logit_rows[i]` rows only (kernels.logit_counts: a catch-up drafts from its last row), the hidden of all. `hidden` is each row's input hidden [T, H], or in every
         segment the target features of committed tokens [T, 3 * Ht], which the call `project`s itself. Logits are
         full-vocabulary rows, -inf outside the draft
         vocabulary (its probability 0: top-k and sampling over a row are exact); with `full_vocab=False` the draft
@@ -309,11 +315,13 @@ class Eagle3Head:
                 if width != c.hidden_size:
                     segments = [(*s[:4], self.project(s[4])) for s in segments]
                 out = [self._forward(*segment) for segment in segments]
-            return [(self.full_rows(lg), h) for lg, h in out] if full_vocab else out
-        logits, out, rows = self.native.forward_many(segments)
+            logits = last_rows([lg for lg, _ in out], logit_counts([len(h) for _, h in out], logit_rows))
+            return [(self.full_rows(lg) if full_vocab else lg, h) for lg, (_, h) in zip(logits, out, strict=True)]
+        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
+        logits, out, rows = self.native.forward_many(segments, counts)
         if full_vocab:
             logits = self.full_rows(logits)
-        return list(zip(split_rows(logits, rows), split_rows(out, rows), strict=True))
+        return list(zip(split_rows(logits, counts), split_rows(out, rows), strict=True))
 
     def full_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, len(head_ids)] -> full-vocabulary rows, -inf outside the draft vocabulary."""

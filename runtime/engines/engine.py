@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -50,9 +51,12 @@ class Engine(Protocol):
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache: ...
 
-    def forward_many(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def forward_many(self, segments: list[Segment], logit_rows: Sequence[int | None] | None = None
+                     ) -> list[torch.Tensor]:
         """Logits [T_i, V] per segment, each a tensor of its own (never a view a later forward overwrites) and an
-        ordinary one (not an inference tensor): the decode loop masks rows in place."""
+        ordinary one (not an inference tensor): the decode loop masks rows in place. With `logit_rows`, segment i's
+        last `logit_rows[i]` rows only (None: all; kernels.logit_counts): the loop reads no prefill chunk's logits,
+        and the native forward then skips their LM head."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor: ...

@@ -21,6 +21,7 @@ import hashlib
 import mmap
 import os
 import platform
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -272,6 +273,35 @@ def huge_page_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def logit_counts(rows: list[int], logit_rows: Sequence[int | None] | None) -> list[int]:
+    """Per segment, how many of its last rows get logits: `logit_rows[i]` (None: every row), at most its rows. The
+    engines' `logit_rows` argument: a prefill chunk's logits are never read (0), a draft catch-up's only its last
+    row's (1); the native forward skips the LM head for the others (`head_rows`)."""
+    if logit_rows is None:
+        return list(rows)
+    if len(logit_rows) != len(rows):
+        raise ValueError(f"logit_rows names {len(logit_rows)} segments for {len(rows)}")
+    return [t if n is None else max(0, min(int(n), t)) for t, n in zip(rows, logit_rows, strict=True)]
+
+
+def head_rows(rows: list[int], counts: list[int]) -> torch.Tensor:
+    """The forward's row indices whose logits are computed (each segment's last `counts[i]`), ascending; empty when
+    that is every row or none (the C++ forward's `head_rows`: the logits tensor's rows say which)."""
+    if counts == rows or not any(counts):
+        return torch.empty(0, dtype=torch.long)
+    index, start = [], 0
+    for t, n in zip(rows, counts, strict=True):
+        index.extend(range(start + t - n, start + t))
+        start += t
+    return torch.tensor(index, dtype=torch.long)
+
+
+def last_rows(logits: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+    """Each segment's logits cut to its last `counts[i]` rows: the engines that compute every row (the torch reference,
+    ONNX Runtime, TensorRT) answer `logit_rows` with this."""
+    return [lg if n == len(lg) else lg[len(lg) - n:] for lg, n in zip(logits, counts, strict=True)]
+
+
 def split_rows(t: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
     """`t` split into per-segment row blocks; one segment (the batch-1 step) is `t` itself: no torch op on the caches
     a forward has just flushed."""
@@ -363,19 +393,22 @@ class NativeModel:
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
 
-    def forward_many(self, segments) -> list[torch.Tensor]:
-        """Logits per segment (tokens, positions, tree_mask, cache); rows of all segments share each GEMM.
+    def forward_many(self, segments, logit_rows: Sequence[int | None] | None = None) -> list[torch.Tensor]:
+        """Logits per segment (tokens, positions, tree_mask, cache); rows of all segments share each GEMM; with
+        `logit_rows` only each segment's last `logit_rows[i]` rows' (`logit_counts`).
 
         The logits are the one tensor a forward allocates (it is its result, and callers keep it across forwards);
         every intermediate lives in the static scratch.
         """
-        return self.forward_features(segments, ())[0]
+        return self.forward_features(segments, (), logit_rows)[0]
 
-    def forward_features(self, segments, feature_layers) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def forward_features(self, segments, feature_layers, logit_rows: Sequence[int | None] | None = None
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """(logits per segment, features per segment or None): with `feature_layers`, also the residual stream
-        entering each of those layers (EAGLE-3's target features), [rows, len(feature_layers) * hidden] fp32.
-        Copying them costs one memcpy per row and layer; rows stay invariant."""
+        entering each of those layers (EAGLE-3's target features), [rows, len(feature_layers) * hidden] fp32, for
+        every row. Copying them costs one memcpy per row and layer; rows stay invariant."""
         rows = [s[0].shape[0] for s in segments]
+        counts = logit_counts(rows, logit_rows)
         total = sum(rows)
         tokens = torch.cat([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
         positions = torch.cat([s[1] for s in segments]) if len(segments) > 1 else segments[0][1]
@@ -384,21 +417,21 @@ class NativeModel:
         for tok, _, mask, kv in segments:
             kv.new_slots(tok, mask)
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
-        logits = torch.empty(total, self.config.vocab_size if self.head_ids is None else len(self.head_ids))
+        logits = torch.empty(sum(counts), self.config.vocab_size if self.head_ids is None else len(self.head_ids))
         feature_layers = [int(j) for j in feature_layers]
         features = torch.empty(total, len(feature_layers) * self.config.hidden_size) if feature_layers else None
         # the per-segment views are made before the forward fills them: the same split after it was the first torch
         # op on the caches the forward had flushed, ~0.1 ms a forward (batch 1 and 8, bf16)
-        split_logits = split_rows(logits, rows) if self.head_ids is None else None
+        split_logits = split_rows(logits, counts) if self.head_ids is None else None
         split_features = None if features is None else split_rows(features, rows)
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
-            self.rope_cos, self.rope_sin, self.scratch, logits,
+            self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts),
             feature_layers, features if features is not None else torch.empty(0),
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
-            logits = torch.full((total, self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
-            split_logits = split_rows(logits, rows)
+            logits = torch.full((len(logits), self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
+            split_logits = split_rows(logits, counts)
         return split_logits, split_features

@@ -25,7 +25,7 @@ from spectrt.runtime.engines.families import (
     rope_scaling_spec,
 )
 from spectrt.runtime.engines.int8 import load_quantized, quant_format
-from spectrt.runtime.engines.kernels import NativeModel, huge_page_zeros, native_unavailable
+from spectrt.runtime.engines.kernels import NativeModel, huge_page_zeros, last_rows, logit_counts, native_unavailable
 
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
@@ -318,27 +318,32 @@ class Transformer:
         """One cache (a pool of one): single-request tools and tests."""
         return self.new_caches(1, capacity, max_window)[0]
 
-    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+    def forward_many(self, segments: list[tuple], logit_rows: Sequence[int | None] | None = None
+                     ) -> list[torch.Tensor]:
         """Logits per (tokens, positions, tree_mask, cache) segment; with the native forward all segments' rows
         share each GEMM (one weight stream for a batch of requests), and the result is the same as one `forward`
-        per segment."""
+        per segment. `logit_rows`: only each segment's last `logit_rows[i]` rows' logits (kernels.logit_counts)."""
         if self.native is not None:
-            return self.native.forward_many(segments)
-        return [self.forward(*segment) for segment in segments]
+            return self.native.forward_many(segments, logit_rows)
+        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
+        return last_rows([self.forward(*segment) for segment in segments], counts)
 
-    def forward_features(self, segments: list[tuple],
-                         feature_layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def forward_features(self, segments: list[tuple], feature_layers: Sequence[int],
+                         logit_rows: Sequence[int | None] | None = None
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(logits, features) per segment: features [T, len(feature_layers) * hidden] fp32 are the residual stream
         entering each listed layer (the output of the layer before; `num_layers` = the last layer's output, before
-        the final norm), concatenated in the listed order: EAGLE-3's low/mid/high target features."""
+        the final norm), concatenated in the listed order: EAGLE-3's low/mid/high target features; logits as
+        `forward_many` gives them."""
         layers = [int(j) for j in feature_layers]
         if not layers or any(not 0 <= j <= self.config.num_layers for j in layers):
             raise ValueError(f"feature layers must lie in [0, {self.config.num_layers}], got {layers}")
         if self.native is not None:  # no autograd context: see `forward`
-            return self.native.forward_features(segments, layers)
+            return self.native.forward_features(segments, layers, logit_rows)
         with torch.no_grad():  # not inference_mode: see `forward`
             out = [self._forward(*segment, feature_layers=layers) for segment in segments]
-        return [o[0] for o in out], [o[1] for o in out]
+        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
+        return last_rows([o[0] for o in out], counts), [o[1] for o in out]
 
     def weight_bytes(self) -> int:
         """Bytes of all weights held (a tied head counted once)."""

@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, batch_inputs
+from spectrt.runtime.engines.kernels import last_rows, logit_counts
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 MANIFEST = "manifest.json"
@@ -240,10 +241,12 @@ class OnnxEngine:
             pool.pool_v[slot, :, :, first:end] = new_v[:, :, r0:r1]
         return [self.logits[r0:r1].clone() for r0, r1 in x.rows]
 
-    def forward_many(self, segments: list[tuple]) -> list[torch.Tensor]:
+    def forward_many(self, segments: list[tuple], logit_rows: Sequence[int | None] | None = None
+                     ) -> list[torch.Tensor]:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment, each a tensor of its own: one graph run
         for all segments (per KV pool); their K/V go into their caches."""
-        return forward_by_pool(segments, self._run)
+        logits = forward_by_pool(segments, self._run)  # every row's: `logit_rows` only cuts them
+        return last_rows(logits, logit_counts([len(s[0]) for s in segments], logit_rows))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
