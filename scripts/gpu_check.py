@@ -123,10 +123,9 @@ class TorchOn:
         return self.model.forward(tokens.to(d), positions.to(d), tree_mask.to(d), cache).cpu()
 
     def forward_many(self, segments, logit_rows=None):  # the torch reference path runs one segment at a time
-        from spectrt.runtime.engines.kernels import last_rows, logit_counts
+        from spectrt.runtime.engines.kernels import last_rows
 
-        return last_rows([self.forward(*segment) for segment in segments],
-                         logit_counts([len(s[0]) for s in segments], logit_rows))
+        return last_rows([self.forward(*segment) for segment in segments], logit_rows)
 
 
 def smollm2_config(layers: int | None = None):
@@ -432,10 +431,9 @@ class OneAtATime:
         return self.engine.forward(*segment)
 
     def forward_many(self, segments, logit_rows=None):
-        from spectrt.runtime.engines.kernels import last_rows, logit_counts
+        from spectrt.runtime.engines.kernels import last_rows
 
-        return last_rows([self.engine.forward(*segment) for segment in segments],
-                         logit_counts([len(s[0]) for s in segments], logit_rows))
+        return last_rows([self.engine.forward(*segment) for segment in segments], logit_rows)
 
 
 # --------------------------------------------------------------------------------------------------

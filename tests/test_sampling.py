@@ -24,7 +24,7 @@ from spectrt.runtime.decoding.sampling import (
     verify_sampled_batch,
 )
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
-from spectrt.runtime.engines.kernels import last_rows, logit_counts
+from spectrt.runtime.engines.kernels import last_rows
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -629,7 +629,7 @@ class MarkovEngine:
                 before = int(cache.k[0, 0, prev, 0]) if prev >= 0 else CONTEXT[0]
                 rows.append(self.table[before, int(tokens[r])])
             out.append(torch.stack(rows))
-        return last_rows(out, logit_counts([len(s[0]) for s in segments], logit_rows))
+        return last_rows(out, logit_rows)
 
 
 PROMPT = [CONTEXT[1], 2, 5, CONTEXT[0], CONTEXT[1]]  # ends with the context; "... 0 1" repeats: suffix candidates

@@ -295,9 +295,9 @@ class Eagle3Head:
                      logit_rows: Sequence[int | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(logits [T, V], output hidden [T, H]) per (tokens, positions, tree_mask, cache, hidden) segment; on the
         native forward all segments' rows share each GEMM. With `logit_rows` the logits of each segment's last
-        `logit_rows[i]` rows only (kernels.logit_counts: a catch-up drafts from its last row), the hidden of all. `hidden` is each row's input hidden [T, H], or in every
-        segment the target features of committed tokens [T, 3 * Ht], which the call `project`s itself. Logits are
-        full-vocabulary rows, -inf outside the draft
+        `logit_rows[i]` rows only (kernels.logit_counts: a catch-up drafts from its last row), the hidden of all.
+        `hidden` is each row's input hidden [T, H], or in every segment the target features of committed tokens
+        [T, 3 * Ht], which the call `project`s itself. Logits are full-vocabulary rows, -inf outside the draft
         vocabulary (its probability 0: top-k and sampling over a row are exact); with `full_vocab=False` the draft
         vocabulary's columns only ([T, len(head_ids)], column j is target id `head_ids[j]`), which is what the
         proposer reads: a 49,152-wide row per drafted node cost its fill and a 6x wider top-k scan."""
@@ -315,7 +315,7 @@ class Eagle3Head:
                 if width != c.hidden_size:
                     segments = [(*s[:4], self.project(s[4])) for s in segments]
                 out = [self._forward(*segment) for segment in segments]
-            logits = last_rows([lg for lg, _ in out], logit_counts([len(h) for _, h in out], logit_rows))
+            logits = last_rows([lg for lg, _ in out], logit_rows)
             return [(self.full_rows(lg) if full_vocab else lg, h) for lg, (_, h) in zip(logits, out, strict=True)]
         counts = logit_counts([len(s[0]) for s in segments], logit_rows)
         logits, out, rows = self.native.forward_many(segments, counts)

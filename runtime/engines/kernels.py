@@ -284,11 +284,14 @@ def logit_counts(rows: list[int], logit_rows: Sequence[int | None] | None) -> li
     return [t if n is None else max(0, min(int(n), t)) for t, n in zip(rows, logit_rows, strict=True)]
 
 
+EVERY_ROW = torch.empty(0, dtype=torch.long)  # `head_rows` naming none: the logits tensor's rows say all or none
+
+
 def head_rows(rows: list[int], counts: list[int]) -> torch.Tensor:
-    """The forward's row indices whose logits are computed (each segment's last `counts[i]`), ascending; empty when
-    that is every row or none (the C++ forward's `head_rows`: the logits tensor's rows say which)."""
+    """The forward's row indices whose logits are computed (each segment's last `counts[i]`), ascending; `EVERY_ROW`
+    when that is every row or none (the C++ forward's `head_rows`), made once: the decode step passes it every time."""
     if counts == rows or not any(counts):
-        return torch.empty(0, dtype=torch.long)
+        return EVERY_ROW
     index, start = [], 0
     for t, n in zip(rows, counts, strict=True):
         index.extend(range(start + t - n, start + t))
@@ -296,9 +299,10 @@ def head_rows(rows: list[int], counts: list[int]) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.long)
 
 
-def last_rows(logits: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
-    """Each segment's logits cut to its last `counts[i]` rows: the engines that compute every row (the torch reference,
-    ONNX Runtime, TensorRT) answer `logit_rows` with this."""
+def last_rows(logits: list[torch.Tensor], logit_rows: Sequence[int | None] | None) -> list[torch.Tensor]:
+    """Every row's logits per segment cut to the last `logit_rows[i]` rows (`logit_counts`): how the engines that
+    compute every row (the torch reference, ONNX Runtime, TensorRT) answer `logit_rows`."""
+    counts = logit_counts([len(lg) for lg in logits], logit_rows)
     return [lg if n == len(lg) else lg[len(lg) - n:] for lg, n in zip(logits, counts, strict=True)]
 
 

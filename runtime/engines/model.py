@@ -25,7 +25,7 @@ from spectrt.runtime.engines.families import (
     rope_scaling_spec,
 )
 from spectrt.runtime.engines.int8 import load_quantized, quant_format
-from spectrt.runtime.engines.kernels import NativeModel, huge_page_zeros, last_rows, logit_counts, native_unavailable
+from spectrt.runtime.engines.kernels import NativeModel, huge_page_zeros, last_rows, native_unavailable
 
 # Rows per fp GEMM call in row-invariant mode (Transformer._project). Measured on the INT8 SmoothQuant target
 # (1 thread, ms FP32 -> INT8): 1 row keeps AR steps at M=1, T=1 48 -> 30 (1.6x), T=5 76 -> 52 (1.46x);
@@ -325,8 +325,7 @@ class Transformer:
         per segment. `logit_rows`: only each segment's last `logit_rows[i]` rows' logits (kernels.logit_counts)."""
         if self.native is not None:
             return self.native.forward_many(segments, logit_rows)
-        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
-        return last_rows([self.forward(*segment) for segment in segments], counts)
+        return last_rows([self.forward(*segment) for segment in segments], logit_rows)
 
     def forward_features(self, segments: list[tuple], feature_layers: Sequence[int],
                          logit_rows: Sequence[int | None] | None = None
@@ -342,8 +341,7 @@ class Transformer:
             return self.native.forward_features(segments, layers, logit_rows)
         with torch.no_grad():  # not inference_mode: see `forward`
             out = [self._forward(*segment, feature_layers=layers) for segment in segments]
-        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
-        return last_rows([o[0] for o in out], counts), [o[1] for o in out]
+        return last_rows([o[0] for o in out], logit_rows), [o[1] for o in out]
 
     def weight_bytes(self) -> int:
         """Bytes of all weights held (a tied head counted once)."""

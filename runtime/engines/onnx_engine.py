@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, batch_inputs
-from spectrt.runtime.engines.kernels import last_rows, logit_counts
+from spectrt.runtime.engines.kernels import last_rows
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 
 MANIFEST = "manifest.json"
@@ -246,7 +246,7 @@ class OnnxEngine:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment, each a tensor of its own: one graph run
         for all segments (per KV pool); their K/V go into their caches."""
         logits = forward_by_pool(segments, self._run)  # every row's: `logit_rows` only cuts them
-        return last_rows(logits, logit_counts([len(s[0]) for s in segments], logit_rows))
+        return last_rows(logits, logit_rows)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:

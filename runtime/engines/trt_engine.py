@@ -22,13 +22,13 @@ prepared check for a GPU machine.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
-from spectrt.runtime.engines.kernels import last_rows, logit_counts
+from spectrt.runtime.engines.kernels import last_rows
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 from spectrt.runtime.engines.onnx_engine import EngineDir, EngineDirError, forward_by_pool
 
@@ -265,7 +265,7 @@ class TensorRTEngine:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment on the host, each a tensor of its own:
         one plan execution for all segments (per KV pool); their K/V go into their caches on the device."""
         logits = forward_by_pool(segments, self._run)  # every row's: `logit_rows` only cuts them
-        return last_rows(logits, logit_counts([len(s[0]) for s in segments], logit_rows))
+        return last_rows(logits, logit_rows)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
