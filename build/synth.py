@@ -8,6 +8,11 @@ a conversation the target already answered. Every message is sampled through the
 on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable ASCII (English),
 not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
 
+Unsteered, the target writes long "Can you help me..." requests; answers to those agree with the draft ~10 points more
+than answers to the short questions people type ("What is...", "How do I...": measured on the shipped head, 62% vs
+53%), so a set meant for chat also steers: with `openers`, each message starts with the first words of a written
+training prompt (its seed picks which), and the target writes the rest.
+
 `python -m spectrt.cli.ship prompts --count N --seed S` writes `build/prompts/synth-seed<S>.txt` (read by
 build/corpus.py like any corpus; `SYNTH_SEEDS` lists the shipped files).
 """
@@ -32,10 +37,17 @@ MIN_CHARS, MAX_CHARS = 12, 400
 CHUNK = 256  # requests per round of generation
 
 
-def pre_query_ids(tokenizer, history: Conversation = ()) -> list[int]:
-    """Token ids of the chat template up to where the next user message begins (after `history`, if any)."""
+def pre_query_ids(tokenizer, history: Conversation = (), opener: str = "") -> list[int]:
+    """Token ids of the chat template up to where the next user message begins (after `history`, if any), followed
+    by `opener`, the words the message is to start with."""
     text = tokenizer.apply_chat_template([*history, {"role": "user", "content": MARK}], tokenize=False)
-    return tokenizer(text[:text.index(MARK)], add_special_tokens=False)["input_ids"]
+    return tokenizer(text[:text.index(MARK)] + opener, add_special_tokens=False)["input_ids"]
+
+
+def openers_of(convs: Sequence[Conversation], words: int = 2) -> list[str]:
+    """The first `words` words of each conversation's first user message (repeats kept: a seed picks one of them,
+    so the openers come out as often as in `convs`)."""
+    return [" ".join(first) for conv in convs if (first := conv[0]["content"].split()[:words])]
 
 
 def normalized(text: str) -> str:
@@ -58,9 +70,11 @@ def message_seed(seed: int, index: int, history: Conversation = ()) -> int:
 
 
 def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conversation] = (),
-               dtype: str = "auto", progress: bool = True, exclude: Sequence[Conversation] = ()) -> list[Conversation]:
+               dtype: str = "auto", progress: bool = True, exclude: Sequence[Conversation] = (),
+               openers: Sequence[str] = ()) -> list[Conversation]:
     """`count` new single-turn conversations, or with `histories` a follow-up user turn for each history that yields
-    an acceptable one; deduplicated against each other and `exclude`, in the seed's order."""
+    an acceptable one; deduplicated against each other and `exclude`, in the seed's order. With `openers` every
+    message starts with one of them (its seed picks which)."""
     from spectrt.runtime.engines.engine import load_engine
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -78,13 +92,15 @@ def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conv
         # at most CHUNK a round, so the bar moves
         todo = list(histories[index:index + CHUNK]) if histories else [
             () for _ in range(min(CHUNK, max(8, int(1.5 * (count - len(out))))))]
-        requests = [Request(pre_query_ids(tokenizer, h), SamplingParams(TEMPERATURE, top_p=TOP_P,
-                                                                         seed=message_seed(seed, index + i, h)),
-                            MAX_USER_TOKENS, tag=index + i) for i, h in enumerate(todo)]
+        seeds = [message_seed(seed, index + i, h) for i, h in enumerate(todo)]
+        starts = [openers[s % len(openers)] if openers else "" for s in seeds]
+        requests = [Request(pre_query_ids(tokenizer, h, start), SamplingParams(TEMPERATURE, top_p=TOP_P, seed=s),
+                            MAX_USER_TOKENS, tag=index + i)
+                    for i, (h, s, start) in enumerate(zip(todo, seeds, starts, strict=True))]
         done = {request.tag: (ids, finish) for request, ids, finish in generate(engine, requests, end)}
         for i, history in enumerate(todo):  # the seed's order, whatever order they finished in
             ids, finish = done[index + i]
-            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            text = (starts[i] + tokenizer.decode(ids, skip_special_tokens=True)).strip()
             finished, key = finish == "stop", normalized(text)
             if finished and acceptable(text) and key not in seen and (histories or len(out) < count):
                 seen.add(key)

@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="its file: build/prompts/synth-seed<SEED>.txt, deduplicated "
                    "against the held-out prompts and the files of smaller seeds")
     s.add_argument("--force", action="store_true", help="synthesize again although this command made the file")
+    s.add_argument("--openers", type=Path, help="a prompt file: every message starts with the first two words of one "
+                   "of its prompts (e.g. build/prompts/distill.txt: questions as people type them)")
     a = sub.add_parser("answers", help="generate the target's answers to the held-out and training prompts for a "
                        "while and write every answer made so far as shipped package data (run it again to add more)")
     a.add_argument("--work-dir", type=Path, default=Path("artifacts/ship-answers.work"))
@@ -48,18 +50,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = resolve_target(args.target)
     if args.what == "prompts":
         from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts, synth_prompts_path
-        from spectrt.build.synth import synthesize, write_prompts
+        from spectrt.build.synth import openers_of, synthesize, write_prompts
+        from spectrt.runtime.decoding.bench import BENCH_DIR
 
         earlier = [synth_prompts_path(seed) for seed in range(args.seed)]
+        # nobody trains on what measures the draft: the held-out prompts and every benchmark prompt (one per line)
         exclude = [c for path in (HELDOUT_PROMPTS, *earlier) if path.is_file() for c in read_prompts(path)]
+        exclude += [[{"role": "user", "content": line.strip()}] for path in sorted(BENCH_DIR.glob("*.txt"))
+                    for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         out = synth_prompts_path(args.seed)
+        steer = f" --openers {args.openers}" if args.openers else ""
         header = (f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
-                  f"python -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed} (build/synth.py)")
+                  f"python -m spectrt.cli.ship prompts --count {args.count} --seed {args.seed}{steer} (build/synth.py)")
         made = "".join(f"# {line}\n" for line in header.splitlines())
         if out.is_file() and out.read_text(encoding="utf-8").startswith(made) and not args.force:
             print(f"{out} was made by this command: kept (--force makes it again; a seed gives the same prompts)")
             return 0
-        convs = synthesize(target, args.count, args.seed, exclude=exclude)
+        openers = openers_of(read_prompts(args.openers)) if args.openers else ()
+        convs = synthesize(target, args.count, args.seed, exclude=exclude, openers=openers)
         write_prompts(out, convs, header)
         print(f"wrote {len(convs)} prompts to {out}")
     elif args.what == "answers":

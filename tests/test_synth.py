@@ -42,11 +42,27 @@ def test_synthesized_prompts_are_deterministic_for_a_seed_and_unique(target_dir)
     assert all(len(c) == 3 and c[-1]["role"] == "user" for c in follow)
 
 
-def test_shipped_prompts_are_a_corpus_disjoint_from_the_heldout_set():
+def test_openers_steer_every_message_and_keep_the_seed_deterministic(target_dir):
+    written = [[{"role": "user", "content": "What is rain?"}], [{"role": "user", "content": "How do I knit a scarf?"}],
+               [{"role": "user", "content": "Hi"}]]
+    openers = S.openers_of(written)
+    assert openers == ["What is", "How do", "Hi"]
+    steered = S.synthesize(target_dir, 5, seed=3, progress=False, openers=openers)
+    assert steered == S.synthesize(target_dir, 5, seed=3, progress=False, openers=openers)
+    assert len(steered) == 5 and all(c[0]["content"].startswith(tuple(openers)) for c in steered)
+    assert steered != S.synthesize(target_dir, 5, seed=3, progress=False)
+
+
+def test_shipped_prompts_are_a_corpus_disjoint_from_the_heldout_and_benchmark_prompts():
+    from spectrt.runtime.decoding.bench import BENCH_DIR
+
     synth = [c for path in C.SYNTH_PROMPTS for c in C.read_prompts(path)]
     assert len(synth) >= 1000
     keys = {C.conv_key(c) for c in synth}
     assert len(keys) == len(synth) and not keys & {C.conv_key(c) for c in C.read_prompts(C.HELDOUT_PROMPTS)}
+    texts = {S.normalized(m["content"]) for c in synth for m in c if m["role"] == "user"}
+    bench = {S.normalized(line) for path in BENCH_DIR.glob("*.txt") for line in path.read_text().splitlines()}
+    assert not texts & (bench - {""})
 
 
 # ------------------------------------------------------------------------------------------- the shipped draft
