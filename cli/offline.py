@@ -43,6 +43,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
         if args.kind != "eagle3":
             raise SystemExit("--train-lm-head is for --kind eagle3 (a slice's LM head is the target's, frozen)")
         overrides["head_train_lm_head"] = True
+    if args.greedy_answers:
+        overrides.update(temperature=0.0, samples_per_prompt=1)
+    if args.prompts:
+        overrides["prompts"] = args.prompts
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
                vocab_subset=args.vocab_subset, init_from=args.init_from, **overrides)
     if args.kind == "eagle3":  # the decode loop takes the head through the proposer interface (decoding/propose.py)
@@ -192,6 +196,12 @@ def add_parsers(sub) -> None:
     d.add_argument("--train-lm-head", action="store_true",
                    help="eagle3: train the head's draft-vocabulary LM head too (it starts as the target's rows and "
                         "stays frozen by default)")
+    d.add_argument("--prompts", type=Path, nargs="+", default=None,
+                   help="training prompt files, one prompt per line or a JSON list of messages (default: "
+                        "build/prompts/distill.txt and the shipped synth-seed0/1.txt)")
+    d.add_argument("--greedy-answers", action="store_true",
+                   help="train on one greedy answer of the target per prompt (made here, cached in <out>.work) "
+                        "instead of sampled ones (4 a prompt at T=0.7, shipped for the embedded target)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")

@@ -75,6 +75,14 @@ def test_draft_data_share_outside_the_budget_is_refused(value):
     assert f"{value} is not a share of the budget: pass a number between 0 and 1" in result.stderr
 
 
+def test_draft_with_a_missing_prompt_file_is_a_clear_error(tmp_path):
+    result = spectrt("draft", "--train", "--greedy-answers", "--out", str(tmp_path / "draft"),
+                     "--prompts", str(tmp_path / "none.txt"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"prompt corpus {tmp_path / 'none.txt'} does not exist" in result.stderr
+    assert not (tmp_path / "draft" / "config.json").exists()
+
+
 def test_help_and_bad_input_answer_without_loading_transformers():
     """The parser and generate's input checks import no transformers (or the decode pipeline): building the parser
     used to import quant/quantize.py for two defaults, which cost every `spectrt` call ~2 s before argparse."""
