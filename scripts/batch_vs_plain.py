@@ -3,11 +3,13 @@
 Under the CPU lock, with nothing else running:
 
     flock /tmp/spectrt.lock .venv/bin/python scripts/batch_vs_plain.py [--batch 8] [--prompts 16] [--tokens 64]
-        [--min-length] [--draft DIR|none] [--rounds 2]
+        [--min-length] [--draft DIR|none] [--rounds 2] [--continuous]
 
 Decodes the bench prompts `--batch` at a time (greedy), the default (dynamic trees under the tuned policy) and the
 target alone, interleaved round by round, and prints each mode's tokens/s, tokens a step and the decoder's per-step
-breakdown (`Decoder.clock`: forwards and host work), then default over plain.
+breakdown (`Decoder.clock`: forwards and host work), then default over plain. Closed batches (the default) end in a
+ragged tail where speculation's requests finish at different steps; `--continuous` submits every prompt at once
+through `--batch` slots, a finished request's slot taken by the next one, as a server under steady load runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=None, help="draft dir ('none': suffix candidates only; default: the shipped)")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--continuous", action="store_true",
+                   help="all prompts in one run through --batch slots (continuous admission) instead of closed batches")
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"))
     args = p.parse_args(argv)
     target, draft = resolve_models(None, args.draft, args.artifacts)
@@ -47,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, tree in modes if rnd % 2 == 0 else modes[::-1]:  # each mode first in every other round
             decoder.clock = StepClock()
             tokens = 0
-            for start in range(0, len(ids), args.batch):
+            group = len(ids) if args.continuous else args.batch
+            for start in range(0, len(ids), group):
                 jobs = [Job(list(x), args.tokens, tree, min_length=args.tokens if args.min_length else 0)
-                        for x in ids[start:start + args.batch]]
+                        for x in ids[start:start + group]]
                 tokens += sum(len(j.out) for j in decoder.run(jobs))
             clock = decoder.clock
             t = totals[name]
@@ -57,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd} {name:7s} {tokens / clock.total:6.1f} tok/s, {tokens / clock.steps:.2f} tokens a step, "
                   f"ms a step {clock.per_step_ms()}", flush=True)
     (pt, ps, pn), (dt, ds, dn) = totals["plain"], totals["default"]
-    print(f"batch {args.batch}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
+    mode = f"batch {args.batch}{' continuous' if args.continuous else ''}"
+    print(f"{mode}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
           f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step)")
     return 0
 
