@@ -543,6 +543,18 @@ def test_pipeline_loads_a_head_through_draft(tiny, trained):
     assert decoder() is None and head() is None
 
 
+def test_tune_without_a_cost_profile_times_a_head_draft(tiny, trained, tmp_path):
+    """`spectrt tune` with no profile file measures the curves itself: a head's passes read hidden rows too, so it is
+    timed as `spectrt profile` times it (called as a plain engine, it raised a TypeError)."""
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tune import cost_curves
+
+    pipe = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=256, artifacts=tmp_path)
+    verify, draft, source = cost_curves(pipe.decoder, tmp_path, tiny.name, "fp32")
+    assert source == "measured by spectrt tune (no cost profile file)"
+    assert draft is not None and 0 < draft(1) <= draft(16) and 0 < verify(1) <= verify(64)
+
+
 def test_sampled_trees_with_the_head_draw_from_full_vocabulary_rows(tiny, trained, monkeypatch):
     """Sampling with a head: children are drawn from the draft's q as full-vocabulary rows (zero outside the head's
     vocabulary), the verify rule gets q of the target's width, and seeded requests decode alike run twice."""
