@@ -6,10 +6,11 @@ Under the CPU lock, with nothing else running:
         [--min-length] [--draft DIR|none] [--rounds 2] [--continuous]
 
 Decodes the bench prompts `--batch` at a time (greedy), the default (dynamic trees under the tuned policy) and the
-target alone, interleaved round by round, and prints each mode's tokens/s, tokens a step and the decoder's per-step
-breakdown (`Decoder.clock`: forwards and host work), then default over plain. Closed batches (the default) end in a
-ragged tail where speculation's requests finish at different steps; `--continuous` submits every prompt at once
-through `--batch` slots, a finished request's slot taken by the next one, as a server under steady load runs.
+target alone, interleaved round by round, and prints each mode's tokens/s, tokens and verified decode rows a step and
+the decoder's per-step breakdown (`Decoder.clock`: forwards and host work), then default over plain. Closed batches
+(the default) end in a ragged tail where speculation's requests finish at different steps; `--continuous` submits
+every prompt at once through `--batch` slots, a finished request's slot taken by the next one, as a server under
+steady load runs.
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         modes = (("plain", None), ("default", AUTO))
         for name, tree in modes if rnd % 2 == 0 else modes[::-1]:  # each mode first in every other round
             decoder.clock = StepClock()
-            tokens = 0
+            tokens = rows = 0
             group = len(ids) if args.continuous else args.batch
             for start in range(0, len(ids), group):
                 jobs = [Job(list(x), args.tokens, tree, min_length=args.tokens if args.min_length else 0)
                         for x in ids[start:start + group]]
-                tokens += sum(len(j.out) for j in decoder.run(jobs))
+                done = decoder.run(jobs)
+                tokens += sum(len(j.out) for j in done)
+                rows += sum(sum(j.stats.verified) for j in done)  # decode rows the target verified (roots included)
             clock = decoder.clock
             t = totals[name]
             t[0], t[1], t[2] = t[0] + tokens, t[1] + clock.total, t[2] + clock.steps
             print(f"round {rnd} {name:7s} {tokens / clock.total:6.1f} tok/s, {tokens / clock.steps:.2f} tokens a step, "
-                  f"ms a step {clock.per_step_ms()}", flush=True)
+                  f"{rows / clock.steps:.2f} decode rows a step, ms a step {clock.per_step_ms()}", flush=True)
     (pt, ps, pn), (dt, ds, dn) = totals["plain"], totals["default"]
     mode = f"batch {args.batch}{' continuous' if args.continuous else ''}"
     print(f"{mode}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
