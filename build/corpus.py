@@ -499,14 +499,19 @@ def _tf_stats(out, records, cached, cached_tokens, tokens, rows_run, seconds, mo
 
 def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes: float = 8.0,
                  rounds: int = DistillConfig.samples_per_prompt,
-                 prompts: Sequence[Path] = TRAIN_PROMPTS) -> Path:
+                 prompts: Sequence[Path] = TRAIN_PROMPTS, greedy: bool = False) -> Path:
     """Generate the target's answers to the held-out and training prompts for `minutes`, then write every answer
-    made so far (answers already shipped kept) as the package's shipped answers; returns the output stem."""
-    cfg = DistillConfig(samples_per_prompt=rounds)
+    made so far (answers already shipped kept) as the package's shipped answers; returns the output stem.
+
+    `greedy`: one greedy answer per training prompt instead (`spectrt draft --greedy-answers`), in a file of its own
+    (`<target>-greedy`; the held-out answers are greedy already and ship with the sampled set). Why ship what
+    regenerates exactly: 720k answer tokens take 22 minutes on 2 cores, and a machine's cache dies with it."""
+    cfg = DistillConfig(temperature=0.0, samples_per_prompt=1) if greedy else DistillConfig(samples_per_prompt=rounds)
     deadline = time.monotonic() + 60 * minutes
     fingerprint, sets = target_fingerprint(target), {}
     train = [c for path in prompts for c in read_prompts(path)]
-    for name, convs, eval_set in (("eval", read_prompts(HELDOUT_PROMPTS), True), ("distill", train, False)):
+    parts = (("eval", read_prompts(HELDOUT_PROMPTS), True), ("distill", train, False))
+    for name, convs, eval_set in parts[1:] if greedy else parts:
         _, stats = generate_distill_data(target, convs, work_dir, cfg, eval_set=eval_set, deadline=deadline)
         key = cfg.generation_key(eval_set)
         n_rounds = 1 if eval_set else cfg.samples_per_prompt
@@ -516,4 +521,5 @@ def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes:
         sets[name] = (key, {k: v for k, v in answers.items() if k in wanted})
         print(f"{name}: {len(sets[name][1])} of {len(wanted)} answers, "
               f"{sum(len(r['input_ids']) - r['prompt_len'] for r in sets[name][1].values())} answer tokens")
-    return write_shipped(out or ANSWERS_DIR / Path(target).name, target, sets)
+    stem = Path(target).name + ("-greedy" if greedy else "")
+    return write_shipped(out or ANSWERS_DIR / stem, target, sets)

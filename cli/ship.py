@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled answers per training prompt")
     a.add_argument("--prompts", type=Path, nargs="+", default=list(TRAIN_PROMPTS),
                    help="training prompt files")
+    a.add_argument("--greedy", action="store_true", help="one greedy answer per training prompt (what `spectrt draft "
+                   "--greedy-answers` trains on), written to build/answers/<target name>-greedy")
     d = sub.add_parser("draft", help="write a trained draft as the package's shipped draft for its target")
     d.add_argument("draft", type=Path, help="a draft made by `spectrt draft` (its dir with draft_report.json)")
     d.add_argument("--command", default="make ship-draft", help="the command that remade it (recorded)")
@@ -73,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.what == "answers":
         from spectrt.build.corpus import ship_answers
 
-        out = ship_answers(target, args.work_dir, args.out, args.minutes, args.rounds, args.prompts)
+        out = ship_answers(target, args.work_dir, args.out, args.minutes, args.rounds, args.prompts, args.greedy)
         print(f"wrote {out}.json and {out}.tokens.xz")
     else:
         from spectrt.build.draft import DRAFTS_DIR, SHIPPED_FILES, ship_draft

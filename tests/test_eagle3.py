@@ -662,6 +662,20 @@ def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path
     assert stats["generated_tokens"] == 0 and stats["shipped_answers"] == len(records)
 
 
+def test_shipped_greedy_answers_regenerate_for_the_embedded_target(target_dir, tmp_path):
+    """The greedy answers shipped for `spectrt draft --greedy-answers` (`ship answers --greedy`, the shipped draft's
+    recipe) cover every prompt of its files, and one written and one steered Magpie answer regenerated alone match."""
+    cfg = DistillConfig(temperature=0.0, samples_per_prompt=1)
+    shipped = C.load_shipped(C.target_fingerprint(target_dir), cfg.generation_key(False))
+    written, steered = C.read_prompts(C.DISTILL_PROMPTS), C.read_prompts(C.synth_prompts_path(2))
+    assert set(shipped) == {C.conv_key(c) for c in written + steered}
+    for i, conv in enumerate((written[3], steered[-1])):
+        fresh, _ = C.generate_distill_data(target_dir, [conv], tmp_path / f"regen-{i}", cfg, progress=False,
+                                           shipped=False)
+        assert torch.equal(fresh[0]["input_ids"], shipped[C.conv_key(conv)]["input_ids"])
+        assert fresh[0]["prompt_len"] == shipped[C.conv_key(conv)]["prompt_len"]
+
+
 def test_shipped_answers_are_never_used_by_another_target(tiny, corpora, tmp_path):
     cfg = DistillConfig(max_new_tokens=6, samples_per_prompt=1)
     convs = C.read_prompts(corpora[0])[:4]
