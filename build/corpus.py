@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from spectrt.build.distill import DistillConfig, atomic_save, bf16_pays
+from spectrt.build.distill import GREEDY_ANSWERS, DistillConfig, atomic_save, bf16_pays
 from spectrt.runtime.engines.checkpoint import eos_ids
 from spectrt.runtime.resources import package_path
 
@@ -506,7 +506,7 @@ def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes:
     `greedy`: one greedy answer per training prompt instead (`spectrt draft --greedy-answers`), in a file of its own
     (`<target>-greedy`; the held-out answers are greedy already and ship with the sampled set). Why ship what
     regenerates exactly: 720k answer tokens take 22 minutes on 2 cores, and a machine's cache dies with it."""
-    cfg = DistillConfig(temperature=0.0, samples_per_prompt=1) if greedy else DistillConfig(samples_per_prompt=rounds)
+    cfg = DistillConfig(**GREEDY_ANSWERS) if greedy else DistillConfig(samples_per_prompt=rounds)
     deadline = time.monotonic() + 60 * minutes
     fingerprint, sets = target_fingerprint(target), {}
     train = [c for path in prompts for c in read_prompts(path)]

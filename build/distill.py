@@ -99,6 +99,10 @@ class DistillConfig:
                 "max_prompt_tokens": self.max_prompt_tokens, "seed": self.seed, "v": 6}
 
 
+# one greedy answer a prompt (`spectrt draft --greedy-answers`, `ship answers --greedy`): one definition, because the
+# shipped greedy answers are found by the generation key these settings make
+GREEDY_ANSWERS = {"temperature": 0.0, "samples_per_prompt": 1}
+
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo flags of CPUs with bf16 arithmetic
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from spectrt.build.distill import DistillConfig
+from spectrt.build.distill import GREEDY_ANSWERS, DistillConfig
 from spectrt.cli.common import add_model_args, model_dirs, positive, share
 from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointError, default_draft, resolve_target
 
@@ -44,7 +44,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
             raise SystemExit("--train-lm-head is for --kind eagle3 (a slice's LM head is the target's, frozen)")
         overrides["head_train_lm_head"] = True
     if args.greedy_answers:
-        overrides.update(temperature=0.0, samples_per_prompt=1)
+        overrides.update(GREEDY_ANSWERS)
     if args.prompts:
         overrides["prompts"] = args.prompts
     make_draft(target, out, kind=args.kind, layers=args.layers, budget_minutes=args.budget_minutes,
@@ -200,8 +200,8 @@ def add_parsers(sub) -> None:
                    help="training prompt files, one prompt per line or a JSON list of messages (default: "
                         "build/prompts/distill.txt and the shipped synth-seed0/1.txt)")
     d.add_argument("--greedy-answers", action="store_true",
-                   help="train on one greedy answer of the target per prompt (made here, cached in <out>.work) "
-                        "instead of sampled ones (4 a prompt at T=0.7, shipped for the embedded target)")
+                   help="train on one greedy answer of the target per prompt instead of sampled ones (4 a prompt at "
+                        "T=0.7); shipped for the embedded target's prompt files, else made here (cached in <out>.work)")
     d.add_argument("--force", action="store_true", help="rebuild even if a finished draft exists")
     d.add_argument("--train", action="store_true",
                    help="train a draft here even where the package ships one for this target")
