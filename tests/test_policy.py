@@ -123,7 +123,7 @@ def test_policy_json_round_trip(tmp_path):
 
 
 def test_acceptance_tables_from_a_trace():
-    from spectrt.runtime.decoding.tune import acceptance_tables
+    from spectrt.runtime.decoding.tune import CALIBRATION_PRIOR, acceptance_tables
 
     trace = [
         ("draft", (1, 0, 0.92), True, True), ("draft", (1, 0, 0.95), True, False),  # depth 1 rank 0: 1/2
@@ -134,10 +134,29 @@ def test_acceptance_tables_from_a_trace():
     ]
     acc, cal, counts = acceptance_tables(trace, depth=2, width=2)
     assert acc == [[0.5, 0.0], [1.0, 0.0]]
-    assert cal.draft[9] == pytest.approx(2 / 3) and cal.draft[0] == 0.0
-    assert cal.draft[5] == Calibration().draft[5]  # no data: the default stays
-    assert cal.suffix[3] == 0.5 and cal.suffix[-1] == 1.0 and cal.suffix_next == 1.0
+    guess, m = Calibration(), CALIBRATION_PRIOR  # each cell: its hits shrunk toward the guess by m pseudo-candidates
+    assert cal.draft[9] == pytest.approx((2 + m * guess.draft[9]) / (3 + m))
+    assert cal.draft[0] == pytest.approx(m * guess.draft[0] / (1 + m))
+    assert cal.draft[5] == guess.draft[5]  # no data: the default stays
+    assert cal.suffix[3] == pytest.approx((1 + m * guess.suffix[3]) / (2 + m))
+    assert cal.suffix[-1] == pytest.approx((1 + m * guess.suffix[-1]) / (1 + m))
+    assert cal.suffix_next == pytest.approx((1 + m * guess.suffix_next) / (1 + m))
     assert counts == {"draft_candidates": 4, "suffix_candidates": 4}
+
+
+def test_a_few_candidates_never_calibrate_a_sure_or_hopeless_token():
+    """A match length seen five times, all accepted, does not score its candidates as sure tokens, nor five misses
+    as worthless; a cell reading below a shorter match's is pooled with it (longer matches never rank lower)."""
+    from spectrt.runtime.decoding.tune import acceptance_tables, monotone
+
+    trace = [("suffix", (5, 0), True, True)] * 5 + [("suffix", (4, 0), True, False)] * 5 + \
+        [("suffix", (3, 0), True, True)] * 40 + [("suffix", (3, 0), True, False)] * 10
+    cal = acceptance_tables(trace, depth=1, width=1)[1]
+    assert 0.6 < cal.suffix[5] < 0.9
+    assert cal.suffix[4] == cal.suffix[3] > 0.3  # 5 misses at match 4 pooled with 40 of 50 at match 3
+    assert list(cal.suffix) == sorted(cal.suffix)
+    assert monotone([0.2, 0.6, 0.4, 0.9], [1, 1, 3, 1]) == pytest.approx([0.2, 0.45, 0.45, 0.9])
+    assert monotone([0.1, 0.2], [5, 1]) == [0.1, 0.2]
 
 
 def test_profile_file_curves():
