@@ -51,6 +51,7 @@ def test_incremental_updates_equal_a_fresh_index():
     for start in range(5, len(seq), 3):
         grown.extend(seq[start:start + 3])
     fresh = SuffixIndex(seq)
+    grown.catch_up(), fresh.catch_up()
     assert grown.tokens == fresh.tokens and dict(grown.ends) == dict(fresh.ends)
     assert grown.propose(4) == fresh.propose(4)
     assert [c.tokens for c in grown.propose(3)] == [(9, 2, 6)]  # "3 1 4 1 5" seen at the start
@@ -59,3 +60,36 @@ def test_incremental_updates_equal_a_fresh_index():
 def test_bad_settings_refused():
     with pytest.raises(ValueError, match="min_match"):
         SuffixIndex([], max_ngram=2, min_match=3)
+
+
+def _reference_match(seq: list[int], max_ngram: int, min_match: int, max_occurrences: int, max_match: int):
+    """Brute force: the longest n-gram suffix (min_match..max_ngram) seen earlier, its most recent occurrences,
+    and how far back the longest of them matches."""
+    last = len(seq) - 1
+    for n in range(min(max_ngram, len(seq) - 1), min_match - 1, -1):
+        ends = [e for e in range(n - 1, last) if seq[e - n + 1:e + 1] == seq[last - n + 1:]][-max_occurrences:]
+        if ends:
+            def back(e, k=n):
+                while k < max_match and e - k >= 0 and seq[e - k] == seq[last - k]:
+                    k += 1
+                return k
+            return max(back(e) for e in ends), ends
+    return 0, []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_index_matches_brute_force_whatever_the_reads(seed):
+    """Tokens appended in random chunks, the index read at random points (or not for many steps, as a request on
+    hold): every read equals a brute-force search of the sequence so far."""
+    import random
+
+    rng = random.Random(seed)
+    seq = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]
+    index = SuffixIndex(seq, max_ngram=4, min_match=2, max_occurrences=3)
+    for _ in range(60):
+        chunk = [rng.randrange(6) for _ in range(rng.randrange(0, 4))]
+        seq += chunk
+        index.extend(chunk)
+        if rng.random() < 0.4:
+            assert index.longest_match() == _reference_match(seq, 4, 2, 3, 32)
+            assert index.indexed == len(seq) == len(index.tokens)
