@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [pipe.encode(text) for text in read_prompts(DEFAULT_PROMPTS)[:args.prompts]]
     decoder.run([Job(ids[0], 8, AUTO)])  # warm up
     totals = {"plain": [0, 0.0, 0], "default": [0, 0.0, 0]}
+    rates: dict[str, list[float]] = {"plain": [], "default": []}  # tok/s per round: the paired ratios' spread
     for rnd in range(args.rounds):
         modes = (("plain", None), ("default", AUTO))
         for name, tree in modes if rnd % 2 == 0 else modes[::-1]:  # each mode first in every other round
@@ -62,12 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             clock = decoder.clock
             t = totals[name]
             t[0], t[1], t[2] = t[0] + tokens, t[1] + clock.total, t[2] + clock.steps
+            rates[name].append(tokens / clock.total)
             print(f"round {rnd} {name:7s} {tokens / clock.total:6.1f} tok/s, {tokens / clock.steps:.2f} tokens a step, "
                   f"{rows / clock.steps:.2f} decode rows a step, ms a step {clock.per_step_ms()}", flush=True)
     (pt, ps, pn), (dt, ds, dn) = totals["plain"], totals["default"]
     mode = f"batch {args.batch}{' continuous' if args.continuous else ''}"
     print(f"{mode}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
-          f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step)")
+          f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step); rounds "
+          f"{', '.join(f'{d / q:.3f}' for d, q in zip(rates['default'], rates['plain'], strict=True))}")
     return 0
 
 
