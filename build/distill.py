@@ -249,6 +249,25 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _load_state(path: Path, meta: dict, keys: tuple[str, ...], params: dict, names: list[str], opt,
+                progress: bool) -> tuple[int, int, int] | None:
+    """Resume a run `_save_state` checkpointed: its trained params and optimizer into `params`/`opt`, returning
+    (step, epoch, data position); None when there is no checkpoint or it was made for another model or data (its
+    `meta` differs on `keys`: it is then ignored, with a line saying so)."""
+    if not Path(path).is_file():
+        return None
+    state = torch.load(path, weights_only=True)
+    if any(state["meta"].get(k) != meta[k] for k in keys):
+        if progress:
+            print(f"{path}: made for another draft or target, starting fresh", flush=True)
+        return None
+    with torch.no_grad():
+        for n in names:
+            params[n].copy_(state["params"][n])
+    opt.load_state_dict(state["optimizer"])
+    return state["step"], state["epoch"], state["pos"]
+
+
 def _save_state(path: Path, model, names: list[str], opt, step: int, epoch: int, pos: int, meta: dict,
                 finished: bool) -> None:
     params = dict(model.named_parameters())
@@ -312,18 +331,9 @@ def train_draft(
                             weight_decay=cfg.weight_decay)
     meta = {"layers": model.config.num_hidden_layers, "train_norm": cfg.train_norm,
             "trainable": names, "records": len(records), "tag": tag}
-    step = epoch = pos = 0
-    if resume and Path(state_path).is_file():
-        state = torch.load(state_path, weights_only=True)
-        same = all(state["meta"].get(k) == meta[k] for k in ("layers", "trainable", "tag"))
-        if not same and progress:
-            print(f"{state_path}: made for another draft or target, starting fresh", flush=True)
-        if same:
-            with torch.no_grad():
-                for n in names:
-                    params[n].copy_(state["params"][n])
-            opt.load_state_dict(state["optimizer"])
-            step, epoch, pos = state["step"], state["epoch"], state["pos"]
+    resumed = _load_state(state_path, meta, ("layers", "trainable", "tag"), params, names, opt, progress) \
+        if resume else None
+    step, epoch, pos = resumed or (0, 0, 0)
     start_step = step
     head = model.get_output_embeddings().weight
     head_c = head.detach().to(torch.bfloat16) if cfg.amp else head.detach()

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from spectrt.build.distill import (
     DistillConfig,
     _batches,
+    _load_state,
     _lr_factor,
     _save_state,
     bf16_pays,
@@ -271,21 +272,10 @@ def train_head(
                             weight_decay=cfg.weight_decay)
     meta = {"kind": "eagle3", "trainable": names, "records": len(records), "tag": tag, "vocab": len(draft_ids),
             "ttt_steps": cfg.ttt_steps}
-    step = epoch = pos = 0
-    resumed = False
-    if resume and Path(state_path).is_file():
-        state = torch.load(state_path, weights_only=True)
-        same = all(state["meta"].get(k) == meta[k] for k in ("kind", "trainable", "tag", "vocab"))
-        if not same and progress:
-            print(f"{state_path}: made for another head or target, starting fresh", flush=True)
-        if same:
-            with torch.no_grad():
-                for n in names:
-                    params[n].copy_(state["params"][n])
-            opt.load_state_dict(state["optimizer"])
-            step, epoch, pos = state["step"], state["epoch"], state["pos"]
-            resumed = True
-    if init is not None and not resumed:
+    resumed = _load_state(state_path, meta, ("kind", "trainable", "tag", "vocab"), params, names, opt, progress) \
+        if resume else None
+    step, epoch, pos = resumed or (0, 0, 0)
+    if init is not None and resumed is None:
         if not torch.equal(init["d2t"], model.d2t):
             raise ValueError("the starting head's draft vocabulary differs from this run's: pass its draft_ids")
         with torch.no_grad():
