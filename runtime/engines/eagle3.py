@@ -48,7 +48,7 @@ from spectrt.runtime.engines.kernels import (
     pack,
     split_rows,
 )
-from spectrt.runtime.engines.model import KVCache, ModelConfig
+from spectrt.runtime.engines.model import KVCache, ModelConfig, rms_norm, rope_tables, rotate
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 PREFIX = "midlayer."
@@ -366,19 +366,12 @@ class Eagle3Head:
         return F.linear(self._rms_norm(h, self.norm), self.head).float(), h.float()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.model.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        return rms_norm(x, weight, self.config.model.rms_norm_eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    _rotate = staticmethod(rotate)
 
 
 def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: int = 20) -> dict[str, float]:

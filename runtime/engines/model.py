@@ -171,6 +171,28 @@ class KVCache:
         self.length += keep
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in at least fp32, back in x's dtype, then scaled (the torch reference path of every engine)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, head_dim] for `positions`, the halves repeated (Hugging Face's rotate-half layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding applied to x [..., head_dim] (rotate-half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 class KernelChoice:
     """Per weight shape, the fastest GEMM formulation for one row and for several rows, measured at load.
 
@@ -399,20 +421,12 @@ class Transformer:
         return torch.cat(rows, dim=2)[0]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    _rotate = staticmethod(rotate)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
