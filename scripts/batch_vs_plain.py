@@ -3,14 +3,15 @@
 Under the CPU lock, with nothing else running:
 
     flock /tmp/spectrt.lock .venv/bin/python scripts/batch_vs_plain.py [--batch 8] [--prompts 16] [--tokens 64]
-        [--min-length] [--draft DIR|none] [--rounds 2] [--continuous]
+        [--min-length] [--draft DIR|none] [--rounds 2] [--continuous] [--alt-policy FILE]
 
 Decodes the bench prompts `--batch` at a time (greedy), the default (dynamic trees under the tuned policy) and the
 target alone, interleaved round by round, and prints each mode's tokens/s, tokens and verified decode rows a step and
 the decoder's per-step breakdown (`Decoder.clock`: forwards and host work), then default over plain. Closed batches
 (the default) end in a ragged tail where speculation's requests finish at different steps; `--continuous` submits
 every prompt at once through `--batch` slots, a finished request's slot taken by the next one, as a server under
-steady load runs.
+steady load runs. `--alt-policy` adds a third mode, dynamic trees under another saved policy (a `spectrt tune` file),
+to compare two policies against the same plain runs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--continuous", action="store_true",
                    help="all prompts in one run through --batch slots (continuous admission) instead of closed batches")
     p.add_argument("--artifacts", type=Path, default=Path("artifacts"))
+    p.add_argument("--alt-policy", type=Path, help="a policy file: a third mode, AUTO under that policy")
     args = p.parse_args(argv)
     target, draft = resolve_models(None, args.draft, args.artifacts)
     # no prefix cache: the two modes decode the same prompts one after the other, and a later one would start from
@@ -46,11 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     decoder = pipe.decoder
     ids = [pipe.encode(text) for text in read_prompts(DEFAULT_PROMPTS)[:args.prompts]]
     decoder.run([Job(ids[0], 8, AUTO)])  # warm up
-    totals = {"plain": [0, 0.0, 0], "default": [0, 0.0, 0]}
-    rates: dict[str, list[float]] = {"plain": [], "default": []}  # tok/s per round: the paired ratios' spread
+    tuned = decoder.controller.policy
+    policies = {"plain": tuned, "default": tuned}
+    if args.alt_policy:
+        from spectrt.runtime.decoding.policy import load_policy
+
+        policies["alt"] = load_policy(args.alt_policy)
+        if policies["alt"] is None:
+            p.error(f"--alt-policy {args.alt_policy}: no such file")
+    totals = {name: [0, 0.0, 0] for name in policies}
+    rates: dict[str, list[float]] = {name: [] for name in policies}  # tok/s per round: the paired ratios' spread
     for rnd in range(args.rounds):
-        modes = (("plain", None), ("default", AUTO))
+        modes = tuple((name, None if name == "plain" else AUTO) for name in policies)
         for name, tree in modes if rnd % 2 == 0 else modes[::-1]:  # each mode first in every other round
+            decoder.controller.policy = policies[name]
             decoder.clock = StepClock()
             tokens = rows = 0
             group = len(ids) if args.continuous else args.batch
@@ -66,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             rates[name].append(tokens / clock.total)
             print(f"round {rnd} {name:7s} {tokens / clock.total:6.1f} tok/s, {tokens / clock.steps:.2f} tokens a step, "
                   f"{rows / clock.steps:.2f} decode rows a step, ms a step {clock.per_step_ms()}", flush=True)
-    (pt, ps, pn), (dt, ds, dn) = totals["plain"], totals["default"]
+    pt, ps, pn = totals["plain"]
     mode = f"batch {args.batch}{' continuous' if args.continuous else ''}"
-    print(f"{mode}, min_length {args.min_length}: default / plain {dt / ds / (pt / ps):.3f} "
-          f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step); rounds "
-          f"{', '.join(f'{d / q:.3f}' for d, q in zip(rates['default'], rates['plain'], strict=True))}")
+    for name in policies:
+        if name != "plain":
+            dt, ds, dn = totals[name]
+            print(f"{mode}, min_length {args.min_length}: {name} / plain {dt / ds / (pt / ps):.3f} "
+                  f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step); rounds "
+                  f"{', '.join(f'{d / q:.3f}' for d, q in zip(rates[name], rates['plain'], strict=True))}")
     return 0
 
 
