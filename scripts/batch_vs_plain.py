@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16, help="the first N bench prompts")
+    p.add_argument("--prompt-file", type=Path, help="prompts from this file (default: bench/prompts.txt)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--min-length", action="store_true", help="every request decodes all --tokens (min_length)")
     p.add_argument("--draft", default=None, help="draft dir ('none': suffix candidates only; default: the shipped)")
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe = Pipeline(target, draft, dtype=args.dtype, max_seq_len=1024, artifacts=args.artifacts,
                     max_active=args.batch, prefix_cache=False)
     decoder = pipe.decoder
-    ids = [pipe.encode(text) for text in read_prompts(DEFAULT_PROMPTS)[:args.prompts]]
+    ids = [pipe.encode(text) for text in read_prompts(args.prompt_file or DEFAULT_PROMPTS)[:args.prompts]]
     decoder.run([Job(ids[0], 8, AUTO)])  # warm up
     tuned = decoder.controller.policy
     policies = {"plain": tuned, "default": tuned}
