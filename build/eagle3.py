@@ -39,7 +39,7 @@ from spectrt.build.distill import (
 from spectrt.build.slice import TOKENIZER_FILES
 from spectrt.runtime.engines.eagle3 import ARCHITECTURE, default_feature_layers
 from spectrt.runtime.engines.families import rope_frequencies
-from spectrt.runtime.engines.model import ModelConfig
+from spectrt.runtime.engines.model import ModelConfig, rope_tables, rotate
 from torch import nn
 
 
@@ -120,16 +120,6 @@ class Eagle3Module(nn.Module):
             self.lm_head.weight.copy_(head[self.draft_ids].float())
             self.norm.weight.copy_(norm.float())
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
     def unroll(self, features: torch.Tensor, next_tokens: torch.Tensor, embed: torch.Tensor,
                steps: int) -> list[torch.Tensor]:
         """Training-time test over a batch: output hidden [B, N, H] of each step 0..steps-1.
@@ -152,8 +142,8 @@ class Eagle3Module(nn.Module):
             q = mid.self_attn.q_proj(a).view(b, n, hk, group, d).permute(0, 2, 3, 1, 4)  # [B, Hk, G, N, D]
             k = mid.self_attn.k_proj(a).view(b, n, hk, d).transpose(1, 2)  # [B, Hk, N, D]
             v = mid.self_attn.v_proj(a).view(b, n, hk, d).transpose(1, 2)
-            cos, sin = self._rope(torch.arange(n) + 1 + i, q.dtype)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cos, sin = rope_tables(torch.arange(n) + 1 + i, self.inv_freq, self.rope_scale, q.dtype)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             keys.append(k)
             values.append(v)
             scores = torch.einsum("bkgnd,bkmd->bkgnm", q, keys[0]) * scale

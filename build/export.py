@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
-from spectrt.runtime.engines.model import ModelConfig, rope_frequencies, subset_head
+from spectrt.runtime.engines.model import ModelConfig, rms_norm, rope_frequencies, rope_tables, rotate, subset_head
 from torch import nn
 
 GRAPH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -201,16 +201,6 @@ class TreeVerifyModel(nn.Module):
 
         return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # x is fp32; same arithmetic as runtime/engines/model.py in fp32
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     def forward(self, input_ids, generation_lengths, position_offsets, packed_mask, past_lengths, window_offsets,
                 slot_ids, cache_columns, pool_k, pool_v):
         c, dt = self.config, self.dtype
@@ -259,22 +249,21 @@ class TreeVerifyModel(nn.Module):
                     + col[None, :]).reshape(-1)  # [Hkv * N]: head-major, as k.reshape(-1, D)
         flat_k, flat_v = pool_k.reshape(-1, d), pool_v.reshape(-1, d)
 
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = (emb.cos() * self.rope_scale).to(dt), (emb.sin() * self.rope_scale).to(dt)
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, dt)
+        eps = c.rms_norm_eps  # the residual stream is fp32: the same arithmetic as the torch engine in fp32
 
         x = self.embed(input_ids).float()  # residual stream in fp32, [N, H]
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.attn_norm).to(dt)
+            h = rms_norm(x, layer.attn_norm, eps).to(dt)
             qkv = layer.wqkv(h)
             q = qkv[:, :q_dim].reshape(n, c.num_heads, d).transpose(0, 1)
             k = qkv[:, q_dim:q_dim + kv_dim].reshape(n, hkv, d).transpose(0, 1)
             v = qkv[:, q_dim + kv_dim:].reshape(n, hkv, d).transpose(0, 1)
             if c.qk_norm:
-                q = self._rms_norm(q.float(), layer.q_norm).to(dt)
-                k = self._rms_norm(k.float(), layer.k_norm).to(dt)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)  # [heads, N, D]
+                q = rms_norm(q.float(), layer.q_norm, eps).to(dt)
+                k = rms_norm(k.float(), layer.k_norm, eps).to(dt)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [heads, N, D]
             new_k.append(k)
             new_v.append(v)
             layer_rows = kv_rows + i * hkv * capacity
@@ -287,10 +276,10 @@ class TreeVerifyModel(nn.Module):
             o = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
             o = o.permute(0, 3, 1, 2, 4).reshape(b * t, q_dim)[flat]  # back to the packed rows
             x = x + layer.wo(o).float()
-            h = self._rms_norm(x, layer.mlp_norm).to(dt)
+            h = rms_norm(x, layer.mlp_norm, eps).to(dt)
             gate, up = layer.w13(h).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up).float()
-        logits = self.head(self._rms_norm(x, self.norm).to(dt)).float()
+        logits = self.head(rms_norm(x, self.norm, eps).to(dt)).float()
         if self.head_ids is not None:
             logits = self.neg_row.expand(n, -1).scatter(1, self.head_ids.expand(n, -1), logits)
         return logits, torch.stack(new_k), torch.stack(new_v)

@@ -347,31 +347,24 @@ class Eagle3Head:
         mask = cache.attention[:t, :end]
         mask[:, :n] = True
         mask[:, n:] = tree_mask
+        eps = c.rms_norm_eps
         g = hidden.to(self.dtype)
-        a = torch.cat([self._rms_norm(self.embed[tokens], self.input_norm), self._rms_norm(g, self.hidden_norm)], -1)
+        a = torch.cat([rms_norm(self.embed[tokens], self.input_norm, eps), rms_norm(g, self.hidden_norm, eps)], -1)
         qkv = F.linear(a, self.wqkv)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :q_dim].view(t, c.num_heads, c.head_dim).transpose(0, 1)
         k = qkv[:, q_dim:q_dim + kv_dim].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
         v = qkv[:, q_dim + kv_dim:].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        cos, sin = self._rope(positions)
-        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         cache.k[0, :, start:end] = k
         cache.v[0, :, start:end] = v
         o = F.scaled_dot_product_attention(q[None], cache.k[0, None, :, :end], cache.v[0, None, :, :end],
                                            attn_mask=mask, enable_gqa=True)[0]
         h = g + F.linear(o.transpose(0, 1).reshape(t, q_dim), self.wo)
-        gate, up = F.linear(self._rms_norm(h, self.post_norm), self.w13).chunk(2, dim=-1)
+        gate, up = F.linear(rms_norm(h, self.post_norm, eps), self.w13).chunk(2, dim=-1)
         h = h + F.linear(F.silu(gate) * up, self.w2)
-        return F.linear(self._rms_norm(h, self.norm), self.head).float(), h.float()
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.config.model.rms_norm_eps)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
-
-    _rotate = staticmethod(rotate)
+        return F.linear(rms_norm(h, self.norm, eps), self.head).float(), h.float()
 
 
 def head_step_ms(head: Eagle3Head, nodes: int = 1, context: int = 128, repeats: int = 20) -> dict[str, float]:

@@ -180,8 +180,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [T, head_dim] for `positions`, the halves repeated (Hugging Face's rotate-half layout)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """(cos, sin) [..., head_dim] for `positions` [...], the halves repeated (Hugging Face's rotate-half layout)."""
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
@@ -420,14 +420,6 @@ class Transformer:
             rows.append(F.scaled_dot_product_attention(q[None, :, r:r + 1], kr[None], vr[None], enable_gqa=True))
         return torch.cat(rows, dim=2)[0]
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.config.rms_norm_eps)
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
-
-    _rotate = staticmethod(rotate)
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
         """Logits [T, V] for `tokens` [T]; their K/V land in the last T slots of a W-slot window.
@@ -457,7 +449,8 @@ class Transformer:
         mask = cache.attention[:t, :end]
         mask[:, :n] = True
         mask[:, n:] = tree_mask
-        cos, sin = self._rope(positions)
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
+        eps = c.rms_norm_eps
         x = self.embed[tokens]
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         visible = self._visible_rows(mask) if self.row_invariant else None
@@ -465,7 +458,7 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             if i in feature_layers:
                 captured[i] = x.float()
-            h = self._rms_norm(x, layer["attn_norm"])
+            h = rms_norm(x, layer["attn_norm"], eps)
             qkv = self._project(h, layer["wqkv"])
             if c.attention_bias:
                 qkv = qkv + layer["bqkv"]
@@ -473,8 +466,8 @@ class Transformer:
             k = qkv[:, q_dim:q_dim + kv_dim].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             v = qkv[:, q_dim + kv_dim:].view(t, c.num_kv_heads, c.head_dim).transpose(0, 1)
             if c.qk_norm:
-                q, k = self._rms_norm(q, layer["q_norm"]), self._rms_norm(k, layer["k_norm"])
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+                q, k = rms_norm(q, layer["q_norm"], eps), rms_norm(k, layer["k_norm"], eps)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             cache.k[i, :, start:end] = k
             cache.v[i, :, start:end] = v
             if visible is not None:
@@ -485,12 +478,12 @@ class Transformer:
                 )[0]
             o = self._project(o.transpose(0, 1).reshape(t, q_dim), layer["wo"])
             x = x + (o + layer["bo"] if c.output_bias else o)
-            h = self._rms_norm(x, layer["mlp_norm"])
+            h = rms_norm(x, layer["mlp_norm"], eps)
             gate, up = self._project(h, layer["w13"]).chunk(2, dim=-1)
             x = x + self._project(F.silu(gate) * up, layer["w2"])
         captured[c.num_layers] = x.float()
         features = torch.cat([captured[j] for j in feature_layers], dim=-1) if feature_layers else None
-        return self._logits(self._rms_norm(x, self.norm)), features
+        return self._logits(rms_norm(x, self.norm, eps)), features
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [T, V], a fresh tensor (callers keep rows of several forwards at once). A subset
