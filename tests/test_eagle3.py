@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from spectrt.build import corpus as C
 from spectrt.build import draft as D
 from spectrt.build import eagle3 as B
-from spectrt.build.distill import DistillConfig
+from spectrt.build.distill import GREEDY_ANSWERS, DistillConfig
 from spectrt.runtime.decoding.propose import Eagle3Proposer
 from spectrt.runtime.decoding.sampling import top_tokens
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
@@ -665,7 +665,7 @@ def test_shipped_answers_regenerate_for_the_embedded_target(target_dir, tmp_path
 def test_shipped_greedy_answers_regenerate_for_the_embedded_target(target_dir, tmp_path):
     """The greedy answers shipped for `spectrt draft --greedy-answers` (`ship answers --greedy`, the shipped draft's
     recipe) cover every prompt of its files, and one written and one steered Magpie answer regenerated alone match."""
-    cfg = DistillConfig(temperature=0.0, samples_per_prompt=1)
+    cfg = DistillConfig(**GREEDY_ANSWERS)  # the settings both commands share, so the key the shipped file carries
     shipped = C.load_shipped(C.target_fingerprint(target_dir), cfg.generation_key(False))
     written = C.read_prompts(C.DISTILL_PROMPTS)
     steered = [c for seed in (2, 3) for c in C.read_prompts(C.synth_prompts_path(seed))]
