@@ -13,6 +13,7 @@ from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
 from spectrt.runtime.decoding.policy import BatchedCost, Policy
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines.engine import SegmentBuffers
 from spectrt.runtime.engines.model import Transformer
 
 
@@ -398,3 +399,22 @@ def test_bf16_dynamic_and_suffix_trees_equal_bf16_ar(target_dir, draft, prompt_i
         assert result.token_ids == reference_greedy(bf16, ids, 64, EOS)
         speculative += sum(a > 0 for a in result.stats.accepted)
     assert speculative > 0
+
+
+def test_segment_buffers_write_each_slots_rows_and_keep_the_others():
+    """A segment's tokens and positions come from its slot's static rows: a causal chunk counts up from its start, a
+    tree adds its depths, a draft level shares one position; another slot's rows stay as they were written, and a
+    segment longer than the window is refused."""
+    buffers = SegmentBuffers(slots=2, width=4)
+    tokens, positions = buffers.rows(1, [7, 8, 9], 10)
+    assert tokens.tolist() == [7, 8, 9] and positions.tolist() == [10, 11, 12]
+    tree = Tree((-1, 0, 0, 1))
+    other = buffers.rows(0, [1, 2, 3, 4], 5, tree.depth_array)
+    assert other[0].tolist() == [1, 2, 3, 4] and other[1].tolist() == (tree.positions(5)).tolist()
+    level = buffers.rows(0, [5, 6], 20, buffers.zeros[:2])
+    assert level[1].tolist() == [20, 20]
+    assert tokens.tolist() == [7, 8, 9] and positions.tolist() == [10, 11, 12]  # slot 1 untouched
+    assert buffers.causal[3].tolist() == torch.ones(3, 3, dtype=torch.bool).tril().tolist()
+    assert buffers.causal[3].is_contiguous()
+    with pytest.raises(ValueError, match="exceeds the 4-row window"):
+        buffers.rows(0, [1, 2, 3, 4, 5], 0)

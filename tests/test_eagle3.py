@@ -21,7 +21,7 @@ from spectrt.build import corpus as C
 from spectrt.build import draft as D
 from spectrt.build import eagle3 as B
 from spectrt.build.distill import GREEDY_ANSWERS, DistillConfig
-from spectrt.runtime.decoding.propose import Eagle3Proposer
+from spectrt.runtime.decoding.propose import Eagle3Proposer, gather_rows
 from spectrt.runtime.decoding.sampling import top_tokens
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
 from spectrt.runtime.engines.eagle3 import Eagle3Head, default_feature_layers, is_eagle3
@@ -745,3 +745,14 @@ def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
                                               abs=2e-3)
         assert parts["host"] == pytest.approx(parts["host: propose"] + parts["host: accept"] + parts["host: other"],
                                               abs=2e-3)
+
+
+def test_gather_rows_stacks_the_named_rows():
+    """A draft level's parent hiddens: one numpy gather over rows of one fp32 tensor, a stack otherwise (rows of two
+    passes, or another dtype), the same rows in the given order either way."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, generator=g), torch.randn(2, 5, generator=g)
+    assert torch.equal(gather_rows([(a, 2), (a, 0), (a, 2)]), a[[2, 0, 2]])
+    assert torch.equal(gather_rows([(a, 1), (b, 0)]), torch.stack([a[1], b[0]]))
+    half = a.bfloat16()
+    assert torch.equal(gather_rows([(half, 1), (half, 0)]), half[[1, 0]])

@@ -40,10 +40,10 @@ from spectrt.runtime.decoding.controller import Controller
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
-from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
+from spectrt.runtime.decoding.sampling import SamplingParams, argmax_blocks, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.decoding.text import stop_token_end
 from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
-from spectrt.runtime.engines.engine import Engine, Segment
+from spectrt.runtime.engines.engine import Engine, Segment, SegmentBuffers
 
 GREEDY = SamplingParams()
 CHILD_MODES = ("sample", "topk")
@@ -194,7 +194,8 @@ class Verified:
     cand: Candidates
     tree: Tree  # the verified tree (the trie's chosen nodes), rows in `order`
     order: list[int]  # trie node of each tree row
-    tokens: torch.Tensor  # [T] the rows' tokens
+    tokens: torch.Tensor  # [T] the rows' tokens (a view of the decoder's static buffers: read within the step)
+    token_ids: list[int]  # the same, as a list
     logits: torch.Tensor  # [T, V] the target's
     features: torch.Tensor | None  # the target features an EAGLE-3 head reads next (None without one)
 
@@ -266,7 +267,7 @@ class Decoder:
         elif draft is not None:
             self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens)
         self.suffix = SuffixProposer(max_active)
-        self.causal = torch.ones(max_tree_tokens, max_tree_tokens, dtype=torch.bool).tril()
+        self.buffers = SegmentBuffers(max_active, max_tree_tokens)  # every target segment's tokens and positions
         self.controller = Controller(policy or Policy(), self.drafter, self.suffix, max_seq_len, max_tree_tokens,
                                      tree_budget or max_active * max_tree_tokens)
         self.free = list(range(max_active))[::-1]
@@ -494,7 +495,7 @@ class Decoder:
             cache = self.target_caches[job.slot]
             n = cache.length
             t = min(len(job.ids) - 1 - n, budget, self.max_tree_tokens)
-            segments.append(Segment(torch.tensor(job.ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache))
+            segments.append(Segment(*self.buffers.rows(job.slot, job.ids[n:n + t], n), self.buffers.causal[t], cache))
             chunks.append((job, t))
             budget -= t
             info.prefill_tokens += t
@@ -516,10 +517,10 @@ class Decoder:
             else:
                 nodes = trie.best(cand.chosen)
             tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
-            tokens = torch.tensor([trie.tokens[i] for i in order])
-            cache = self.target_caches[cand.job.slot]
-            segments.append(Segment(tokens, tree.positions(cand.position), tree.mask, cache))
-            plans.append((cand, tree, order, tokens))
+            token_ids = [trie.tokens[i] for i in order]
+            tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depth_array)
+            segments.append(Segment(tokens, positions, tree.mask, self.target_caches[cand.job.slot]))
+            plans.append((cand, tree, order, tokens, token_ids))
             info.tree_tokens += len(tree)
         layers = self.drafter.feature_layers if self.drafter is not None else None
         features = [None] * len(segments)
@@ -536,7 +537,7 @@ class Decoder:
             if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)
-        return [Verified(cand, tree, order, tokens, lg, feats) for (cand, tree, order, tokens), lg, feats
+        return [Verified(*plan, lg, feats) for plan, lg, feats
                 in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
 
     # ------------------------------------------------------------------------------------- acceptance
@@ -548,14 +549,23 @@ class Decoder:
             self.clock.accept += time.perf_counter() - start
 
     def _accept_each(self, planned: list[Verified], info: StepInfo) -> None:
+        # the greedy tokens of every request whose distribution is the target's own (nothing to mask), in one
+        # reduction over the forward's logits where they are one tensor (`argmax_blocks`)
+        plain = [v for v in planned if v.cand.job.params.greedy and not self._masks(v.cand.job)]
+        best = dict(zip(map(id, plain), argmax_blocks([v.logits for v in plain]), strict=True))
         for v in planned:
             job = v.cand.job
             try:
-                self._accept(v.cand, v.tree, v.order, v.tokens, v.logits, info, v.features)
+                self._accept(v, info, best.get(id(v)))
             except Exception as exc:  # this request's verification failed: it ends, the batch goes on
                 self._release(job, "error", exc)
                 if job not in info.finished:
                     info.finished.append(job)
+
+    @staticmethod
+    def _masks(job: Job) -> bool:
+        """Whether `_constrain` masks anything in this job's distribution this step."""
+        return bool(job.bad_words) or job.min_length > len(job.out)
 
     def _constrain(self, job: Job, tree: Tree, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
         """The request's target distribution at every node: end-of-sequence masked before min_length, bad words
@@ -597,16 +607,17 @@ class Decoder:
             masked[rows, cols] = float("-inf")
         return logits
 
-    def _accept(self, cand: Candidates, tree: Tree, order: list[int], tokens: torch.Tensor, logits: torch.Tensor,
-                info: StepInfo, features: torch.Tensor | None = None) -> None:
+    def _accept(self, v: Verified, info: StepInfo, best: list[int] | None = None) -> None:
+        """Verify one request's tree against the target's logits (`best`: their argmax per row, computed already for
+        a greedy request with nothing to mask), then commit, learn and check its stop conditions."""
+        cand, tree, order, tokens, token_list, features = v.cand, v.tree, v.order, v.tokens, v.token_ids, v.features
         job, trie, stats = cand.job, cand.trie, cand.job.stats
-        token_list = tokens.tolist()
-        logits = self._constrain(job, tree, token_list, logits)
+        logits = self._constrain(job, tree, token_list, v.logits)
         stats.target_passes += 1
         stats.proposed += len(tree) - 1
         stats.verified.append(len(tree))
         if job.params.greedy:
-            path, bonus = greedy_accept(tree, token_list, argmax_rows(logits))
+            path, bonus = greedy_accept(tree, token_list, best if best is not None else argmax_rows(logits))
         else:
             q = None
             if cand.q:  # sampled static children: each node's draft distribution (rows never read: any valid one)
@@ -633,8 +644,10 @@ class Decoder:
             if features is not None:  # the accepted rows' target features: the head's next inputs. A path of the
                 # first rows (every plain step, every chain) is a view; else numpy's take: torch's index op opened an
                 # OpenMP team for 3 rows (py-spy, batch 1 bf16: ~60 us a step)
-                rows = features[:len(path)] if path[-1] == len(path) - 1 else \
-                    torch.from_numpy(features.numpy()[path])
+                if path[-1] != len(path) - 1:
+                    rows = torch.from_numpy(features.numpy()[path])
+                else:  # all rows (a plain step: no slicing op) or the first ones
+                    rows = features if len(path) == len(features) else features[:len(path)]
                 self.drafter.take(job.slot, cand.position, rows)
         limit = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids))
         new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]

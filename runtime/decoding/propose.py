@@ -31,7 +31,7 @@ from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain
 from spectrt.runtime.decoding.sampling import draw_children, sampling_probs, top_tokens
 from spectrt.runtime.decoding.suffix import SuffixIndex
 from spectrt.runtime.decoding.tree import TokenTrie, Tree
-from spectrt.runtime.engines.engine import Engine, HeadSegment, Segment
+from spectrt.runtime.engines.engine import Engine, HeadSegment, Segment, SegmentBuffers
 
 if TYPE_CHECKING:  # the loop's request record; the loop imports this module
     from spectrt.runtime.decoding.decoder import Job
@@ -127,7 +127,7 @@ class DraftProposer:
         self.engine, self.window = engine, window
         self.forward_seconds = 0.0  # wall time of this proposer's engine calls (the decoder's `StepClock`)
         self.caches = engine.new_caches(slots, capacity, window)
-        self.causal = torch.ones(window, window, dtype=torch.bool).tril()
+        self.buffers = SegmentBuffers(slots, window)  # every draft segment's tokens and positions
 
     def reuse(self, src: int, dst: int, length: int) -> int:
         """Start slot `dst`'s draft from the rows slot `src` holds of the first `length` tokens of its sequence (the
@@ -151,7 +151,7 @@ class DraftProposer:
         t = min(end - n, self.window)
         if t <= 0:
             return None
-        return Segment(torch.tensor(ids[n:n + t]), torch.arange(n, n + t), self.causal[:t, :t], cache)
+        return Segment(*self.buffers.rows(slot, ids[n:n + t], n), self.buffers.causal[t], cache)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         """Keep the accepted nodes the draft has read (a prefix of the accepted path) as committed tokens."""
@@ -341,9 +341,9 @@ class DraftProposer:
         for node in nodes:
             trie.draft_slot[node] = len(d.fed)
             d.fed.append(node)
-        depth = trie.depths[nodes[0]]
-        tokens = torch.tensor([trie.tokens[i] for i in nodes])
-        return Segment(tokens, torch.full((len(nodes),), d.cand.position + depth), mask, cache)
+        tokens, positions = self.buffers.rows(d.cand.job.slot, [trie.tokens[i] for i in nodes],
+                                              d.cand.position + trie.depths[nodes[0]], self.buffers.zeros[:len(nodes)])
+        return Segment(tokens, positions, mask, cache)
 
 
 class Eagle3Proposer(DraftProposer):
@@ -368,12 +368,14 @@ class Eagle3Proposer(DraftProposer):
             self.vocab_ids = head.head_ids.tolist()
         self.base = [0] * slots  # position of the first pending feature row
         self.count = [0] * slots  # pending feature rows: `pending` and then `arrived`, in position order
-        self.pending = [torch.empty(0, head.fc.shape[1]) for _ in range(slots)]
+        self.no_rows = torch.empty(0, head.fc.shape[1])
+        self.pending = [self.no_rows for _ in range(slots)]
         # rows taken since the head last read: joined only when it reads (`_pending`). Why: concatenating at every
         # take copied a request's whole backlog each step while its draft was off (0.36 ms a step at batch 8 after
         # 64 tokens, bf16; quadratic in a long answer's length)
         self.arrived: list[list[torch.Tensor]] = [[] for _ in range(slots)]
-        self.node_hidden: dict[int, dict[int, torch.Tensor]] = {}  # id(cache) -> trie node -> its row's output
+        # id(cache) -> trie node -> its row's output hidden: (the pass's output [T, H], the node's row in it)
+        self.node_hidden: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.fed_nodes: dict[int, list[int]] = {}  # id(cache) -> the nodes of the segment fed now
 
     def reuse(self, src: int, dst: int, length: int) -> int:
@@ -422,7 +424,8 @@ class Eagle3Proposer(DraftProposer):
         read = min(n - self.base[slot], len(self.pending[slot]))
         if read > 0:  # drop the joined rows the head has read before joining what arrived: no copy of them. Why:
             # joining first copied them every step, ~40 us a step at batch 1 (bf16, the caches cold after a forward)
-            self.pending[slot] = self.pending[slot][read:]
+            left = self.pending[slot]
+            self.pending[slot] = left[read:] if read < len(left) else self.no_rows  # all read: no slicing op
             self.base[slot], self.count[slot] = self.base[slot] + read, self.count[slot] - read
         pending = self._pending(slot)
         if n > self.base[slot]:  # rows before the committed length are read: drop them
@@ -433,9 +436,10 @@ class Eagle3Proposer(DraftProposer):
         if t <= 0:
             return None
         self.fed_nodes.pop(id(cache), None)
-        features = pending[n - self.base[slot]:n - self.base[slot] + t]  # the head's forward projects them (fc)
-        return HeadSegment(torch.tensor(ids[n + 1:n + 1 + t]), torch.arange(n + 1, n + 1 + t), self.causal[:t, :t],
-                           cache, features)
+        skip = n - self.base[slot]  # the head's forward projects the features (fc); all of them: no slicing op
+        features = pending if skip == 0 and t == len(pending) else pending[skip:skip + t]
+        return HeadSegment(*self.buffers.rows(slot, ids[n + 1:n + 1 + t], n + 1), self.buffers.causal[t], cache,
+                           features)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
         self.caches[slot].compact([])
@@ -445,11 +449,11 @@ class Eagle3Proposer(DraftProposer):
         for seg, (lg, hidden) in zip(segments, self._forward(segments, logit_rows), strict=True):
             nodes = self.fed_nodes.pop(id(seg.cache), None)
             if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
-                self.node_hidden[id(seg.cache)] = {0: hidden[-1]}
+                self.node_hidden[id(seg.cache)] = {0: (hidden, len(hidden) - 1)}
             else:
                 rows = self.node_hidden[id(seg.cache)]
                 for j, node in enumerate(nodes):
-                    rows[node] = hidden[j]
+                    rows[node] = (hidden, j)
             logits.append(lg)
         return logits
 
@@ -457,4 +461,14 @@ class Eagle3Proposer(DraftProposer):
         tokens, positions, mask, cache = super()._feed(d, nodes)
         rows = self.node_hidden[id(cache)]
         self.fed_nodes[id(cache)] = nodes
-        return HeadSegment(tokens, positions, mask, cache, torch.stack([rows[d.cand.trie.parents[i]] for i in nodes]))
+        return HeadSegment(tokens, positions, mask, cache, gather_rows([rows[d.cand.trie.parents[i]] for i in nodes]))
+
+
+def gather_rows(rows: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The given (tensor, row index) rows stacked [n, H]: one numpy gather where all are rows of one fp32 tensor (a
+    level's parents are the previous pass's output), else a torch stack. Why: indexing each row and stacking them
+    dispatched n + 1 torch ops a draft level on the caches the target forward had just flushed."""
+    source = rows[0][0]
+    if source.dtype == torch.float32 and not source.requires_grad and all(t is source for t, _ in rows):
+        return torch.from_numpy(source.numpy()[[j for _, j in rows]])
+    return torch.stack([t[j] for t, j in rows])

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.engines.families import rope_frequencies
 from spectrt.runtime.engines.kernels import (
+    contiguous,
+    fp32_rows,
     head_rows,
     huge_page_arena,
     last_rows,
@@ -196,9 +198,9 @@ class _NativeHead:
         logits = torch.empty(sum(counts), self.draft_vocab)
         out = torch.empty(total, self.config.hidden_size)
         self.kernels.eagle3_forward(
-            self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
-            [c.length for c in caches], [s[2].contiguous() for s in segments], [c.k for c in caches],
-            [c.v for c in caches], self.embed, hidden.float().contiguous(), self.norms, self.projections, self.head,
+            self.dims, self.config.rms_norm_eps, contiguous(tokens), contiguous(positions), rows,
+            [c.length for c in caches], [contiguous(s[2]) for s in segments], [c.k for c in caches],
+            [c.v for c in caches], self.embed, fp32_rows(hidden), self.norms, self.projections, self.head,
             self.fc, self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts), out)
         return logits, out, rows
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from spectrt.runtime.engines.model import KVCache, ModelConfig, Transformer
 
@@ -38,6 +39,37 @@ class HeadSegment(NamedTuple):
     tree_mask: torch.Tensor
     cache: KVCache
     hidden: torch.Tensor
+
+
+class SegmentBuffers:
+    """Static per-slot token and position rows for the segments a decode step builds, each slot's view of every
+    length made once, and a contiguous causal mask of every size: a segment's tensors then cost two numpy writes and
+    no torch op (gpt-fast's static buffers, on the host side). Why: a forward streams every weight through the
+    caches, and each torch op the host path dispatches after it runs cold (in the loop ~10-20 us, ~2 warm); a step
+    made two or three small tensors per request (`torch.tensor`, `torch.arange`, a sliced mask the native forward
+    then copied). A slot's views hold what its last `rows` call wrote: a step reads its segments within that step.
+    """
+
+    def __init__(self, slots: int, width: int):
+        self.width = width
+        self.tokens = torch.zeros(slots, width, dtype=torch.long)
+        self.positions = torch.zeros(slots, width, dtype=torch.long)
+        self._tokens, self._positions = self.tokens.numpy(), self.positions.numpy()
+        self._ramp = np.arange(width, dtype=np.int64)
+        self.zeros = np.zeros(width, dtype=np.int64)  # offsets of rows that share one position (a draft level)
+        self._views = [[(self.tokens[s, :n], self.positions[s, :n]) for n in range(width + 1)] for s in range(slots)]
+        self.causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in range(width + 1)]
+
+    def rows(self, slot: int, tokens: Sequence[int], start: int, offsets: np.ndarray | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, positions) of one segment in `slot`'s buffers: positions `start + offsets` (default 0, 1, ...:
+        a causal chunk; a tree passes its depths)."""
+        n = len(tokens)
+        if n > self.width:
+            raise ValueError(f"a segment of {n} rows exceeds the {self.width}-row window")
+        self._tokens[slot, :n] = tokens
+        np.add(self._ramp[:n] if offsets is None else offsets, start, out=self._positions[slot, :n])
+        return self._views[slot][n]
 
 
 class Engine(Protocol):

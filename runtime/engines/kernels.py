@@ -306,6 +306,18 @@ def last_rows(logits: list[torch.Tensor], logit_rows: Sequence[int | None] | Non
     return [lg if n == len(lg) else lg[len(lg) - n:] for lg, n in zip(logits, counts, strict=True)]
 
 
+def fp32_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the contiguous fp32 tensor a native call reads: itself where it is one already. Why: `.contiguous()` and
+    `.float()` dispatch a torch op even when they return `t`, and each op in the loop runs on the caches a forward
+    has just flushed (~10-20 us each at batch 1)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t`, contiguous, without a torch op where it is already (`fp32_rows`)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def split_rows(t: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
     """`t` split into per-segment row blocks; one segment (the batch-1 step) is `t` itself: no torch op on the caches
     a forward has just flushed."""
@@ -417,7 +429,7 @@ class NativeModel:
         tokens = torch.cat([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
         positions = torch.cat([s[1] for s in segments]) if len(segments) > 1 else segments[0][1]
         caches = [s[3] for s in segments]
-        masks = [s[2].contiguous() for s in segments]
+        masks = [contiguous(s[2]) for s in segments]
         for tok, _, mask, kv in segments:
             kv.new_slots(tok, mask)
         self.reserve(total, max(c.capacity for c in caches))  # a no-op after the first call of a given size
@@ -429,7 +441,7 @@ class NativeModel:
         split_logits = split_rows(logits, counts) if self.head_ids is None else None
         split_features = None if features is None else split_rows(features, rows)
         self.kernels.forward(
-            self.dims, self.config.rms_norm_eps, tokens.contiguous(), positions.contiguous(), rows,
+            self.dims, self.config.rms_norm_eps, contiguous(tokens), contiguous(positions), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts),
