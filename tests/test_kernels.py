@@ -414,3 +414,45 @@ def test_native_forward_releases_the_gil(target):
         thread.join()
         sys.setswitchinterval(interval)
     assert len(inside) == 5 and all(n > 0 for n in inside), inside
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_lm_heads_argmax_is_numpys(isa, monkeypatch):
+    """The LM head's argmax rule (each 64-column panel's maximum, then the first index of the first panel holding
+    the largest) is numpy's argmax: the first of tied values within a panel and across panels, a NaN wherever one
+    is (its first), infinities, an all -inf row and a width that is not a whole number of panels."""
+    monkeypatch.setenv("SPECTRT_ISA", isa)
+    native = kernels.load_kernels()
+    g = torch.Generator().manual_seed(7)
+    for width in (1, 50, 64, 200, 49152):
+        rows = torch.randint(-3, 3, (8, width), generator=g).float()  # few values: ties everywhere
+        rows[1] = 0.0
+        rows[2, width // 2] = torch.nan
+        rows[3, -1] = torch.inf
+        rows[4] = -torch.inf
+        rows[5, 0] = -torch.inf
+        rows[6, width // 3] = torch.nan
+        rows[6, 0] = torch.inf
+        rows[7] = torch.randn(width, generator=g)
+        assert native.argmax_rows(rows).tolist() == rows.numpy().argmax(-1).tolist(), width
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_keeps_each_logits_rows_argmax(engines, isa, dtype):
+    """The forward's own argmax of its logits (`argmax_of`) is each row's numpy argmax, per segment of a batched
+    forward; blocks that are not that forward's logits (an older forward's, a copy) get None."""
+    target = engines(isa, dtype)
+    gen = torch.Generator().manual_seed(11)
+    prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (6, 25)]
+    trees = [Tree.parse("2,1"), Tree((-1,))]
+    tokens = [torch.randint(0, 49152, (len(t),), generator=gen) for t in trees]
+    caches = [_prefilled(target, p) for p in prefixes]
+    logits = target.forward_many([(tok, tree.positions(len(p)), tree.mask, c)
+                                  for p, tree, tok, c in zip(prefixes, trees, tokens, caches, strict=True)])
+    assert target.argmax_of(logits) == [lg.numpy().argmax(-1).tolist() for lg in logits]
+    assert target.argmax_of(logits[1:]) == [logits[1].numpy().argmax(-1).tolist()]
+    assert target.argmax_of([logits[0].clone()]) is None
+    alone = target.forward(tokens[1], trees[1].positions(len(prefixes[1]) + 1), trees[1].mask, caches[1])
+    assert target.argmax_of([alone]) == [alone.numpy().argmax(-1).tolist()]
+    assert target.argmax_of(logits) is None  # the older forward's

@@ -256,6 +256,7 @@ class Decoder:
         # read once: why this target's tree decoding would not equal its AR output (an engine that does not say,
         # a test double computing rows from tables, is exact); `check` then refuses every speculative job
         self.inexact = getattr(target, "inexact", None)
+        self.argmax_of = getattr(target, "argmax_of", None)  # the forward's own argmax of its logits, where it has one
         self.vocab_size = target.config.vocab_size
         self.max_seq_len, self.max_tree_tokens, self.max_active = max_seq_len, max_tree_tokens, max_active
         self.prefill_budget = prefill_budget or max_tree_tokens
@@ -549,10 +550,12 @@ class Decoder:
             self.clock.accept += time.perf_counter() - start
 
     def _accept_each(self, planned: list[Verified], info: StepInfo) -> None:
-        # the greedy tokens of every request whose distribution is the target's own (nothing to mask), in one
-        # reduction over the forward's logits where they are one tensor (`argmax_blocks`)
+        # the greedy tokens of every request whose distribution is the target's own (nothing to mask): as the native
+        # forward's LM head found them (`argmax_of`), else one reduction over the logits (`argmax_blocks`)
         plain = [v for v in planned if v.cand.job.params.greedy and not self._masks(v.cand.job)]
-        best = dict(zip(map(id, plain), argmax_blocks([v.logits for v in plain]), strict=True))
+        blocks = [v.logits for v in plain]
+        found = self.argmax_of(blocks) if self.argmax_of is not None and blocks else None
+        best = dict(zip(map(id, plain), found if found is not None else argmax_blocks(blocks), strict=True))
         for v in planned:
             job = v.cand.job
             try:

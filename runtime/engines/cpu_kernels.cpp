@@ -338,22 +338,82 @@ void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& pack
 #endif
 }
 
+// Greedy decoding's argmax of each logits row (numpy's: the first maximum, or the first NaN where there is one). The
+// LM head's GEMM takes each panel's maximum while its outputs are in L1; the row's argmax is then the first index of
+// the first panel holding the largest maximum (64 values read). Why: read afterwards, from Python or here, the rows
+// (196 KB each for a 49k vocabulary) came from memory: after the forward's weight stream every one is cold (numpy's
+// argmax ~15 us per request a step at batch 8, 70 us for a batch-1 tree of 4 rows, Zen 4).
+struct PanelMax {
+  float value;
+  bool finite;  // every value finite: else the row is scanned exactly (`exact_argmax`)
+};
+
+inline PanelMax panel_max(const float* x, int64_t n) {  // a NaN or infinity makes (v - v) NaN
+  Vec m = simd::set1(-INFINITY), zero = simd::zero();
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const Vec v = simd::load(x + j);
+    m = simd::max(m, v);
+    zero = zero + (v - v);
+  }
+  float best = j ? simd::reduce_max(m) : -INFINITY;
+  bool finite = !j || simd::reduce_add(zero) == 0.0f;
+  for (; j < n; ++j) {
+    finite = finite && std::isfinite(x[j]);
+    best = std::max(best, x[j]);
+  }
+  return {best, finite};
+}
+
+inline int64_t exact_argmax(const float* x, int64_t n) {  // numpy's rule, scalar: a NaN is the maximum
+  int64_t at = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (std::isnan(x[t])) return t;
+    if (x[t] > x[at]) at = t;
+  }
+  return at;
+}
+
+// The argmax of `row` [n] from its panels' maxima (`part[p * stride]`, panel p = columns [p * NR, p * NR + NR)).
+inline int64_t row_argmax(const float* row, int64_t n, const PanelMax* part, int64_t stride) {
+  const int64_t panels = (n + NR - 1) / NR;
+  int64_t top = 0;
+  for (int64_t p = 0; p < panels; ++p) {
+    if (!part[p * stride].finite) return exact_argmax(row, n);
+    if (part[p * stride].value > part[top * stride].value) top = p;  // strict: the first panel holding it
+  }
+  const float* x = row + top * NR;
+  for (int64_t t = 0; t < std::min(NR, n - top * NR); ++t)
+    if (x[t] == part[top * stride].value) return top * NR + t;
+  return exact_argmax(row, n);  // unreachable: the panel holds its maximum
+}
+
 // out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR] (or for AMX, 6-D bf16, above). With
 // `residual`, then residual += out (out is scratch): the sum is x + f(x) in that order, as in the reference forward.
+// With `argmax`, each output row's argmax too (the LM head: `PanelMax`).
 template <typename W>
 void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
-          const float* bias, float* residual, uint16_t* xs) {
+          const float* bias, float* residual, uint16_t* xs, int64_t* argmax = nullptr) {
   if (packed.dim() == 6) {
     gemm_amx(x, rows, K, packed, n_out, out, bias, residual, xs);
+    std::vector<PanelMax> part((n_out + NR - 1) / NR);
+    for (int64_t m = 0; argmax && m < rows; ++m) {
+      const float* row = out + m * n_out;
+      for (int64_t c0 = 0; c0 < n_out; c0 += NR) part[c0 / NR] = panel_max(row + c0, std::min(NR, n_out - c0));
+      argmax[m] = row_argmax(row, n_out, part.data(), 1);
+    }
     return;
   }
   const int64_t panels = packed.size(0);
   const W* wp = packed.data_ptr<W>();
+  std::vector<PanelMax> partial(argmax ? panels * rows : 0);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
       const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
       rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
+      if (argmax)
+        for (int64_t m = 0; m < rows; ++m) partial[p * rows + m] = panel_max(out + m * n_out + c0, cols);
       if (bias)
         for (int64_t m = 0; m < rows; ++m)
           for (int64_t c = c0; c < c0 + cols; ++c) out[m * n_out + c] = out[m * n_out + c] + bias[c];
@@ -362,6 +422,7 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
           for (int64_t c = c0; c < c0 + cols; ++c) residual[m * n_out + c] = residual[m * n_out + c] + out[m * n_out + c];
     }
   });
+  for (int64_t m = 0; argmax && m < rows; ++m) argmax[m] = row_argmax(out + m * n_out, n_out, partial.data() + m, rows);
 }
 
 // W8A8 projection (SmoothQuant, runtime/int8.py): x * pre_quant_scale -> round-half-even(x * s) clamped to
@@ -722,7 +783,8 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
                   const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& bo,
                   const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
                   const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
-                  const torch::Tensor& head_rows, const std::vector<int64_t>& feature_layers, float* features) {
+                  const torch::Tensor& head_rows, const std::vector<int64_t>& feature_layers, float* features,
+                  int64_t* argmax) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
   const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
   float* x = scratch[0].data_ptr<float>();       // residual stream [R, hidden]
@@ -792,7 +854,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
   }
   capture(c.layers);
   const int64_t n = head_inputs(x, Hd, final_norm.data_ptr<float>(), c.eps, head_rows, logits, h);
-  if (n) gemm<W>(h, n, Hd, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr, xs);
+  if (n) gemm<W>(h, n, Hd, head, logits.size(1), logits.data_ptr<float>(), nullptr, nullptr, xs, argmax);
 }
 
 
@@ -884,7 +946,7 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
              std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> projs,
              std::vector<torch::Tensor> bqkv, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> bo, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
              torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits, torch::Tensor head_rows,
-             std::vector<int64_t> feature_layers, torch::Tensor features) {
+             std::vector<int64_t> feature_layers, torch::Tensor features, torch::Tensor argmax) {
   Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
   std::vector<Segment> segs;
   int64_t row0 = 0;
@@ -902,12 +964,17 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
               "features must be [rows, len(feature_layers) * hidden]");
   float* feat = feature_layers.empty() ? nullptr : features.data_ptr<float>();
   check_head_rows(head_rows, row0, logits);
+  // argmax (optional): int64, at least one entry per logits row; filled with each row's argmax (`PanelMax`)
+  TORCH_CHECK(argmax.numel() == 0 || (argmax.scalar_type() == at::kLong && argmax.is_contiguous() &&
+                                      argmax.numel() >= logits.size(0)),
+              "argmax must be empty or a contiguous int64 tensor with an entry per logits row");
+  int64_t* best = argmax.numel() ? argmax.data_ptr<int64_t>() : nullptr;
   if (head.scalar_type() == at::kBFloat16)
-    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo,
-                               final_norm, head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat);
+    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
+                               head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat, best);
   else
     forward_impl<float>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
-                        head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat);
+                        head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat, best);
 }
 
 // EAGLE-3 head forward: dims = (hidden, inter, heads, kv_heads, head_dim); norms = (input, hidden, post-attention,
@@ -959,11 +1026,28 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> proj, int64_t n
   return out;
 }
 
+// Each row's argmax of fp32 logits [rows, V] by the LM head's rule (`panel_max` of every NR columns, then
+// `row_argmax`), exposed for tests: the GEMM computes the same from each panel it writes.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1),
+              "argmax_rows takes contiguous fp32 [rows, V] logits, V >= 1");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  std::vector<PanelMax> part((V + NR - 1) / NR);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = logits.data_ptr<float>() + m * V;
+    for (int64_t c0 = 0; c0 < V; c0 += NR) part[c0 / NR] = panel_max(row + c0, std::min(NR, V - c0));
+    out.data_ptr<int64_t>()[m] = row_argmax(row, V, part.data(), 1);
+  }
+  return out;
+}
+
 // ---- host helpers of the decode loop: microseconds each, called between forwards with the GIL held ----
 // Why native: right after a forward has streamed the weights (270 MB in bf16), the loop's host work runs on cold
 // caches, and every op it dispatches pays for that: in the loop a numpy top-3 over one 8,192-wide draft row took
-// ~0.18 ms (0.03 warm); this one 0.04-0.06 (timers in the loop, batch 1 bf16, Zen 4). Not for a plain argmax:
-// numpy's over the target's rows (0.06 ms in the loop) read memory as fast as a native one did (0.09 ms).
+// ~0.18 ms (0.03 warm); this one 0.04-0.06 (timers in the loop, batch 1 bf16, Zen 4). Not for the target's plain
+// argmax: read after the forward, numpy's (0.06 ms in the loop) read memory as fast as a native one did (0.09 ms); the
+// LM head's GEMM takes it while the rows are still in cache (`PanelMax`).
 
 // The k largest entries of each row (ties to the lower index, largest first) and their softmax probabilities: what
 // `sampling.top_tokens_reference` computes in numpy (rows are finite or -inf, with at least k finite entries).
@@ -1011,6 +1095,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "packed row-invariant GEMM", py::call_guard<py::gil_scoped_release>());
   m.def("eagle3_forward", &eagle3_forward, "EAGLE-3 head forward over segments (row invariant)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "each row's argmax by the LM head's rule (tests)");
   m.def("top_tokens", &top_tokens, "each row's k best ids and softmax probabilities (sampling.top_tokens)");
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
   m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for

@@ -284,6 +284,7 @@ def logit_counts(rows: list[int], logit_rows: Sequence[int | None] | None) -> li
     return [t if n is None else max(0, min(int(n), t)) for t, n in zip(rows, logit_rows, strict=True)]
 
 
+EMPTY = torch.empty(0)  # an optional output the native call skips
 EVERY_ROW = torch.empty(0, dtype=torch.long)  # `head_rows` naming none: the logits tensor's rows say all or none
 
 
@@ -390,6 +391,7 @@ class NativeModel:
                      c.vocab_size]
         self.rows = self.positions = 0
         self.reserve(64, 2048 + 64)
+        self.last_logits: torch.Tensor | None = None  # the last forward's logits, whose argmax is in `self.argmax`
 
     def reserve(self, rows: int, positions: int) -> None:
         """Make the scratch, logits and RoPE tables hold `rows` rows per call and positions < `positions`."""
@@ -405,6 +407,7 @@ class NativeModel:
         self.scratch.append(torch.zeros(r, max(widths) + 4, dtype=torch.uint8))  # quantized activations (W8A8)
         k_max = -(-max(c.hidden_size, q_dim, c.intermediate_size) // AMX_K) * AMX_K
         self.scratch.append(torch.zeros(-(-r // 16) * 16, 3 * k_max, dtype=torch.bfloat16))  # activation parts (AMX)
+        self.argmax = torch.zeros(r, dtype=torch.long)  # each logits row's argmax, filled by the forward's LM head
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
@@ -445,9 +448,32 @@ class NativeModel:
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
             self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
             self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts),
-            feature_layers, features if features is not None else torch.empty(0),
+            feature_layers, features if features is not None else EMPTY, self.argmax if self.head_ids is None else EMPTY,
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
             logits = torch.full((len(logits), self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
             split_logits = split_rows(logits, counts)
+        else:
+            self.last_logits = logits
         return split_logits, split_features
+
+    def argmax_of(self, blocks: list[torch.Tensor]) -> list[list[int]] | None:
+        """Each block's rows' argmax (`sampling.argmax_rows`), as the last forward's LM head computed them, where the
+        blocks are rows of that forward's logits, unchanged since (the decode loop masks rows in place only for the
+        requests it does not ask this for); else None. Why: the rows are not read again (see `gemm`'s argmax)."""
+        logits = self.last_logits
+        if logits is None or not blocks:
+            return None
+        width, best = logits.shape[1], None
+        out = []
+        for b in blocks:
+            if b is logits:
+                start = 0
+            elif b._base is logits and b.is_contiguous():
+                start = b.storage_offset() // width
+            else:
+                return None
+            if best is None:
+                best = self.argmax.numpy()[:len(logits)].tolist()
+            out.append(best[start:start + len(b)])
+        return out

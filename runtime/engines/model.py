@@ -365,6 +365,11 @@ class Transformer:
             out = [self._forward(*segment, feature_layers=layers) for segment in segments]
         return last_rows([o[0] for o in out], logit_rows), [o[1] for o in out]
 
+    def argmax_of(self, logits: list[torch.Tensor]) -> list[list[int]] | None:
+        """The argmax of rows of the last forward's logits as that forward computed them (native forward), else None:
+        the caller reduces the rows itself (`sampling.argmax_blocks`)."""
+        return self.native.argmax_of(logits) if self.native is not None else None
+
     def weight_bytes(self) -> int:
         """Bytes of all weights held (a tied head counted once)."""
         tensors = [self.embed, self.norm] + ([self.head] if self.head is not self.embed else [])
