@@ -418,3 +418,25 @@ def test_segment_buffers_write_each_slots_rows_and_keep_the_others():
     assert buffers.causal[3].is_contiguous()
     with pytest.raises(ValueError, match="exceeds the 4-row window"):
         buffers.rows(0, [1, 2, 3, 4, 5], 0)
+
+
+def test_greedy_acceptance_reads_the_forwards_argmax_and_survives_its_failure(target, draft, prompt_ids, ar_outputs):
+    """Counters: batched greedy steps take every unmasked request's argmax from the native forward (`argmax_of`, one
+    call a step) instead of reducing the logits again; if that fails, each request reduces its own rows and the
+    output is still AR's."""
+    calls = []
+    decoder = Decoder(target, draft, EOS, max_seq_len=512, max_active=2)
+    own = decoder.argmax_of
+    decoder.argmax_of = lambda blocks: (calls.append(len(blocks)), own(blocks))[1]
+    jobs = [Job(ids, NEW_TOKENS, Tree.parse("2,1")) for ids in prompt_ids[:2]]
+    decoder.run(jobs)
+    assert [job.out for job in jobs] == ar_outputs[:2]
+    assert calls and max(calls) == 2 and sum(calls) == sum(job.stats.target_passes for job in jobs)
+
+    def broken(blocks):
+        raise RuntimeError("no argmax here")
+
+    decoder.argmax_of = broken
+    jobs = [Job(ids, NEW_TOKENS, Tree.parse("2,1")) for ids in prompt_ids[:2]]
+    decoder.run(jobs)
+    assert [job.out for job in jobs] == ar_outputs[:2] and all(job.finish != "error" for job in jobs)

@@ -554,8 +554,11 @@ class Decoder:
         # forward's LM head found them (`argmax_of`), else one reduction over the logits (`argmax_blocks`)
         plain = [v for v in planned if v.cand.job.params.greedy and not self._masks(v.cand.job)]
         blocks = [v.logits for v in plain]
-        found = self.argmax_of(blocks) if self.argmax_of is not None and blocks else None
-        best = dict(zip(map(id, plain), found if found is not None else argmax_blocks(blocks), strict=True))
+        try:
+            found = self.argmax_of(blocks) if self.argmax_of is not None and blocks else None
+            best = dict(zip(map(id, plain), found if found is not None else argmax_blocks(blocks), strict=True))
+        except Exception:  # then each request reduces its own rows below, where a failure ends that request alone
+            best = {}
         for v in planned:
             job = v.cand.job
             try:

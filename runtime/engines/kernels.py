@@ -22,7 +22,7 @@ import mmap
 import os
 import platform
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -293,6 +293,13 @@ def head_rows(rows: list[int], counts: list[int]) -> torch.Tensor:
     when that is every row or none (the C++ forward's `head_rows`), made once: the decode step passes it every time."""
     if counts == rows or not any(counts):
         return EVERY_ROW
+    return _head_rows(tuple(rows), tuple(counts))
+
+
+@lru_cache(maxsize=1024)
+def _head_rows(rows: tuple[int, ...], counts: tuple[int, ...]) -> torch.Tensor:
+    """`head_rows` of one layout, made once (read only by the native call): a draft step's catch-up pass has the same
+    few layouts step after step, and a tensor made each time was a torch op on cold caches."""
     index, start = [], 0
     for t, n in zip(rows, counts, strict=True):
         index.extend(range(start + t - n, start + t))
@@ -443,6 +450,7 @@ class NativeModel:
         # op on the caches the forward had flushed, ~0.1 ms a forward (batch 1 and 8, bf16)
         split_logits = split_rows(logits, counts) if self.head_ids is None else None
         split_features = None if features is None else split_rows(features, rows)
+        self.last_logits = None  # the call rewrites `self.argmax`: no earlier logits' argmax survives it
         self.kernels.forward(
             self.dims, self.config.rms_norm_eps, contiguous(tokens), contiguous(positions), rows,
             [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
