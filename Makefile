@@ -45,22 +45,24 @@ draft: setup  ## the target's draft: the shipped one for the embedded target (in
 	$(BIN)/spectrt draft
 
 # the shipped draft, trained further: the prompt files and the target's greedy answers to them ship (kept, nothing to
-# regenerate; `ship answers --greedy` generates only missing ones, ~30 minutes for all). One run of 100 minutes
-# continues the shipped head on the greedy answers to the written prompts and the 9,000 Magpie prompts steered by
-# them (synth-seed2/3: questions as people type them, the held-out style; run 10 trained on seed 2 alone); its
-# teacher forcing (~45 minutes) and training state stay in artifacts/ship-greedy.work, so running it again (another
-# session) forces only what is missing and resumes training. The earlier files (seed 0/1) are what the shipped head
-# began on.
-ship-draft: setup  ## train the shipped draft further (100 min on 2 cores, resumable) and ship it
+# regenerate; `ship answers --greedy` generates only missing ones, ~45 minutes for all). One run of 75 minutes
+# continues the shipped head on the greedy answers to the written prompts and the 12,500 Magpie prompts steered by
+# them (synth-seed2/3/4: questions as people type them, the held-out style; run 10 trained on seed 2 alone, run 11
+# added seed 3, run 12 seed 4); its teacher forcing (~45 minutes for all 13k answers) and training state stay in
+# artifacts/ship-greedy.work, so running it again (another session) forces only what is missing and resumes
+# training. The earlier files (seed 0/1) are what the shipped head began on.
+ship-draft: setup  ## train the shipped draft further (75 min on 2 cores, resumable) and ship it
 	$(BIN)/python -m spectrt.cli.ship prompts --count 2000 --seed 0
 	$(BIN)/python -m spectrt.cli.ship prompts --count 3000 --seed 1
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 2 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 3000 --seed 3 --openers build/prompts/distill.txt
+	$(BIN)/python -m spectrt.cli.ship prompts --count 3500 --seed 4 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship answers --greedy --minutes 30 --work-dir artifacts/ship-greedy.work \
-		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt
-	$(BIN)/spectrt draft --kind eagle3 --train --force --greedy-answers --budget-minutes 100 --data-share 0.55 \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
-		--out artifacts/ship-greedy --init-from build/drafts/$(EMBEDDED) --lr 4e-4
+		build/prompts/synth-seed4.txt
+	$(BIN)/spectrt draft --kind eagle3 --train --force --greedy-answers --budget-minutes 75 --data-share 0.4 \
+		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
+		build/prompts/synth-seed4.txt --out artifacts/ship-greedy --init-from build/drafts/$(EMBEDDED) --lr 4e-4
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-greedy
 
 TUNED := artifacts/.tuned-default
