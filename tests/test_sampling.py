@@ -18,8 +18,6 @@ import torch
 from spectrt.runtime.decoding import sampling
 from spectrt.runtime.decoding.sampling import (
     SamplingParams,
-    argmax_blocks,
-    argmax_rows,
     draw_children,
     sampling_probs,
     verify_sampled,
@@ -764,17 +762,3 @@ def test_decoder_seeded_sampling_is_reproducible(tiny_pair):
     others = [run(seed) for seed in (8, 9, 10)]
     assert all(o != first for o in others) and run(7) == first
 
-
-def test_argmax_blocks_of_one_tensor_equal_each_blocks_own_argmax():
-    """One reduction over the forward's logits (the blocks are row blocks of one tensor) gives each block exactly
-    what `argmax_rows` gives it alone, ties to the first index; blocks of separate tensors, a lone block, a block
-    that is not the base's first and an empty list agree too."""
-    g = torch.Generator().manual_seed(3)
-    base = torch.randint(0, 4, (9, 50), generator=g).float()  # few values: many ties
-    blocks = list(base.split([2, 0, 4, 3]))
-    assert argmax_blocks(blocks) == [argmax_rows(b) for b in blocks]
-    assert argmax_blocks(blocks[2:]) == [argmax_rows(b) for b in blocks[2:]]  # offsets within the base
-    apart = [torch.randn(2, 50, generator=g), torch.randn(3, 50, generator=g)]
-    assert argmax_blocks(apart) == [argmax_rows(b) for b in apart]
-    assert argmax_blocks([base]) == [base.argmax(-1).tolist()]
-    assert argmax_blocks([]) == []

@@ -40,7 +40,7 @@ from spectrt.runtime.decoding.controller import Controller
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
-from spectrt.runtime.decoding.sampling import SamplingParams, argmax_blocks, argmax_rows, sampling_probs, verify_sampled
+from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.decoding.text import stop_token_end
 from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
 from spectrt.runtime.engines.engine import Engine, Segment, SegmentBuffers
@@ -550,15 +550,14 @@ class Decoder:
             self.clock.accept += time.perf_counter() - start
 
     def _accept_each(self, planned: list[Verified], info: StepInfo) -> None:
-        # the greedy tokens of every request whose distribution is the target's own (nothing to mask): as the native
-        # forward's LM head found them (`argmax_of`), else one reduction over the logits (`argmax_blocks`)
+        # the greedy tokens of every request whose distribution is the target's own (nothing to mask), as the native
+        # forward's LM head found them (`argmax_of`); without them each request reduces its own rows (`_accept`)
         plain = [v for v in planned if v.cand.job.params.greedy and not self._masks(v.cand.job)]
-        blocks = [v.logits for v in plain]
         try:
-            found = self.argmax_of(blocks) if self.argmax_of is not None and blocks else None
-            best = dict(zip(map(id, plain), found if found is not None else argmax_blocks(blocks), strict=True))
+            found = self.argmax_of([v.logits for v in plain]) if self.argmax_of is not None and plain else None
         except Exception:  # then each request reduces its own rows below, where a failure ends that request alone
-            best = {}
+            found = None
+        best = dict(zip(map(id, plain), found, strict=True)) if found is not None else {}
         for v in planned:
             job = v.cand.job
             try:

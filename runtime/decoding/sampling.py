@@ -73,26 +73,6 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return host_array(logits).argmax(-1).tolist()
 
 
-def argmax_blocks(blocks: list[torch.Tensor]) -> list[list[int]]:
-    """`argmax_rows` of each logits block, in one reduction where the blocks are row blocks of one fp32 tensor (the
-    native forward splits its one logits tensor per segment): the base's rows once, each block its slice. Why: at
-    batch 8 one reduction per request cost ~15 us each in the loop (its call overhead on cold caches; the rows
-    themselves are read once either way)."""
-    if not blocks:
-        return []
-    base = blocks[0]._base
-    if len(blocks) > 1 and base is not None and base.dim() == 2 and base.dtype == torch.float32 \
-            and base.is_contiguous() and all(b._base is base and b.is_contiguous() for b in blocks):
-        width, origin = base.shape[1], base.storage_offset()
-        best = host_array(base).argmax(-1).tolist()
-        out = []
-        for b in blocks:
-            start = (b.storage_offset() - origin) // width
-            out.append(best[start:start + len(b)])
-        return out
-    return [argmax_rows(b) for b in blocks]
-
-
 def host_array(t: torch.Tensor) -> np.ndarray:
     """An fp32 tensor's numpy view without a torch op where it is one already (the engines' logits are plain fp32
     tensors: `detach().float()` dispatched two ops on cold caches for nothing), else a converted copy."""

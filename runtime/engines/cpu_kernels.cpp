@@ -388,6 +388,13 @@ inline int64_t row_argmax(const float* row, int64_t n, const PanelMax* part, int
   return exact_argmax(row, n);  // unreachable: the panel holds its maximum
 }
 
+// The argmax of a row already written (the AMX path, tests): its panels' maxima into `part`, then `row_argmax`.
+inline int64_t written_row_argmax(const float* row, int64_t n, std::vector<PanelMax>& part) {
+  part.resize((n + NR - 1) / NR);
+  for (int64_t c0 = 0; c0 < n; c0 += NR) part[c0 / NR] = panel_max(row + c0, std::min(NR, n - c0));
+  return row_argmax(row, n, part.data(), 1);
+}
+
 // out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR] (or for AMX, 6-D bf16, above). With
 // `residual`, then residual += out (out is scratch): the sum is x + f(x) in that order, as in the reference forward.
 // With `argmax`, each output row's argmax too (the LM head: `PanelMax`).
@@ -396,12 +403,8 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
           const float* bias, float* residual, uint16_t* xs, int64_t* argmax = nullptr) {
   if (packed.dim() == 6) {
     gemm_amx(x, rows, K, packed, n_out, out, bias, residual, xs);
-    std::vector<PanelMax> part((n_out + NR - 1) / NR);
-    for (int64_t m = 0; argmax && m < rows; ++m) {
-      const float* row = out + m * n_out;
-      for (int64_t c0 = 0; c0 < n_out; c0 += NR) part[c0 / NR] = panel_max(row + c0, std::min(NR, n_out - c0));
-      argmax[m] = row_argmax(row, n_out, part.data(), 1);
-    }
+    std::vector<PanelMax> part;
+    for (int64_t m = 0; argmax && m < rows; ++m) argmax[m] = written_row_argmax(out + m * n_out, n_out, part);
     return;
   }
   const int64_t panels = packed.size(0);
@@ -1033,12 +1036,9 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
               "argmax_rows takes contiguous fp32 [rows, V] logits, V >= 1");
   const int64_t rows = logits.size(0), V = logits.size(1);
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  std::vector<PanelMax> part((V + NR - 1) / NR);
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* row = logits.data_ptr<float>() + m * V;
-    for (int64_t c0 = 0; c0 < V; c0 += NR) part[c0 / NR] = panel_max(row + c0, std::min(NR, V - c0));
-    out.data_ptr<int64_t>()[m] = row_argmax(row, V, part.data(), 1);
-  }
+  std::vector<PanelMax> part;
+  const float* x = logits.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m) out.data_ptr<int64_t>()[m] = written_row_argmax(x + m * V, V, part);
   return out;
 }
 

@@ -367,7 +367,7 @@ class Transformer:
 
     def argmax_of(self, logits: list[torch.Tensor]) -> list[list[int]] | None:
         """The argmax of rows of the last forward's logits as that forward computed them (native forward), else None:
-        the caller reduces the rows itself (`sampling.argmax_blocks`)."""
+        the caller reduces the rows itself (`sampling.argmax_rows`)."""
         return self.native.argmax_of(logits) if self.native is not None else None
 
     def weight_bytes(self) -> int:
