@@ -55,7 +55,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(prompts=args.prompts, limit=args.limit, trees=args.trees, temperatures=args.temperatures,
                              max_new_tokens=args.max_new_tokens, backend=args.backend, dtype=args.dtype,
                              max_seq_len=args.max_seq_len, out=args.out, artifacts=args.artifacts,
-                             concurrency=args.concurrency)
+                             concurrency=args.concurrency, rounds=args.rounds)
     (run_multi_turn if args.multi_turn else run_bench)(target, draft, settings)
     return 0
 
@@ -119,6 +119,9 @@ def add_parsers(sub) -> None:
                    help="semicolon-separated trees to compare, e.g. '1,1,1;2,1'")
     b.add_argument("--max-new-tokens", type=positive, default=128)
     b.add_argument("--limit", type=positive, help="use only the first N prompts")
+    b.add_argument("--rounds", type=positive, default=2,
+                   help="runs of each prompt per configuration, the order reversed each round (a prompt's speedup "
+                   "is its tokens over the summed seconds: a shift in this machine's speed cancels)")
     b.add_argument("--temperatures", type=temperatures, default=(0.0,),
                    help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"),

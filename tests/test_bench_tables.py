@@ -51,3 +51,31 @@ def test_one_section_per_cpu_class_with_greedy_rows_only(tmp_path):
     assert "`spectrt bench --limit 2`" in block and "2026-12-03 01:00:00 UTC" in block
     with pytest.raises(ValueError, match="no generated block"):
         bench_tables.updated("# a page without markers\n", block)
+
+
+def test_a_prompts_speedup_sums_its_rounds_run_in_alternating_order():
+    """A prompt's speedup is its tokens over the seconds summed over rounds, so a machine that runs its second round
+    at half speed still reads the true ratio; the rounds alternate the order (a drift cancels); outputs compare."""
+    from types import SimpleNamespace
+
+    from spectrt.runtime.decoding.bench import BenchSettings, _bench_temperature
+    from spectrt.runtime.decoding.decoder import DecodeStats
+
+    calls = []
+
+    class Pipe:  # a decode takes 1 s (AR) or 0.5 s (policy) at full speed
+        def generate(self, prompt, max_new_tokens, tree, params):
+            calls.append(tree)
+            slow = 2.0 if len(calls) > 2 else 1.0  # the second round runs at half speed
+            seconds = (1.0 if tree is None else 0.5) * slow
+            stats = DecodeStats(new_tokens=10, emitted_tokens=10, target_passes=10 if tree is None else 5,
+                                seconds=seconds, accepted=[0] * 5, verified=[1] * 5)
+            return SimpleNamespace(stats=stats, token_ids=[1, 2, 3])
+
+    rows = _bench_temperature(Pipe(), "chat", ["p"], {"autoregressive": None, "policy": "auto"}, 0.0,
+                              BenchSettings(rounds=2))
+    assert calls == [None, "auto", "auto", None]  # the second round runs the configurations in reverse order
+    policy = next(r for r in rows if r["config"] == "policy")
+    assert policy["min_prompt_speedup"] == pytest.approx(2.0)  # 20 tokens in 0.5 + 1 s vs in 1 + 2 s
+    assert policy["speedup_vs_ar"] == pytest.approx(2.0)
+    assert policy["tau"] == pytest.approx(2.0) and policy["outputs_equal_to_ar"] == "1/1"

@@ -56,6 +56,7 @@ class BenchSettings:
     out: Path = Path("bench/results")
     artifacts: Path = DEFAULT_ARTIFACTS
     concurrency: int = 8  # multi_turn: conversations decoded together
+    rounds: int = 2  # runs of each prompt per configuration, the order reversed each round (`_bench_temperature`)
 
 
 def read_prompts(path: Path | None) -> list[str]:
@@ -147,21 +148,35 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
     totals = {name: {"tokens": 0, "emitted": 0, "seconds": 0.0, "passes": 0, "draft_passes": 0, "accepted": [],
                      "verified": [], "same_as_ar": 0, "per_prompt": []} for name in configs}
     for i, prompt in enumerate(tqdm(prompts, desc=f"bench {set_name} {args.dtype} T={temperature}", unit="prompt")):
-        reference = None
-        for name, tree in configs.items():
-            params = SamplingParams(temperature=temperature, seed=i)
-            gen = pipe.generate(prompt, args.max_new_tokens, tree, params=params)
+        # Each prompt runs every configuration `rounds` times, the order reversed each round, and its speedup is
+        # tokens over summed seconds. Why: this machine's speed moved in steps (AR on one prompt 115 then 160
+        # tokens/s, tens of seconds apart: a neighbour's load), and one run per configuration put such a step
+        # between a prompt's AR and policy runs: its worst prompt read 0.93x one run, 1.3x the next.
+        per_prompt = {name: [0, 0.0] for name in configs}
+        same = {name: True for name in configs}
+        for r in range(args.rounds):
+            outputs = {}
+            for name in (list(configs) if r % 2 == 0 else list(reversed(configs))):
+                params = SamplingParams(temperature=temperature, seed=i)
+                gen = pipe.generate(prompt, args.max_new_tokens, configs[name], params=params)
+                outputs[name] = gen.token_ids
+                per_prompt[name][0] += gen.stats.new_tokens
+                per_prompt[name][1] += gen.stats.decode_seconds
+                if r == 0:  # counters from one round (the rounds decode alike)
+                    t = totals[name]
+                    t["tokens"] += gen.stats.new_tokens
+                    t["passes"] += gen.stats.target_passes
+                    t["emitted"] += gen.stats.emitted_tokens
+                    t["draft_passes"] += gen.stats.draft_passes
+                    t["accepted"] += gen.stats.accepted
+                    t["verified"] += gen.stats.verified
+            for name in configs:
+                same[name] = same[name] and outputs[name] == outputs["autoregressive"]
+        for name, (tokens, seconds) in per_prompt.items():
             t = totals[name]
-            t["tokens"] += gen.stats.new_tokens
-            t["seconds"] += gen.stats.decode_seconds
-            t["passes"] += gen.stats.target_passes
-            t["emitted"] += gen.stats.emitted_tokens
-            t["draft_passes"] += gen.stats.draft_passes
-            t["accepted"] += gen.stats.accepted
-            t["verified"] += gen.stats.verified
-            t["per_prompt"].append(gen.stats.tokens_per_second)
-            reference = gen.token_ids if reference is None else reference
-            t["same_as_ar"] += gen.token_ids == reference
+            t["seconds"] += seconds / args.rounds
+            t["per_prompt"].append(tokens / seconds if seconds > 0 else 0.0)
+            t["same_as_ar"] += same[name]
 
     ar = totals["autoregressive"]
     base = ar["tokens"] / ar["seconds"]
