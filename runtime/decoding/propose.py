@@ -444,7 +444,8 @@ class Eagle3Proposer(DraftProposer):
                            features)
 
     def accept(self, slot: int, trie: TokenTrie, order: list[int], path: list[int]) -> None:
-        self.caches[slot].compact([])
+        """Nothing to keep: the drafted rows sit uncommitted after the committed ones, and the next pass's catch-up
+        writes over them (a `compact([])` per request, a no-op, cost ~2 us each a step at batch 8)."""
 
     def _run(self, segments: list[HeadSegment], logit_rows: list[int | None] | None = None) -> list[torch.Tensor]:
         logits = []
