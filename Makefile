@@ -45,10 +45,10 @@ draft: setup  ## the target's draft: the shipped one for the embedded target (in
 	$(BIN)/spectrt draft
 
 # the shipped draft, trained further: the prompt files and the target's greedy answers to them ship (kept, nothing to
-# regenerate; `ship answers --greedy` generates only missing ones, ~45 minutes for all). One run of 75 minutes
-# continues the shipped head on the greedy answers to the written prompts and the 12,500 Magpie prompts steered by
-# them (synth-seed2/3/4: questions as people type them, the held-out style; run 10 trained on seed 2 alone, run 11
-# added seed 3, run 12 seed 4); its teacher forcing (~45 minutes for all 13k answers) and training state stay in
+# regenerate; `ship answers --greedy` generates only missing ones, ~60 minutes for all). One run of 75 minutes
+# continues the shipped head on the greedy answers to the written prompts and the 16,000 Magpie prompts steered by
+# them (synth-seed2-5: questions as people type them, the held-out style; run 10 trained on seed 2 alone, runs 11-13
+# added seeds 3, 4 and 5); its teacher forcing (~60 minutes for all 16k answers) and training state stay in
 # artifacts/ship-greedy.work, so running it again (another session) forces only what is missing and resumes
 # training. The earlier files (seed 0/1) are what the shipped head began on.
 ship-draft: setup  ## train the shipped draft further (75 min on 2 cores, resumable) and ship it

@@ -151,8 +151,8 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
         # Each prompt runs every configuration `rounds` times, the order reversed each round, and its speedup is
         # tokens over summed seconds. Why: this machine's speed moved in steps (AR on one prompt 115 then 160
         # tokens/s, tens of seconds apart: a neighbour's load), and one run per configuration put such a step
-        # between a prompt's AR and policy runs: its worst prompt read 0.93x one run, 1.3x the next.
-        per_prompt = {name: [0, 0.0] for name in configs}
+        # between a prompt's AR and policy runs: one prompt read 0.95x in one round, 1.31x in the next.
+        summed = {name: [0, 0.0] for name in configs}  # this prompt's tokens and decode seconds over the rounds
         same = {name: True for name in configs}
         for r in range(args.rounds):
             outputs = {}
@@ -160,8 +160,8 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
                 params = SamplingParams(temperature=temperature, seed=i)
                 gen = pipe.generate(prompt, args.max_new_tokens, configs[name], params=params)
                 outputs[name] = gen.token_ids
-                per_prompt[name][0] += gen.stats.new_tokens
-                per_prompt[name][1] += gen.stats.decode_seconds
+                summed[name][0] += gen.stats.new_tokens
+                summed[name][1] += gen.stats.decode_seconds
                 if r == 0:  # counters from one round (the rounds decode alike)
                     t = totals[name]
                     t["tokens"] += gen.stats.new_tokens
@@ -172,7 +172,7 @@ def _bench_temperature(pipe: Pipeline, set_name: str, prompts: list[str], config
                     t["verified"] += gen.stats.verified
             for name in configs:
                 same[name] = same[name] and outputs[name] == outputs["autoregressive"]
-        for name, (tokens, seconds) in per_prompt.items():
+        for name, (tokens, seconds) in summed.items():
             t = totals[name]
             t["seconds"] += seconds / args.rounds
             t["per_prompt"].append(tokens / seconds if seconds > 0 else 0.0)
