@@ -1,9 +1,10 @@
-"""Forward ms of the native kernels by T (tree rows) at context 128, per ISA build and dtype, for this checkout's
-kernel source and, with --against REV[,REV...], git revisions': every build in one process, rounds interleaved, the best
-of the rounds' medians (bench/results/isa/README.md has the figures). A kernel change is kept only where it wins on
-the CPU it is measured on; run this on every CPU class a change may touch.
+"""Forward ms of the native kernels by T (tree rows) at a context (default 128), per ISA build and dtype, for this
+checkout's kernel source and, with --against REV[,REV...], git revisions': every build in one process, rounds
+interleaved, the best of the rounds' medians (bench/results/isa/README.md has the figures). It also checks that every
+revision computes bitwise the same logits as this checkout (a kernel change that claims "logits unchanged" is held to
+it). A kernel change is kept only where it wins on the CPU it is measured on; run this on every CPU class it may touch.
 
-    .venv/bin/python scripts/isa_tcurve.py --against HEAD~1 --dtypes bf16,fp32 --rows 1,2,4,8,16
+    .venv/bin/python scripts/isa_tcurve.py --against HEAD~1 --dtypes bf16,fp32 --rows 1,2,4,8,16 --context 1024
 """
 import argparse
 import os
@@ -17,7 +18,6 @@ import torch
 from spectrt.runtime.engines.checkpoint import resolve_target
 from spectrt.runtime.engines.model import Transformer
 
-CONTEXT = 128
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--context", type=int, default=128, help="committed tokens the rows attend to")
     args = p.parse_args()
     torch.set_num_threads(2)
     target = resolve_target()
@@ -74,20 +75,28 @@ def main() -> None:
         for dt in args.dtypes.split(","):
             model = Transformer.load(target, DTYPES[dt], measure_kernels=False)
             assert model.native is not None and model.native.isa == isa, isa
-            shared[isa, dt] = (model, model.new_cache(512, 64))
+            cache = model.new_cache(args.context + 64, 64)
+            gen = torch.Generator().manual_seed(0)  # a context of random keys and values: real scores to compare
+            for kv in (cache.k, cache.v):
+                kv.copy_(torch.randn(kv.shape, generator=gen))
+            shared[isa, dt] = (model, cache)
     models = {(name, isa, dt): shared[isa, dt] + (modules[name, isa],)
               for name in variants for isa in args.isas.split(",") for dt in args.dtypes.split(",")}
     rows = [int(t) for t in args.rows.split(",")]
     best: dict = {}
+    logits: dict = {}
     for _ in range(args.rounds):
         for t in rows:
             mask, depth = binary_tree_mask(t)
             tokens = torch.randint(0, 49152, (t,), generator=torch.Generator().manual_seed(t))
             for key, (model, cache, module) in models.items():
                 model.native.kernels = module
-                cache.length = CONTEXT
-                segment = [(tokens, depth + CONTEXT, mask, cache)]
-                model.forward_many(segment)
+                cache.length = args.context
+                segment = [(tokens, depth + args.context, mask, cache)]
+                out = model.forward_many(segment)[0].clone()
+                reference = logits.setdefault((key[1:], t), out)  # this checkout's, the first variant
+                if not torch.equal(out, reference):
+                    raise SystemExit(f"{key[0]} ({key[1]} {key[2]}, T={t}) computes other logits than this checkout")
                 times = []
                 for _ in range(10):
                     start = time.perf_counter()

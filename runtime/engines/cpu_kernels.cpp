@@ -709,6 +709,11 @@ void attend_heads(const float* const* q, float* const* sc, const float* kc, cons
 // the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
 // Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
+// At one row and long contexts attention streams the KV cache (46 KB a token, fp32: 94 MB a forward at context
+// 2048, past any cache), so it runs at memory speed, not FMA speed. Tried and dropped (scripts/isa_tcurve.py
+// --against HEAD --context 1024/2048, bf16, Zen 4, interleaved, T=1-8 within noise, logits bitwise unchanged):
+// sixteen slots' lane sums at once (a transposed reduction instead of one reduce_add per slot), software prefetch
+// of K/V rows 8 slots ahead, and threads splitting (row, head) pairs evenly (4 and 5 heads at T=1, not 6 and 3).
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
   constexpr int64_t MAXG = 4;  // heads per task
