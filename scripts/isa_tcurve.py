@@ -3,6 +3,7 @@ checkout's kernel source and, with --against REV[,REV...], git revisions': every
 interleaved, the best of the rounds' medians (bench/results/isa/README.md has the figures). It also checks that every
 revision computes bitwise the same logits as this checkout (a kernel change that claims "logits unchanged" is held to
 it). A kernel change is kept only where it wins on the CPU it is measured on; run this on every CPU class it may touch.
+Revisions before the bound forward arguments (`Bound` in cpu_kernels.cpp) take other arguments and cannot be compared.
 
     .venv/bin/python scripts/isa_tcurve.py --against HEAD~1 --dtypes bf16,fp32 --rows 1,2,4,8,16 --context 1024
 """

@@ -790,7 +790,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
                   const std::vector<std::vector<torch::Tensor>>& projs, const std::vector<torch::Tensor>& bqkv,
                   const std::vector<torch::Tensor>& qk_norms, const std::vector<torch::Tensor>& bo,
                   const torch::Tensor& final_norm, const torch::Tensor& head, const torch::Tensor& rope_cos,
-                  const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
+                  const torch::Tensor& rope_sin, const std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
                   const torch::Tensor& head_rows, const std::vector<int64_t>& feature_layers, float* features,
                   int64_t* argmax) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
@@ -875,7 +875,7 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
                  std::vector<Segment>& segs, const torch::Tensor& embed, const torch::Tensor& hidden_in,
                  const std::vector<torch::Tensor>& norms, const std::vector<std::vector<torch::Tensor>>& projs,
                  const torch::Tensor& head, const torch::Tensor& fc, const torch::Tensor& rope_cos,
-                 const torch::Tensor& rope_sin, std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
+                 const torch::Tensor& rope_sin, const std::vector<torch::Tensor>& scratch, torch::Tensor& logits,
                  const torch::Tensor& head_rows, torch::Tensor& hidden_out) {
   const int64_t R = tokens.size(0), Hd = c.hidden, D = c.head_dim, half = D / 2;
   const int64_t q_dim = c.heads * D, kv_dim = c.kv_heads * D, qkv_dim = q_dim + 2 * kv_dim;
@@ -948,14 +948,26 @@ void check_head_rows(const torch::Tensor& head_rows, int64_t rows, const torch::
 
 // segments: per request (row count, committed length, window, tree mask [rows, window] bool, k cache, v cache).
 // feature_layers (may be empty): residual-stream points copied into `features` [rows, len * hidden] (EAGLE-3).
-void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
-             std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
-             std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
-             std::vector<torch::Tensor> norms, std::vector<std::vector<torch::Tensor>> projs,
-             std::vector<torch::Tensor> bqkv, std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> bo, torch::Tensor final_norm, torch::Tensor head, torch::Tensor rope_cos,
-             torch::Tensor rope_sin, std::vector<torch::Tensor> scratch, torch::Tensor logits, torch::Tensor head_rows,
+// What a model's forwards read that stays the same from call to call (weights, norms, RoPE tables, scratch), handed
+// from Python once (runtime/engines/kernels.py `NativeModel.bound`, again after `reserve` grows the scratch). Why:
+// pybind converted every one of these tensors at every call (SmolLM2: 120 projections, 60 norms): 23 us a target
+// forward warm, 84 us on the caches a forward had just flushed, the batch-1 step's costliest host item
+// (scripts/isa_tcurve.py cannot time revisions before this one against it: their forward takes the old arguments).
+struct Bound {
+  std::vector<int64_t> dims;
+  double eps = 0.0;
+  torch::Tensor embed, final_norm, head, fc, rope_cos, rope_sin;
+  std::vector<torch::Tensor> norms, bqkv, qk_norms, bo, scratch;
+  std::vector<std::vector<torch::Tensor>> projs;
+};
+
+void forward(const Bound& w, torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> seg_rows,
+             std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks, std::vector<torch::Tensor> k_caches,
+             std::vector<torch::Tensor> v_caches, torch::Tensor logits, torch::Tensor head_rows,
              std::vector<int64_t> feature_layers, torch::Tensor features, torch::Tensor argmax) {
-  Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(eps)};
+  const std::vector<int64_t>& dims = w.dims;
+  TORCH_CHECK(dims.size() == 7, "the bound model's dims must be 7 numbers");
+  Config c{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], static_cast<float>(w.eps)};
   std::vector<Segment> segs;
   int64_t row0 = 0;
   for (size_t s = 0; s < seg_rows.size(); ++s) {
@@ -977,12 +989,14 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
                                       argmax.numel() >= logits.size(0)),
               "argmax must be empty or a contiguous int64 tensor with an entry per logits row");
   int64_t* best = argmax.numel() ? argmax.data_ptr<int64_t>() : nullptr;
-  if (head.scalar_type() == at::kBFloat16)
-    forward_impl<at::BFloat16>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
-                               head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat, best);
+  if (w.head.scalar_type() == at::kBFloat16)
+    forward_impl<at::BFloat16>(c, tokens, positions, segs, w.embed, w.norms, w.projs, w.bqkv, w.qk_norms, w.bo,
+                               w.final_norm, w.head, w.rope_cos, w.rope_sin, w.scratch, logits, head_rows,
+                               feature_layers, feat, best);
   else
-    forward_impl<float>(c, tokens, positions, segs, embed, norms, projs, bqkv, qk_norms, bo, final_norm,
-                        head, rope_cos, rope_sin, scratch, logits, head_rows, feature_layers, feat, best);
+    forward_impl<float>(c, tokens, positions, segs, w.embed, w.norms, w.projs, w.bqkv, w.qk_norms, w.bo,
+                        w.final_norm, w.head, w.rope_cos, w.rope_sin, w.scratch, logits, head_rows, feature_layers,
+                        feat, best);
 }
 
 // EAGLE-3 head forward: dims = (hidden, inter, heads, kv_heads, head_dim); norms = (input, hidden, post-attention,
@@ -990,14 +1004,13 @@ void forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch:
 // hidden_in: each row's input hidden [rows, hidden], or the target features of committed tokens [rows, fc's K], which
 // `fc` projects here. Why here and not in a call of its own: that call opened its own OpenMP team after the Python
 // between forwards had let it sleep, and waking it cost more than its 2 MB GEMM (py-spy, batch 1 bf16: ~0.2 ms a step).
-void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens, torch::Tensor positions,
-                    std::vector<int64_t> seg_rows, std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
-                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches, torch::Tensor embed,
-                    torch::Tensor hidden_in, std::vector<torch::Tensor> norms,
-                    std::vector<std::vector<torch::Tensor>> projs, torch::Tensor head, torch::Tensor fc,
-                    torch::Tensor rope_cos, torch::Tensor rope_sin, std::vector<torch::Tensor> scratch,
-                    torch::Tensor logits, torch::Tensor head_rows, torch::Tensor hidden_out) {
-  Config c{dims[0], dims[1], 1, dims[2], dims[3], dims[4], logits.size(1), static_cast<float>(eps)};
+void eagle3_forward(const Bound& w, torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> seg_rows,
+                    std::vector<int64_t> seg_lengths, std::vector<torch::Tensor> masks,
+                    std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
+                    torch::Tensor hidden_in, torch::Tensor logits, torch::Tensor head_rows, torch::Tensor hidden_out) {
+  const std::vector<int64_t>& dims = w.dims;
+  TORCH_CHECK(dims.size() == 5, "the bound head's dims must be 5 numbers");
+  Config c{dims[0], dims[1], 1, dims[2], dims[3], dims[4], logits.size(1), static_cast<float>(w.eps)};
   std::vector<Segment> segs;
   int64_t row0 = 0;
   for (size_t s = 0; s < seg_rows.size(); ++s) {
@@ -1007,15 +1020,16 @@ void eagle3_forward(std::vector<int64_t> dims, double eps, torch::Tensor tokens,
   }
   TORCH_CHECK(row0 == tokens.size(0) && hidden_in.size(0) == row0 && hidden_out.size(0) == row0,
               "segment rows, hidden inputs and outputs must agree");
+  const std::vector<torch::Tensor>& scratch = w.scratch;
   TORCH_CHECK(hidden_in.size(1) == dims[0] || (scratch.size() > 8 && scratch[8].size(0) >= row0),
               "target features as hidden inputs need the projection scratch");
   check_head_rows(head_rows, row0, logits);
-  if (head.scalar_type() == at::kBFloat16)
-    eagle3_impl<at::BFloat16>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, fc, rope_cos,
-                              rope_sin, scratch, logits, head_rows, hidden_out);
+  if (w.head.scalar_type() == at::kBFloat16)
+    eagle3_impl<at::BFloat16>(c, tokens, positions, segs, w.embed, hidden_in, w.norms, w.projs, w.head, w.fc,
+                              w.rope_cos, w.rope_sin, scratch, logits, head_rows, hidden_out);
   else
-    eagle3_impl<float>(c, tokens, positions, segs, embed, hidden_in, norms, projs, head, fc, rope_cos, rope_sin,
-                       scratch, logits, head_rows, hidden_out);
+    eagle3_impl<float>(c, tokens, positions, segs, w.embed, hidden_in, w.norms, w.projs, w.head, w.fc, w.rope_cos,
+                       w.rope_sin, scratch, logits, head_rows, hidden_out);
 }
 
 // One projection, exposed for tests and the profiler: out[rows, n_out] = x @ W^T (fp or W8A8 packed).
@@ -1095,6 +1109,23 @@ std::pair<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> t
 // Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
 // and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // module-local: every ISA build defines its own Bound, and one process may load several (tests, isa_tcurve)
+  py::class_<Bound>(m, "Bound", py::module_local(), "a model's per-call-invariant forward arguments, converted once")
+      .def(py::init<>())
+      .def_readwrite("dims", &Bound::dims)
+      .def_readwrite("eps", &Bound::eps)
+      .def_readwrite("embed", &Bound::embed)
+      .def_readwrite("final_norm", &Bound::final_norm)
+      .def_readwrite("head", &Bound::head)
+      .def_readwrite("fc", &Bound::fc)
+      .def_readwrite("rope_cos", &Bound::rope_cos)
+      .def_readwrite("rope_sin", &Bound::rope_sin)
+      .def_readwrite("norms", &Bound::norms)
+      .def_readwrite("bqkv", &Bound::bqkv)
+      .def_readwrite("qk_norms", &Bound::qk_norms)
+      .def_readwrite("bo", &Bound::bo)
+      .def_readwrite("scratch", &Bound::scratch)
+      .def_readwrite("projs", &Bound::projs);
   m.def("forward", &forward, "spectrt CPU forward over segments (row invariant)",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &linear, "packed row-invariant GEMM", py::call_guard<py::gil_scoped_release>());

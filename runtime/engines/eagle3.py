@@ -173,6 +173,7 @@ class _NativeHead:
     def reserve(self, rows: int, positions: int) -> None:
         if rows <= self.rows and positions <= self.positions:
             return
+        self._bound = None  # new scratch and tables: bound again at the next forward (`bound`)
         c = self.config
         self.rows, self.positions = max(rows, self.rows), max(positions, self.positions)
         q_dim = c.num_heads * c.head_dim
@@ -198,11 +199,21 @@ class _NativeHead:
         logits = torch.empty(sum(counts), self.draft_vocab)
         out = torch.empty(total, self.config.hidden_size)
         self.kernels.eagle3_forward(
-            self.dims, self.config.rms_norm_eps, contiguous(tokens), contiguous(positions), rows,
-            [c.length for c in caches], [contiguous(s[2]) for s in segments], [c.k for c in caches],
-            [c.v for c in caches], self.embed, fp32_rows(hidden), self.norms, self.projections, self.head,
-            self.fc, self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts), out)
+            self.bound, contiguous(tokens), contiguous(positions), rows, [c.length for c in caches],
+            [contiguous(s[2]) for s in segments], [c.k for c in caches], [c.v for c in caches], fp32_rows(hidden),
+            logits, head_rows(rows, counts), out)
         return logits, out, rows
+
+    @property
+    def bound(self):
+        """The head's per-call-invariant arguments, converted once (`NativeModel.bound`)."""
+        if self._bound is None or self._bound[0] is not self.kernels:
+            b = self.kernels.Bound()
+            b.dims, b.eps, b.embed, b.norms, b.projs = (self.dims, float(self.config.rms_norm_eps), self.embed,
+                                                        self.norms, self.projections)
+            b.head, b.fc, b.rope_cos, b.rope_sin, b.scratch = self.head, self.fc, self.rope_cos, self.rope_sin, self.scratch
+            self._bound = (self.kernels, b)
+        return self._bound[1]
 
 
 class Eagle3Head:

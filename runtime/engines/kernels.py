@@ -400,10 +400,25 @@ class NativeModel:
         self.reserve(64, 2048 + 64)
         self.last_logits: torch.Tensor | None = None  # the last forward's logits, whose argmax is in `self.argmax`
 
+    @property
+    def bound(self):
+        """The forward's arguments that stay the same from call to call, converted for the kernels module once
+        (`cpu_kernels.cpp` Bound: 84 us a call on flushed caches when passed each time); made again after `reserve`
+        grows the scratch, or for another module (scripts/isa_tcurve.py swaps them)."""
+        if self._bound is None or self._bound[0] is not self.kernels:
+            b = self.kernels.Bound()
+            b.dims, b.eps, b.embed, b.norms, b.projs = (self.dims, float(self.config.rms_norm_eps), self.embed,
+                                                        self.norms, self.projections)
+            b.bqkv, b.qk_norms, b.bo, b.final_norm, b.head = self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head
+            b.rope_cos, b.rope_sin, b.scratch = self.rope_cos, self.rope_sin, self.scratch
+            self._bound = (self.kernels, b)
+        return self._bound[1]
+
     def reserve(self, rows: int, positions: int) -> None:
         """Make the scratch, logits and RoPE tables hold `rows` rows per call and positions < `positions`."""
         if rows <= self.rows and positions <= self.positions:
             return
+        self._bound = None  # new scratch and tables: bound again at the next forward
         c = self.config
         self.rows, self.positions = max(rows, self.rows), max(positions, self.positions)
         r, q_dim = self.rows, c.num_heads * c.head_dim
@@ -415,6 +430,7 @@ class NativeModel:
         k_max = -(-max(c.hidden_size, q_dim, c.intermediate_size) // AMX_K) * AMX_K
         self.scratch.append(torch.zeros(-(-r // 16) * 16, 3 * k_max, dtype=torch.bfloat16))  # activation parts (AMX)
         self.argmax = torch.zeros(r, dtype=torch.long)  # each logits row's argmax, filled by the forward's LM head
+        self.argmax_ids = self.argmax.numpy()  # its numpy view: reading it after a forward is no torch op (argmax_of)
         freqs = torch.arange(self.positions, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
         self.rope_cos = (freqs.cos() * self.rope_scale).contiguous()
         self.rope_sin = (freqs.sin() * self.rope_scale).contiguous()
@@ -452,11 +468,9 @@ class NativeModel:
         split_features = None if features is None else split_rows(features, rows)
         self.last_logits = None  # the call rewrites `self.argmax`: no earlier logits' argmax survives it
         self.kernels.forward(
-            self.dims, self.config.rms_norm_eps, contiguous(tokens), contiguous(positions), rows,
-            [c.length for c in caches], masks, [c.k for c in caches], [c.v for c in caches], self.embed, self.norms,
-            self.projections, self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head,
-            self.rope_cos, self.rope_sin, self.scratch, logits, head_rows(rows, counts),
-            feature_layers, features if features is not None else EMPTY, self.argmax if self.head_ids is None else EMPTY,
+            self.bound, contiguous(tokens), contiguous(positions), rows, [c.length for c in caches], masks,
+            [c.k for c in caches], [c.v for c in caches], logits, head_rows(rows, counts), feature_layers,
+            features if features is not None else EMPTY, self.argmax if self.head_ids is None else EMPTY,
         )
         if self.head_ids is not None:  # every id outside the subset: -inf, probability 0 (the draft never proposes it)
             logits = torch.full((len(logits), self.config.vocab_size), -torch.inf).index_copy_(1, self.head_ids, logits)
@@ -481,7 +495,7 @@ class NativeModel:
                 start = b.storage_offset() // width
             else:
                 return None
-            if best is None:
-                best = self.argmax.numpy()[:len(logits)].tolist()
-            out.append(best[start:start + len(b)])
+            if best is None:  # through the numpy view: `.numpy()` here was the first torch op after the forward
+                best = self.argmax_ids[:logits.shape[0]].tolist()
+            out.append(best[start:start + b.shape[0]])
         return out
