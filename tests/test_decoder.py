@@ -409,7 +409,7 @@ def test_segment_buffers_write_each_slots_rows_and_keep_the_others():
     tokens, positions = buffers.rows(1, [7, 8, 9], 10)
     assert tokens.tolist() == [7, 8, 9] and positions.tolist() == [10, 11, 12]
     tree = Tree((-1, 0, 0, 1))
-    other = buffers.rows(0, [1, 2, 3, 4], 5, tree.depth_array)
+    other = buffers.rows(0, [1, 2, 3, 4], 5, tree.depths)
     assert other[0].tolist() == [1, 2, 3, 4] and other[1].tolist() == (tree.positions(5)).tolist()
     level = buffers.rows(0, [5, 6], 20, buffers.zeros[:2])
     assert level[1].tolist() == [20, 20]
@@ -418,6 +418,10 @@ def test_segment_buffers_write_each_slots_rows_and_keep_the_others():
     assert buffers.causal[3].is_contiguous()
     with pytest.raises(ValueError, match="exceeds the 4-row window"):
         buffers.rows(0, [1, 2, 3, 4, 5], 0)
+    wide = SegmentBuffers(slots=1, width=40)  # past SMALL rows: numpy's writes, the same rows
+    chunk = wide.rows(0, list(range(100, 140)), 7)
+    assert chunk[0].tolist() == list(range(100, 140)) and chunk[1].tolist() == list(range(7, 47))
+    assert wide.rows(0, list(range(30)), 3, tuple(range(0, 60, 2)))[1].tolist() == [3 + 2 * i for i in range(30)]
 
 
 def test_greedy_acceptance_reads_the_forwards_argmax_and_survives_its_failure(target, draft, prompt_ids, ar_outputs):

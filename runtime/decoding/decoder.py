@@ -519,7 +519,7 @@ class Decoder:
                 nodes = trie.best(cand.chosen)
             tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
             token_ids = [trie.tokens[i] for i in order]
-            tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depth_array)
+            tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depths)
             segments.append(Segment(tokens, positions, tree.mask, self.target_caches[cand.job.slot]))
             plans.append((cand, tree, order, tokens, token_ids))
             info.tree_tokens += len(tree)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-import numpy as np
 import torch
 
 
@@ -153,11 +152,6 @@ class Tree:
     @cached_property
     def depth_tensor(self) -> torch.Tensor:
         return torch.tensor(self.depths, dtype=torch.long)
-
-    @cached_property
-    def depth_array(self) -> np.ndarray:
-        """The depths as int64 numpy: the decode loop writes positions into static buffers (`SegmentBuffers`)."""
-        return np.array(self.depths, dtype=np.int64)
 
     def positions(self, prefix_len: int) -> torch.Tensor:
         """Position ids of the nodes when the root sits at position `prefix_len`."""
