@@ -252,3 +252,31 @@ def test_an_eagle3_head_keeps_its_rows_and_pending_features(tmp_path_factory):
     mine, theirs = decoders[0].drafter.caches[0], decoders[1].drafter.caches[0]
     rows = min(mine.length, theirs.length)
     assert rows > 20 and torch.equal(mine.k[:, :, :rows], theirs.k[:, :, :rows])
+
+
+def test_a_plain_request_reuses_the_history_though_a_head_is_loaded(tmp_path_factory):
+    """A request that never drafts reuses as much as on a decoder without a draft: the EAGLE-3 head's rows and
+    pending features bound only what a drafting request reuses (before, a server with a head reused nothing for
+    plain requests: 0 of 43 prompt tokens of a repeated prompt). A drafting request after them finds no features of
+    that prefix, so it reuses nothing, and answers alike."""
+    from spectrt.build import eagle3 as B
+    from spectrt.runtime.engines.eagle3 import Eagle3Head
+    from test_draft import make_tiny_target
+    from test_eagle3 import _random_module
+
+    tiny = make_tiny_target(tmp_path_factory.mktemp("tiny") / "target", layers=4)
+    target = Transformer.load(tiny, measure_kernels=False)
+    head = Eagle3Head.load(B.save_head(_random_module(target), tiny, tmp_path_factory.mktemp("h") / "head",
+                                       (2, 2, 1)), target)
+    runs = []
+    for draft in (head, None):
+        decoder, prompt, out = Decoder(target, draft, {2}, max_seq_len=256), [1, 40, 41, 42, 43, 7, 99, 250, 8, 13], []
+        for turn in range(3):
+            result = decoder.generate(prompt, 12, None)
+            out.append((result.token_ids, result.stats.cached_tokens))
+            prompt = prompt + result.token_ids + [300 + turn, 301, 302]
+        runs.append((decoder, prompt, out))
+    (with_head, prompt, out), (without, _, want) = runs
+    assert out == want and all(c > 10 for _, c in out[1:])
+    drafted = with_head.generate(prompt, 12, Tree.parse("2,2,1"))
+    assert drafted.stats.cached_tokens == 0 and drafted.token_ids == without.generate(prompt, 12, None).token_ids

@@ -318,9 +318,9 @@ class Decoder:
         self.check(job)
         if not self.free:
             raise RuntimeError("no free slot: wait for a request to finish")
-        job.slot, cached = self._take_slot(job.prompt_ids)
         if self.draft is None and isinstance(job.tree, Tree):
             job.tree = None  # no draft to fill a static tree: the target alone (suffix candidates stay possible)
+        job.slot, cached = self._take_slot(job.prompt_ids, self.drafter is not None and self.controller.drafts(job))
         self.controller.start(job)
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
@@ -333,8 +333,12 @@ class Decoder:
             self.suffix.start(job.slot, job.ids)
         self.active.append(job)
 
-    def _take_slot(self, prompt_ids: list[int]) -> tuple[int, int]:
-        """(the free slot a new request decodes in, prompt tokens whose KV it already holds), its caches set up.
+    def _take_slot(self, prompt_ids: list[int], drafts: bool) -> tuple[int, int]:
+        """(the free slot a new request decodes in, prompt tokens whose KV it already holds), its caches set up;
+        `drafts`: the request reads the draft, whose rows or features of the prefix then bound what the target reuses
+        (`DraftProposer.reuse`); a request that never drafts starts the slot's draft empty and reuses the whole match.
+        Why: bounded by a draft it never reads, a plain request on a server with a draft reused nothing (0 of 43
+        prompt tokens for a repeated prompt, 42 without the draft).
 
         The cached prefix is matched on all prompt tokens but the last (that one is the first decode step's root, its
         KV written by that step). The slot holding it is taken over when it is free and nothing of its sequence
@@ -355,7 +359,10 @@ class Decoder:
             index.remove(slot)
         cache = self.target_caches[slot]
         if self.drafter is not None:
-            length = self.drafter.reuse(src, slot, length)
+            if drafts:
+                length = self.drafter.reuse(src, slot, length)
+            else:
+                self.drafter.reuse(src, slot, 0)  # the slot's draft starts empty: this request never reads it
         if length and src != slot:
             cache.copy_prefix(self.target_caches[src], length)
         cache.length = length
