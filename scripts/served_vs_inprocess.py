@@ -38,7 +38,8 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     """Streaming overhead at concurrency 1: each prompt served (gRPC stream), then `Pipeline.generate` in-process.
 
     The two alternate prompt by prompt so that a change in machine load hits both alike. Give the in-process
-    side the served instance's model, tree, max_seq_len and thread count. The ratio is served tokens/s over
+    side the served instance's model, max_seq_len and thread count; `tree` is sent with each served request too (it
+    was not: `--tree none` compared the server's own tree with in-process AR). The ratio is served tokens/s over
     in-process tokens/s (both: output tokens / time from request to the last token; in-process streams its
     text through the same callback).
     """
@@ -59,6 +60,8 @@ def compare_inprocess(prompts: list[str], max_tokens: int, url: str = "127.0.0.1
     pipe.generate("Hi", 4, spec)  # warm up (kernel choice), as the served model does at load
     served: list[Result] = []
     local = {"tokens": 0, "seconds": 0.0, "ttft": []}
+    if tree:
+        options = {**options, "tree": tree}
     with GrpcSession(url, model) as session:
         session.generate("Hi", 4, True, timeout=timeout, **options)
         before, pipe.decoder.clock = _step_metrics(metrics_url), StepClock()
