@@ -175,10 +175,11 @@ def test_budget_degrades_to_plain_batched_decoding_as_the_batch_grows(models):
 
 def test_requests_the_budget_keeps_plain_stop_proposing_until_the_batch_shrinks(models):
     """Counters: at batch 4 under a cost curve where no extra row pays, a request whose candidates the budget left
-    unverified twice in a row holds (`Controller._idle`): it proposes once every HOLD_STEPS + 1 steps, not every step,
-    and the draft never runs for it; alone again (the others finished), it proposes and verifies trees every step.
+    unverified twice in a row holds (`Controller._idle`): it proposes once after each hold, each hold in a row twice
+    as long (4, 8, 16, 32 steps; fixed 4-step holds made 37 proposals in 38 steps here, the doubling 21), and the
+    draft never runs for it; alone again (the others finished), it proposes and verifies trees every step.
     Outputs stay each request's sequential greedy run."""
-    from spectrt.runtime.decoding.controller import HOLD_STEPS, IDLE_STEPS
+    from spectrt.runtime.decoding.controller import HOLD_STEPS, IDLE_STEPS, MAX_HOLD_STEPS
 
     target, draft, eos, _, _ = models
     steep = Policy(budget=4, depth=2, width=2, verify_ms=((1, 1.0), (2, 1.1), (3, 1.2), (4, 4.0), (5, 9.0)),
@@ -194,7 +195,10 @@ def test_requests_the_budget_keeps_plain_stop_proposing_until_the_batch_shrinks(
     full = [s for s in steps if s.active == 4 and not s.prefill_tokens]
     in_full = sum(n == 4 for n, _ in proposals)
     assert len(full) > 2 * (IDLE_STEPS + HOLD_STEPS)
-    assert in_full <= 4 * (IDLE_STEPS + len(full) / (HOLD_STEPS + 1) + 1), "held requests must not propose"
+    most, done, holds = IDLE_STEPS, IDLE_STEPS, 0  # one request's proposals in len(full) steps: holds double
+    while done < len(full):
+        done, most, holds = done + min(HOLD_STEPS << holds, MAX_HOLD_STEPS) + 1, most + 1, holds + 1
+    assert in_full <= 4 * (most + 1), "held requests must not propose, and a hold in a row lasts twice as long"
     assert all(s.tree_tokens == 4 for s in full)
     long = jobs[3]
     alone = [n for n, job in proposals if job is long and n == 1]

@@ -28,7 +28,8 @@ DRAFT_GAIN_PRIOR_STEPS = 4.0  # pseudo-steps of the policy's expected draft gain
 DRAFT_GAIN_DECAY = 0.95  # per drafted step: a job's estimate follows its last ~20 drafted steps
 DRAFT_GAIN_FORGET = 0.98  # per step not drafted: old evidence fades (half in ~35 steps) back to the prior
 IDLE_STEPS = 2  # steps in a row whose candidates the budget left unverified before a job holds (`plan`)
-HOLD_STEPS = 4  # steps a holding job decodes plainly without proposing, then proposes once again
+HOLD_STEPS = 4  # steps of a job's first hold: it decodes plainly without proposing, then proposes once again
+MAX_HOLD_STEPS = 32  # each further hold in a row doubles, up to this
 
 
 class Controller:
@@ -46,7 +47,7 @@ class Controller:
         job.draft_gain, job.draft_rows = self.policy.expected_draft_gain, self._prior_rows()  # `learn_draft_gain`
         job.draft_evidence = (0.0, 0.0, 0.0)
         job.score_evidence = (SCALE_PRIOR, SCALE_PRIOR)  # `Job.score_scale`
-        job.idle, job.hold = 0, (0, 0)
+        job.idle, job.hold, job.holds = 0, (0, 0), 0
 
     def drafts(self, job: Job) -> bool:
         """Whether the job's trees come from the draft (a static tree, or AUTO with the policy's draft on)."""
@@ -130,22 +131,29 @@ class Controller:
         if left > 0 and batch >= since:
             job.hold = (left - 1, since)
             return True
+        if left > 0:  # ended early: the next hold starts short again
+            job.holds = 0
         job.hold = (0, 0)
         return False
 
     @staticmethod
     def _idle(cand: Candidates, batch: int) -> None:
         """After the budget: a job whose candidates it left unverified `IDLE_STEPS` steps in a row holds for
-        `HOLD_STEPS` steps, proposing nothing, then proposes once again (and holds again if still unverified); only
-        in a batch (alone, a row is cheap and a step without candidates proposes little). Why:
-        at batch 8 the budget verified almost nothing (7.07 tokens a step against plain decoding's 7.01) while
-        proposing for every request cost +0.16 ms a step (the gate, suffix lookups, tries), so speculation lost to
-        plain batched decoding by its host work alone. Greedy output is unchanged (every tree is verified exactly);
+        `HOLD_STEPS` steps, proposing nothing, then proposes once again and, still unverified, holds twice as long
+        (up to `MAX_HOLD_STEPS`); a verified candidate or a smaller batch starts it over. Only in a batch (alone, a
+        row is cheap and a step without candidates proposes little). Why: at batch 8 the budget verified almost
+        nothing (7.07 tokens a step against plain decoding's 7.01) while proposing for every request cost +0.16 ms a
+        step (the gate, suffix lookups, tries), so speculation lost to plain batched decoding by its host work alone;
+        with fixed 4-step holds a job still proposed every fifth step (+0.08 ms a step at batch 8 against plain's
+        proposing share, `scripts/batch_vs_plain.py`). Greedy output is unchanged (every tree is verified exactly);
         the suffix index and a head's pending features keep following the tokens while a job holds."""
         job = cand.job
         job.idle = job.idle + 1 if cand.chosen == 1 and not cand.drafted and batch > 1 else 0
-        if job.idle >= IDLE_STEPS:
-            job.hold = (HOLD_STEPS, batch)
+        if job.idle == 0:
+            job.holds = 0
+        elif job.idle >= IDLE_STEPS:
+            job.hold = (min(HOLD_STEPS << min(job.holds, 8), MAX_HOLD_STEPS), batch)
+            job.holds += 1
 
     def draft_may_pay(self, active: int, context: int) -> bool:
         """Whether one request's draft, at the policy's expected gain, pays for its pass at this load: else a prompt

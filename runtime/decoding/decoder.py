@@ -175,6 +175,7 @@ class Job:
     score_evidence: tuple[float, float] = (1.0, 1.0)  # decayed (expected, accepted) tree tokens (`Controller`)
     idle: int = 0  # consecutive steps whose candidates the budget left unverified (`Controller.plan`)
     hold: tuple[int, int] = (0, 0)  # (steps left, batch size when set): decode plainly without proposing
+    holds: int = 0  # holds in a row without a verified candidate: each twice as long as the last (`Controller`)
 
     @property
     def score_scale(self) -> float:
