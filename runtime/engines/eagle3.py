@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from spectrt.runtime.engines.families import rope_frequencies
 from spectrt.runtime.engines.kernels import (
+    bound_arguments,
     contiguous,
     fp32_rows,
     head_rows,
@@ -204,16 +205,13 @@ class _NativeHead:
             logits, head_rows(rows, counts), out)
         return logits, out, rows
 
-    @property
-    def bound(self):
-        """The head's per-call-invariant arguments, converted once (`NativeModel.bound`)."""
-        if self._bound is None or self._bound[0] is not self.kernels:
-            b = self.kernels.Bound()
-            b.dims, b.eps, b.embed, b.norms, b.projs = (self.dims, float(self.config.rms_norm_eps), self.embed,
-                                                        self.norms, self.projections)
-            b.head, b.fc, b.rope_cos, b.rope_sin, b.scratch = self.head, self.fc, self.rope_cos, self.rope_sin, self.scratch
-            self._bound = (self.kernels, b)
-        return self._bound[1]
+    def bound_fields(self) -> dict:
+        """The head's fields of `cpu_kernels.cpp` Bound (`kernels.bound_arguments`)."""
+        return {"dims": self.dims, "eps": float(self.config.rms_norm_eps), "embed": self.embed, "norms": self.norms,
+                "projs": self.projections, "head": self.head, "fc": self.fc, "rope_cos": self.rope_cos,
+                "rope_sin": self.rope_sin, "scratch": self.scratch}
+
+    bound = property(bound_arguments)  # the forward's per-call-invariant arguments, converted once
 
 
 class Eagle3Head:

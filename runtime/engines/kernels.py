@@ -359,6 +359,19 @@ def linear(x: torch.Tensor, proj: list[torch.Tensor] | torch.Tensor, n_out: int)
     return load_kernels().linear(x.contiguous(), [proj] if isinstance(proj, torch.Tensor) else proj, n_out)
 
 
+def bound_arguments(owner):
+    """`owner`'s forward arguments that stay the same from call to call (`owner.bound_fields()`) as its kernels
+    module's `Bound` (cpu_kernels.cpp), converted once: passed at every call, pybind converted each tensor (84 us a
+    target forward on the caches a forward had flushed). Made again after `reserve` grows the scratch (it sets
+    `owner._bound` to None) or for another module (scripts/isa_tcurve.py swaps them)."""
+    if owner._bound is None or owner._bound[0] is not owner.kernels:
+        b = owner.kernels.Bound()
+        for name, value in owner.bound_fields().items():
+            setattr(b, name, value)
+        owner._bound = (owner.kernels, b)
+    return owner._bound[1]
+
+
 class NativeModel:
     """Packed weights and static scratch for `cpu_kernels.forward`; one per engine, built at load.
 
@@ -400,19 +413,14 @@ class NativeModel:
         self.reserve(64, 2048 + 64)
         self.last_logits: torch.Tensor | None = None  # the last forward's logits, whose argmax is in `self.argmax`
 
-    @property
-    def bound(self):
-        """The forward's arguments that stay the same from call to call, converted for the kernels module once
-        (`cpu_kernels.cpp` Bound: 84 us a call on flushed caches when passed each time); made again after `reserve`
-        grows the scratch, or for another module (scripts/isa_tcurve.py swaps them)."""
-        if self._bound is None or self._bound[0] is not self.kernels:
-            b = self.kernels.Bound()
-            b.dims, b.eps, b.embed, b.norms, b.projs = (self.dims, float(self.config.rms_norm_eps), self.embed,
-                                                        self.norms, self.projections)
-            b.bqkv, b.qk_norms, b.bo, b.final_norm, b.head = self.bqkv, self.qk_norms, self.bo, self.final_norm, self.head
-            b.rope_cos, b.rope_sin, b.scratch = self.rope_cos, self.rope_sin, self.scratch
-            self._bound = (self.kernels, b)
-        return self._bound[1]
+    def bound_fields(self) -> dict:
+        """This model's fields of `cpu_kernels.cpp` Bound (`bound_arguments`)."""
+        return {"dims": self.dims, "eps": float(self.config.rms_norm_eps), "embed": self.embed, "norms": self.norms,
+                "projs": self.projections, "bqkv": self.bqkv, "qk_norms": self.qk_norms, "bo": self.bo,
+                "final_norm": self.final_norm, "head": self.head, "rope_cos": self.rope_cos,
+                "rope_sin": self.rope_sin, "scratch": self.scratch}
+
+    bound = property(bound_arguments)  # the forward's per-call-invariant arguments, converted once
 
     def reserve(self, rows: int, positions: int) -> None:
         """Make the scratch, logits and RoPE tables hold `rows` rows per call and positions < `positions`."""
