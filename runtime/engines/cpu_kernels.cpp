@@ -734,10 +734,15 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
   const int64_t per_task = share ? std::min(group, MAXG) : 1;
   const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row, kv head)
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Tasks in (kv head, head group, row) order: a thread's run of tasks reads one kv head's K/V for row after row
+  // (from L1/L2 after the first), where row-major order had each thread read every kv head's K/V from memory (the
+  // forward has just streamed the weights through the caches). Measured (scripts/isa_tcurve.py --against HEAD,
+  // context 1024, Zen 4, ms, before -> after): AVX-512 bf16 T=2 8.4 -> 7.6, T=4 11.7 -> 10.4, T=8 19.8 -> 18.7;
+  // fp32 T=2 13.5 -> 11.6; AVX2 bf16 T=2 13.4 -> 10.4, T=4 15.5 -> 13.0; T=1 and context 128 within noise.
   at::parallel_for(0, R * c.kv_heads * task_groups, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = t / (c.kv_heads * task_groups), kvh = t / task_groups % c.kv_heads;
-      const int64_t h0 = kvh * group + t % task_groups * per_task, nh = std::min(per_task, (kvh + 1) * group - h0);
+      const int64_t kvh = t / (task_groups * R), row = t % R;
+      const int64_t h0 = kvh * group + t / R % task_groups * per_task, nh = std::min(per_task, (kvh + 1) * group - h0);
       const Segment& g = segs[vis.seg[row]];
       const int64_t* win = vis.window.data() + vis.start[row];
       const int64_t n_win = vis.start[row + 1] - vis.start[row];
