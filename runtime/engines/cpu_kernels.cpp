@@ -18,9 +18,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include <sys/syscall.h>
@@ -640,73 +642,127 @@ RowSlots visible_slots(const std::vector<Segment>& segs) {
   return v;
 }
 
-// One task's attention: NH heads of a GQA group (the task's rows share each K and V row load) over head_dim D in
-// 16-lane chunks, CD of them fixed at compile time (0: any D, the chunk count at run time and the last chunk
-// masked). Why templates: with runtime head and chunk counts GCC kept the score and PV accumulators on the stack,
-// and every FMA of those chains went through a store and a load (bf16 T=1 at context 2000: AVX2 18.8 -> 10.9 ms).
-template <int NH, int CD>
-void attend_heads(const float* const* q, float* const* sc, const float* kc, const float* vc, int64_t D,
-                  int64_t length, const int64_t* win, int64_t n_win, float scale, float* out) {
-  constexpr int64_t MAXC = simd::ATT_CHUNKS, NC = CD > 0 && CD < MAXC ? CD : MAXC;  // chunks a PV pass
+// One query of a task: a (row, head) pair's q vector, score row, output, and its window slots (its tree-mask row).
+struct Query {
+  const float* q;
+  float* sc;
+  float* out;
+  const int64_t* win;
+  int64_t n_win;
+};
+
+// One task's attention: NQ queries over one segment's cache and one kv head (rows x heads of a GQA group) that share
+// each K and V row load of the committed prefix; each query's window slots follow, its own. head_dim D in 16-lane
+// chunks, CD of them fixed at compile time (0: any D, the chunk count at run time and the last chunk masked). Why
+// templates: with runtime head and chunk counts GCC kept the score and PV accumulators on the stack, and every FMA
+// of those chains went through a store and a load (bf16 T=1 at context 2000: AVX2 18.8 -> 10.9 ms). Per query the
+// operations are those of the query alone, whichever queries share its task: the score one FMA chain over d then the
+// lane sum, the softmax over its slot list, each output element one FMA chain over its slots in order (prefix, then
+// window), so rows stay bitwise invariant.
+template <int NQ, int CD>
+void attend(const Query* qs, const float* kc, const float* vc, int64_t D, int64_t length, float scale) {
+  // chunks a PV pass: NQ x NC accumulators within the ISA's budget (each pass reads the V rows and broadcasts each
+  // query's probabilities again: as few passes as the registers allow)
+  constexpr int64_t MAXC = simd::ATT_CHUNKS, BUDGET = simd::ATT_ACCUMULATORS;
+  constexpr int64_t FIT = BUDGET / NQ >= 4 ? 4 : BUDGET / NQ >= 2 ? 2 : 1;
+  constexpr int64_t NC0 = MAXC < FIT ? MAXC : FIT, NC = CD > 0 && CD < NC0 ? CD : NC0;
   static_assert(CD % NC == 0, "whole chunk groups");
   if constexpr (CD > 0) D = CD * LANES;  // a constant row stride in the slot loops
-  const int64_t chunks = CD > 0 ? CD : (D + LANES - 1) / LANES, L = length + n_win;
+  const int64_t chunks = CD > 0 ? CD : (D + LANES - 1) / LANES;
   auto ld = [D](const float* p, int64_t d) {  // chunk d of a head vector (fixed shapes: never a partial chunk)
     if constexpr (CD > 0) return simd::load(p + d * LANES);
     else return simd::load_first(p + d * LANES, D - d * LANES);
   };
-  float mx[NH];
-  for (int i = 0; i < NH; ++i) mx[i] = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {  // scores: q . k over d in 16-lane chunks, then the lane sum
-    const float* kr = kc + (j < length ? j : win[j - length]) * D;
-    Vec acc[NH];
-    for (int i = 0; i < NH; ++i) acc[i] = simd::zero();
+  float mx[NQ];
+  for (int i = 0; i < NQ; ++i) mx[i] = -INFINITY;
+  int64_t j = 0;
+  // Scores over the prefix, sixteen slots at a time per query where the ISA adds their lane sums transposed
+  // (simd::reduce16, bitwise reduce_add's): the per-slot lane sum was most of a tree's attention time once the K/V
+  // rows came from cache (perf, bf16 T=4 at context 1024, Zen 4).
+  if constexpr (simd::ATT_SCORE_BLOCK == LANES)
+    for (; j + LANES <= length; j += LANES)
+      for (int i = 0; i < NQ; ++i) {
+        Vec acc[LANES];
+        for (int s = 0; s < LANES; ++s) acc[s] = simd::zero();
+        for (int64_t d = 0; d < chunks; ++d) {
+          const Vec qd = ld(qs[i].q, d);
+          for (int s = 0; s < LANES; ++s) acc[s] = simd::fmadd(qd, ld(kc + (j + s) * D, d), acc[s]);
+        }
+        const Vec sums = simd::reduce16(acc) * simd::set1(scale);
+        simd::store_first(qs[i].sc + j, sums, LANES);
+        mx[i] = std::max(mx[i], simd::reduce_max(sums));
+      }
+  for (; j < length; ++j) {  // the rest of the prefix: q . k over d in 16-lane chunks, then the lane sum
+    const float* kr = kc + j * D;
+    Vec acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = simd::zero();
     for (int64_t d = 0; d < chunks; ++d) {
       const Vec kv = ld(kr, d);
-      for (int i = 0; i < NH; ++i) acc[i] = simd::fmadd(ld(q[i], d), kv, acc[i]);
+      for (int i = 0; i < NQ; ++i) acc[i] = simd::fmadd(ld(qs[i].q, d), kv, acc[i]);
     }
-    for (int i = 0; i < NH; ++i) {
-      sc[i][j] = simd::reduce_add(acc[i]) * scale;
-      mx[i] = std::max(mx[i], sc[i][j]);
+    for (int i = 0; i < NQ; ++i) {
+      qs[i].sc[j] = simd::reduce_add(acc[i]) * scale;
+      mx[i] = std::max(mx[i], qs[i].sc[j]);
     }
   }
-  float inv[NH];
-  for (int i = 0; i < NH; ++i) {  // softmax numerators in place, and 1 / their sum
+  for (int i = 0; i < NQ; ++i)  // and over each query's window slots
+    for (int64_t w = 0; w < qs[i].n_win; ++w) {
+      const float* kr = kc + qs[i].win[w] * D;
+      Vec acc = simd::zero();
+      for (int64_t d = 0; d < chunks; ++d) acc = simd::fmadd(ld(qs[i].q, d), ld(kr, d), acc);
+      qs[i].sc[length + w] = simd::reduce_add(acc) * scale;
+      mx[i] = std::max(mx[i], qs[i].sc[length + w]);
+    }
+  float inv[NQ];
+  for (int i = 0; i < NQ; ++i) {  // softmax numerators in place, and 1 / their sum
+    const int64_t L = length + qs[i].n_win;
+    float* sc = qs[i].sc;
     Vec sum = simd::zero();
     const Vec vmx = simd::set1(mx[i]);
     for (int64_t j = 0; j < L; j += LANES) {
-      const Vec e = simd::keep_first(vexp(simd::load_first(sc[i] + j, L - j) - vmx), L - j);
-      simd::store_first(sc[i] + j, e, L - j);
+      const Vec e = simd::keep_first(vexp(simd::load_first(sc + j, L - j) - vmx), L - j);
+      simd::store_first(sc + j, e, L - j);
       sum = sum + e;
     }
     inv[i] = 1.0f / simd::reduce_add(sum);
   }
   for (int64_t d0 = 0; d0 < chunks; d0 += NC) {  // out = sum_j p_j v_j, slots in order
     const int64_t nc = CD > 0 ? NC : std::min<int64_t>(NC, chunks - d0);  // fixed shapes: always NC
-    Vec acc[NH][NC];
-    for (int i = 0; i < NH; ++i)
+    Vec acc[NQ][NC];
+    for (int i = 0; i < NQ; ++i)
       for (int cc = 0; cc < NC; ++cc) acc[i][cc] = simd::zero();
-    for (int64_t j = 0; j < L; ++j) {
-      const float* vr = vc + (j < length ? j : win[j - length]) * D;
+    for (int64_t j = 0; j < length; ++j) {
+      const float* vr = vc + j * D;
       for (int cc = 0; cc < NC && cc < nc; ++cc) {
         const Vec vv = ld(vr, d0 + cc);
-        for (int i = 0; i < NH; ++i) acc[i][cc] = simd::fmadd(simd::set1(sc[i][j]), vv, acc[i][cc]);
+        for (int i = 0; i < NQ; ++i) acc[i][cc] = simd::fmadd(simd::set1(qs[i].sc[j]), vv, acc[i][cc]);
       }
     }
-    for (int i = 0; i < NH; ++i)
+    for (int i = 0; i < NQ; ++i)
+      for (int64_t w = 0; w < qs[i].n_win; ++w) {
+        const float* vr = vc + qs[i].win[w] * D;
+        for (int cc = 0; cc < NC && cc < nc; ++cc)
+          acc[i][cc] = simd::fmadd(simd::set1(qs[i].sc[length + w]), ld(vr, d0 + cc), acc[i][cc]);
+      }
+    for (int i = 0; i < NQ; ++i)
       for (int cc = 0; cc < NC && cc < nc; ++cc) {
         const int64_t d = (d0 + cc) * LANES;
-        simd::store_first(out + i * D + d, acc[i][cc] * simd::set1(inv[i]), D - d);
+        simd::store_first(qs[i].out + d, acc[i][cc] * simd::set1(inv[i]), D - d);
       }
   }
 }
 
-// Attention of every (row, head) over exactly its visible slots, in slot order. Per (row, head) the operations are
-// fixed: score = one FMA chain over d then a lane reduction, the softmax over the slot list, each output element one
-// FMA chain over the slots in order. A task is one row and the heads of a GQA group (up to 4; one head per task
-// when there are too few rows to keep every thread busy): the group's heads share each K and V row load, and the
-// loop runs over slots with every (head, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why:
-// the former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
+using Attend = decltype(&attend<1, 0>);
+template <int CD, size_t... I>
+constexpr std::array<Attend, sizeof...(I)> attend_table(std::index_sequence<I...>) {
+  return {attend<static_cast<int>(I) + 1, CD>...};
+}
+
+// Attention of every (row, head) over exactly its visible slots, in slot order (`attend`). A task is a kv head, the
+// heads of its GQA group it takes (up to 4; one head per task when there are too few rows to keep every thread busy)
+// and a run of one segment's rows: every query of the task shares each K and V row load of the prefix, and the loop
+// runs over slots with every (query, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why: the
+// former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
 // Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 // At one row and long contexts attention streams the KV cache (46 KB a token, fp32: 94 MB a forward at context
@@ -716,46 +772,58 @@ void attend_heads(const float* const* q, float* const* sc, const float* kc, cons
 // of K/V rows 8 slots ahead, and threads splitting (row, head) pairs evenly (4 and 5 heads at T=1, not 6 and 3).
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
-  constexpr int64_t MAXG = 4;  // heads per task
-  using Attend = decltype(&attend_heads<1, 0>);
-  // per heads in the task: the common head_dim (64) compiled with its chunk count, and any other
-  static constexpr Attend FIXED[MAXG] = {attend_heads<1, 4>, attend_heads<2, 4>, attend_heads<3, 4>,
-                                         attend_heads<4, 4>};
-  static constexpr Attend ANY[MAXG] = {attend_heads<1, 0>, attend_heads<2, 0>, attend_heads<3, 0>,
-                                       attend_heads<4, 0>};
+  constexpr int64_t MAXG = 4, MAXQ = simd::ATT_QUERIES;  // heads per task; queries (rows x heads) per task
+  // per query count: the common head_dim (64) compiled with its chunk count, and any other
+  static constexpr auto FIXED = attend_table<4>(std::make_index_sequence<MAXQ>());
+  static constexpr auto ANY = attend_table<0>(std::make_index_sequence<MAXQ>());
   const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
+  const int64_t threads = at::get_num_threads();
   // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
   // at long contexts a group's heads sharing each K/V row load beats the balance of more, smaller tasks. Measured
   // (Zen 4, bf16 T=1, one process, interleaved, three runs): context 2000 11.09-12.27 -> 10.21-11.37 ms, 1024
   // -0.05 to -0.29 ms, but 128 +0.09 to +0.14 ms, hence the 512 threshold.
   int64_t longest = 0;
   for (const Segment& g : segs) longest = std::max(longest, g.length);
-  const bool share = R * c.kv_heads >= 4 * at::get_num_threads() || longest >= 512;
+  const bool share = R * c.kv_heads >= 4 * threads || longest >= 512;
   const int64_t per_task = share ? std::min(group, MAXG) : 1;
-  const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row, kv head)
+  const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row run, kv head)
+  // Runs of a segment's rows, as long as the queries allow while there are still two tasks a thread, split evenly.
+  // Why: the rows of a tree see the same prefix, and each loaded every K/V row of it, where a run loads it once.
+  // Measured with the transposed score sums (`attend`; scripts/isa_tcurve.py --against the one-row tasks, Zen 4,
+  // bf16, ms): context 1024 AVX-512 T=4 10.1 -> 9.4, T=8 17.1 -> 15.9 (fp32 14.2 -> 13.5, 21.0 -> 20.2); AVX2 T=4
+  // 13.4 -> 12.5, T=8 21.4 -> 20.2; context 128 T=16 26.3 -> 22.6, T=1-8 within noise; a causal 64-row prefill
+  // chunk at context 512 118.6 -> 113.9, at context 0 within 1-2% (its slots are window slots: per query).
+  const int64_t most_rows = std::max<int64_t>(1, std::min(MAXQ / per_task, R * c.kv_heads * task_groups / (2 * threads)));
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  for (const Segment& g : segs) {
+    const int64_t n = (g.rows + most_rows - 1) / most_rows;
+    for (int64_t k = 0; k < n; ++k) runs.emplace_back(g.row0 + g.rows * k / n, g.rows * (k + 1) / n - g.rows * k / n);
+  }
+  const int64_t n_runs = runs.size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Tasks in (kv head, head group, row) order: a thread's run of tasks reads one kv head's K/V for row after row
-  // (from L1/L2 after the first), where row-major order had each thread read every kv head's K/V from memory (the
-  // forward has just streamed the weights through the caches). Measured (scripts/isa_tcurve.py --against HEAD,
-  // context 1024, Zen 4, ms, before -> after): AVX-512 bf16 T=2 8.4 -> 7.6, T=4 11.7 -> 10.4, T=8 19.8 -> 18.7;
-  // fp32 T=2 13.5 -> 11.6; AVX2 bf16 T=2 13.4 -> 10.4, T=4 15.5 -> 13.0; T=1 and context 128 within noise.
-  at::parallel_for(0, R * c.kv_heads * task_groups, 1, [&](int64_t t0, int64_t t1) {
+  // Tasks in (kv head, head group, run) order: a thread's run of tasks reads one kv head's K/V for run after run
+  // (from L1/L2 after the first), where row-major order had each thread read every kv head's K/V from memory.
+  // Measured (scripts/isa_tcurve.py --against HEAD, context 1024, Zen 4, ms, before -> after, one row a task):
+  // AVX-512 bf16 T=2 8.4 -> 7.6, T=4 11.7 -> 10.4, T=8 19.8 -> 18.7; fp32 T=2 13.5 -> 11.6; AVX2 bf16 T=2 13.4 ->
+  // 10.4, T=4 15.5 -> 13.0; T=1 and context 128 within noise.
+  at::parallel_for(0, n_runs * c.kv_heads * task_groups, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t kvh = t / (task_groups * R), row = t % R;
-      const int64_t h0 = kvh * group + t / R % task_groups * per_task, nh = std::min(per_task, (kvh + 1) * group - h0);
-      const Segment& g = segs[vis.seg[row]];
-      const int64_t* win = vis.window.data() + vis.start[row];
-      const int64_t n_win = vis.start[row + 1] - vis.start[row];
+      const int64_t kvh = t / (task_groups * n_runs);
+      const auto [row0, rows] = runs[t % n_runs];
+      const int64_t h0 = kvh * group + t / n_runs % task_groups * per_task;
+      const int64_t nh = std::min(per_task, (kvh + 1) * group - h0);
+      const Segment& g = segs[vis.seg[row0]];
+      Query qs[MAXQ];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = row0 + r;
+        for (int64_t i = 0; i < nh; ++i)
+          qs[r * nh + i] = {qkv + row * ld_qkv + (h0 + i) * D, scores + (row * H + h0 + i) * scores_ld,
+                            out + row * (H * D) + (h0 + i) * D, vis.window.data() + vis.start[row],
+                            vis.start[row + 1] - vis.start[row]};
+      }
       const float* kc = g.k + ((layer * c.kv_heads + kvh) * g.capacity) * D;
       const float* vc = g.v + ((layer * c.kv_heads + kvh) * g.capacity) * D;
-      const float* q[MAXG];
-      float* sc[MAXG];
-      for (int64_t i = 0; i < nh; ++i) {
-        q[i] = qkv + row * ld_qkv + (h0 + i) * D;
-        sc[i] = scores + (row * H + h0 + i) * scores_ld;
-      }
-      (D == 4 * LANES ? FIXED : ANY)[nh - 1](q, sc, kc, vc, D, g.length, win, n_win, scale,
-                                              out + row * (H * D) + h0 * D);
+      (D == 4 * LANES ? FIXED : ANY)[rows * nh - 1](qs, kc, vc, D, g.length, scale);
     }
   });
 }

@@ -8,7 +8,7 @@
 // bitwise the same numbers on every build: an AVX2 machine's logits equal an AVX-512 machine's, row invariance
 // holds everywhere for the same reason, and answers generated on one CPU regenerate exactly on another.
 // What differs per ISA is only how many registers a Vec takes, so register blocks are sized here (GEMM_ROWS,
-// gemm_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS), never in the kernels.
+// gemm_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK), never in the kernels.
 //
 // INT8: dot4 adds, per column, four u8 x s8 products to an int32 lane. VNNI's dpbusd does it in one instruction
 // (AVX-512 VNNI or AVX-VNNI); elsewhere the bytes are widened to int16 and summed by pmaddwd (each pair sum
@@ -36,6 +36,9 @@ constexpr const char* ISA = "avx512";
 constexpr int GEMM_ROWS = 6;                                  // 6 rows x 4 Vec accumulators + 4 weights: 28 zmm
 constexpr int gemm_vecs(int /*rows*/) { return 4; }           // a 64-column panel in one pass
 constexpr int ATT_CHUNKS = 4;                                 // 4 heads x 4 Vec (64 dims) accumulators: 16 zmm
+constexpr int ATT_QUERIES = 12;                               // queries an attention task takes (rows x heads)
+constexpr int ATT_ACCUMULATORS = 24;                          // PV accumulators (6 queries x 4 Vec): 24 of 32 zmm
+constexpr int ATT_SCORE_BLOCK = 16;                           // slots a score pass sums at once (reduce16)
 
 struct Vec { __m512 v; };
 
@@ -101,6 +104,24 @@ inline float reduce_add(Vec a) {  // ((v[i] + v[i+8]) + (v[i+4] + v[i+12])), the
   return _mm_cvtss_f32(w) + _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
+// Sixteen lane sums at once: lane s is reduce_add(a[s]), bitwise (each sum goes through reduce_add's tree, the
+// vectors transposed as they are added: 15 adds and 30 shuffles for sixteen sums instead of 16 x 7 operations).
+inline Vec reduce16(const Vec* a) {
+  __m512 s[8], t[4], u[2];
+  for (int p = 0; p < 8; ++p)  // lanes i + 8 onto i: sums 2p and 2p + 1 in the 256-bit halves
+    s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p].v, a[2 * p + 1].v, 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p].v, a[2 * p + 1].v, 0xEE));
+  for (int q = 0; q < 4; ++q)  // i + 4 onto i: sums 4q .. 4q + 3 in the 128-bit quarters
+    t[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0xDD));
+  for (int r = 0; r < 2; ++r)  // i + 2 onto i
+    u[r] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * r], t[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * r], t[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),  // i + 1 onto i
+                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4k + m of w holds sum 4m + k (a 4 x 4 transpose): put each sum in its own lane
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w)};
+}
 // the first n lanes (integral values in [0, 255]) as bytes
 inline void store_u8_first(uint8_t* p, Vec a, int64_t n) {
   _mm512_mask_cvtepi32_storeu_epi8(p, first(n), _mm512_cvtps_epi32(a.v));
@@ -149,6 +170,9 @@ constexpr const char* ISA = "avx2";
 constexpr int GEMM_ROWS = 6;
 constexpr int gemm_vecs(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 constexpr int ATT_CHUNKS = 2;
+constexpr int ATT_QUERIES = 6;  // 6 score accumulators: 12 of the 16 ymm
+constexpr int ATT_ACCUMULATORS = 8;
+constexpr int ATT_SCORE_BLOCK = 1;  // 16 accumulators would take 32 ymm
 
 struct Vec { __m256 lo, hi; };
 
@@ -232,6 +256,12 @@ inline float reduce_add(Vec a) {  // the AVX-512 tree: lanes i and i + 8 first
   const __m128 w = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(w) + _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1)));
 }
+// Sixteen lane sums at once: lane s is reduce_add(a[s]) (the AVX-512 build transposes them as it adds)
+inline Vec reduce16(const Vec* a) {
+  float sums[LANES];
+  for (int64_t i = 0; i < LANES; ++i) sums[i] = reduce_add(a[i]);
+  return load(sums);
+}
 inline float reduce_max(Vec a) {
   const __m256 t = _mm256_max_ps(a.lo, a.hi);
   const __m128 u = _mm_max_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -295,6 +325,9 @@ constexpr const char* ISA = "portable";
 constexpr int GEMM_ROWS = 4;
 constexpr int gemm_vecs(int /*rows*/) { return 4; }
 constexpr int ATT_CHUNKS = 4;
+constexpr int ATT_QUERIES = 4;
+constexpr int ATT_ACCUMULATORS = 16;
+constexpr int ATT_SCORE_BLOCK = 1;
 constexpr int I8_ROWS = 4, I8_VECS = 1;
 
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -389,6 +422,12 @@ inline float reduce_add(Vec a) {
   for (int i = 0; i < 8; ++i) t[i] = a.v[i] + a.v[i + 8];
   for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
   return (u[0] + u[2]) + (u[1] + u[3]);
+}
+// Sixteen lane sums at once: lane s is reduce_add(a[s]) (the AVX-512 build transposes them as it adds)
+inline Vec reduce16(const Vec* a) {
+  float sums[LANES];
+  for (int64_t i = 0; i < LANES; ++i) sums[i] = reduce_add(a[i]);
+  return load(sums);
 }
 inline float reduce_max(Vec a) {
   float m = a.v[0];
