@@ -659,7 +659,7 @@ struct Query {
 // operations are those of the query alone, whichever queries share its task: the score one FMA chain over d then the
 // lane sum, the softmax over its slot list, each output element one FMA chain over its slots in order (prefix, then
 // window), so rows stay bitwise invariant.
-template <int NQ, int CD>
+template <int NQ, int CD, bool RUN>
 void attend(const Query* qs, const float* kc, const float* vc, int64_t D, int64_t length, float scale) {
   // chunks a PV pass: NQ x NC accumulators within the ISA's budget (each pass reads the V rows and broadcasts each
   // query's probabilities again: as few passes as the registers allow)
@@ -676,10 +676,12 @@ void attend(const Query* qs, const float* kc, const float* vc, int64_t D, int64_
   float mx[NQ];
   for (int i = 0; i < NQ; ++i) mx[i] = -INFINITY;
   int64_t j = 0;
-  // Scores over the prefix, sixteen slots at a time per query where the ISA adds their lane sums transposed
-  // (simd::reduce16, bitwise reduce_add's): the per-slot lane sum was most of a tree's attention time once the K/V
-  // rows came from cache (perf, bf16 T=4 at context 1024, Zen 4).
-  if constexpr (simd::ATT_SCORE_BLOCK == LANES)
+  // Scores over the prefix, in a run of rows (RUN), sixteen slots at a time per query where the ISA adds their lane
+  // sums transposed (simd::reduce16, bitwise reduce_add's): the per-slot lane sum was most of a tree's attention time
+  // once the K/V rows came from cache (perf, bf16 T=4 at context 1024, Zen 4). Not for one row: its prefix streams
+  // from memory, and the shared per-slot loop below keeps one K row load for its heads (blocked, a T=1 forward at
+  // context 2048 took 8.7-9.6 ms against 8.1-8.4).
+  if constexpr (RUN && simd::ATT_SCORE_BLOCK == LANES)
     for (; j + LANES <= length; j += LANES)
       for (int i = 0; i < NQ; ++i) {
         Vec acc[LANES];
@@ -752,10 +754,10 @@ void attend(const Query* qs, const float* kc, const float* vc, int64_t D, int64_
   }
 }
 
-using Attend = decltype(&attend<1, 0>);
-template <int CD, size_t... I>
+using Attend = decltype(&attend<1, 0, false>);
+template <int CD, bool RUN, size_t... I>
 constexpr std::array<Attend, sizeof...(I)> attend_table(std::index_sequence<I...>) {
-  return {attend<static_cast<int>(I) + 1, CD>...};
+  return {attend<static_cast<int>(I) + 1, CD, RUN>...};
 }
 
 // Attention of every (row, head) over exactly its visible slots, in slot order (`attend`). A task is a kv head, the
@@ -774,8 +776,10 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
   constexpr int64_t MAXG = 4, MAXQ = simd::ATT_QUERIES;  // heads per task; queries (rows x heads) per task
   // per query count: the common head_dim (64) compiled with its chunk count, and any other
-  static constexpr auto FIXED = attend_table<4>(std::make_index_sequence<MAXQ>());
-  static constexpr auto ANY = attend_table<0>(std::make_index_sequence<MAXQ>());
+  static constexpr auto FIXED = attend_table<4, false>(std::make_index_sequence<MAXQ>());
+  static constexpr auto ANY = attend_table<0, false>(std::make_index_sequence<MAXQ>());
+  static constexpr auto FIXED_RUN = attend_table<4, true>(std::make_index_sequence<MAXQ>());
+  static constexpr auto ANY_RUN = attend_table<0, true>(std::make_index_sequence<MAXQ>());
   const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
   const int64_t threads = at::get_num_threads();
   // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
@@ -823,7 +827,8 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
       }
       const float* kc = g.k + ((layer * c.kv_heads + kvh) * g.capacity) * D;
       const float* vc = g.v + ((layer * c.kv_heads + kvh) * g.capacity) * D;
-      (D == 4 * LANES ? FIXED : ANY)[rows * nh - 1](qs, kc, vc, D, g.length, scale);
+      (rows > 1 ? (D == 4 * LANES ? FIXED_RUN : ANY_RUN) : (D == 4 * LANES ? FIXED : ANY))[rows * nh - 1](
+          qs, kc, vc, D, g.length, scale);
     }
   });
 }
