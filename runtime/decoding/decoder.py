@@ -660,7 +660,7 @@ class Decoder:
                 if path[-1] != len(path) - 1:
                     rows = torch.from_numpy(features.numpy()[path])
                 else:  # all rows (a plain step: no slicing op) or the first ones
-                    rows = features if len(path) == len(features) else features[:len(path)]
+                    rows = features if len(path) == features.shape[0] else features[:len(path)]
                 self.drafter.take(job.slot, cand.position, rows)
         limit = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids))
         new = ([token_list[i] for i in path[1:]] + [bonus])[:limit - len(job.out)]

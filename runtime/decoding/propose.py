@@ -176,7 +176,9 @@ class DraftProposer:
         for cand in cands:
             job = cand.job
             seg = self.chunk(job.slot, job.ids, len(job.ids))
-            if seg is None or len(seg.tokens) < self.lag(job.slot, job.ids):
+            # .shape[0], not len(), on tensors in the step: Tensor.__len__ is a Python call (py-spy, batch 1: 5% of
+            # a step's host work went to it)
+            if seg is None or seg.tokens.shape[0] < self.lag(job.slot, job.ids):
                 if seg is not None:  # more than a window behind: catch up now, draft from the next step
                     segments.append(seg)
                 continue
@@ -185,13 +187,13 @@ class DraftProposer:
             cand.drafted = cand.static is None
         if not segments:
             return 0.0
-        rows, prefill_rows = sum(len(s.tokens) for s in segments), sum(len(s.tokens) for s in prefill)
+        rows, prefill_rows = sum(s.tokens.shape[0] for s in segments), sum(s.tokens.shape[0] for s in prefill)
         sunk = cost(rows, len(segments)) - (cost(prefill_rows, len(prefill)) if prefill else 0.0)  # prompts: paid
         # logits of a drafting catch-up's last row only (its children's parent); none for prompt chunks or backlogs
         drafts_from = {id(self.caches[d.cand.job.slot]) for d in drafting}
         logits = self._run(segments, [1 if id(seg.cache) in drafts_from else 0 for seg in segments])
         for seg in segments:
-            seg.cache.commit(len(seg.tokens))
+            seg.cache.commit(seg.tokens.shape[0])
         by_cache = {id(seg.cache): lg for seg, lg in zip(segments, logits, strict=True)}
         for d in drafting:
             d.logits = by_cache[id(self.caches[d.cand.job.slot])]
@@ -209,7 +211,7 @@ class DraftProposer:
             if not level:
                 break
             segments = [self._feed(d, nxt[id(d)]) for d in level]
-            sunk += cost(sum(len(s.tokens) for s in segments), len(segments))
+            sunk += cost(sum(s.tokens.shape[0] for s in segments), len(segments))
             for d, lg in zip(level, self._run(segments), strict=True):
                 d.logits = lg
                 d.frontier = nxt[id(d)]
@@ -399,7 +401,7 @@ class Eagle3Proposer(DraftProposer):
         """The slot's pending feature rows as one tensor (joining what arrived since the last read)."""
         arrived = self.arrived[slot]
         if arrived:  # the steady state, one step's rows and nothing pending: taken as they are, no copy
-            alone = len(arrived) == 1 and not len(self.pending[slot])
+            alone = len(arrived) == 1 and not self.pending[slot].shape[0]
             self.pending[slot] = arrived[0] if alone else torch.cat([self.pending[slot], *arrived])
             self.arrived[slot] = []
         return self.pending[slot]
@@ -414,7 +416,7 @@ class Eagle3Proposer(DraftProposer):
         if keep < self.count[slot]:  # re-fed rows replace the old ones from there
             self.pending[slot] = self._pending(slot)[:keep]
         self.arrived[slot].append(features if features.dtype == torch.float32 else features.float())
-        self.count[slot] = keep + len(features)
+        self.count[slot] = keep + features.shape[0]
 
     def lag(self, slot: int, ids: list[int]) -> int:
         return len(ids) - 1 - self.caches[slot].length
@@ -423,23 +425,23 @@ class Eagle3Proposer(DraftProposer):
         """The causal head segment of rows at positions cache.length + 1 .. end - 1 whose features are known."""
         cache = self.caches[slot]
         n = cache.length
-        read = min(n - self.base[slot], len(self.pending[slot]))
+        read = min(n - self.base[slot], self.pending[slot].shape[0])
         if read > 0:  # drop the joined rows the head has read before joining what arrived: no copy of them. Why:
             # joining first copied them every step, ~40 us a step at batch 1 (bf16, the caches cold after a forward)
             left = self.pending[slot]
-            self.pending[slot] = left[read:] if read < len(left) else self.no_rows  # all read: no slicing op
+            self.pending[slot] = left[read:] if read < left.shape[0] else self.no_rows  # all read: no slicing op
             self.base[slot], self.count[slot] = self.base[slot] + read, self.count[slot] - read
         pending = self._pending(slot)
         if n > self.base[slot]:  # rows before the committed length are read: drop them
             self.pending[slot] = pending = pending[n - self.base[slot]:]
-            self.base[slot], self.count[slot] = n, len(pending)
-        t = min(end - 1, self.base[slot] + len(pending)) - n
+            self.base[slot], self.count[slot] = n, pending.shape[0]
+        t = min(end - 1, self.base[slot] + pending.shape[0]) - n
         t = min(t, self.window)
         if t <= 0:
             return None
         self.fed_nodes.pop(id(cache), None)
         skip = n - self.base[slot]  # the head's forward projects the features (fc); all of them: no slicing op
-        features = pending if skip == 0 and t == len(pending) else pending[skip:skip + t]
+        features = pending if skip == 0 and t == pending.shape[0] else pending[skip:skip + t]
         return HeadSegment(*self.buffers.rows(slot, ids[n + 1:n + 1 + t], n + 1), self.buffers.causal[t], cache,
                            features)
 
@@ -452,7 +454,7 @@ class Eagle3Proposer(DraftProposer):
         for seg, (lg, hidden) in zip(segments, self._forward(segments, logit_rows), strict=True):
             nodes = self.fed_nodes.pop(id(seg.cache), None)
             if nodes is None:  # a catch-up: its last row is the root's (the next token's position)
-                self.node_hidden[id(seg.cache)] = {0: (hidden, len(hidden) - 1)}
+                self.node_hidden[id(seg.cache)] = {0: (hidden, hidden.shape[0] - 1)}
             else:
                 rows = self.node_hidden[id(seg.cache)]
                 for j, node in enumerate(nodes):

@@ -328,7 +328,7 @@ class Eagle3Head:
                 out = [self._forward(*segment) for segment in segments]
             logits = last_rows([lg for lg, _ in out], logit_rows)
             return [(self.full_rows(lg) if full_vocab else lg, h) for lg, (_, h) in zip(logits, out, strict=True)]
-        counts = logit_counts([len(s[0]) for s in segments], logit_rows)
+        counts = logit_counts([s[0].shape[0] for s in segments], logit_rows)
         logits, out, rows = self.native.forward_many(segments, counts)
         if full_vocab:
             logits = self.full_rows(logits)
