@@ -770,8 +770,9 @@ constexpr std::array<Attend, sizeof...(I)> attend_table(std::index_sequence<I...
 // At one row and long contexts attention streams the KV cache (46 KB a token, fp32: 94 MB a forward at context
 // 2048, past any cache), so it runs at memory speed, not FMA speed. Tried and dropped (scripts/isa_tcurve.py
 // --against HEAD --context 1024/2048, bf16, Zen 4, interleaved, T=1-8 within noise, logits bitwise unchanged):
-// sixteen slots' lane sums at once (a transposed reduction instead of one reduce_add per slot), software prefetch
-// of K/V rows 8 slots ahead, and threads splitting (row, head) pairs evenly (4 and 5 heads at T=1, not 6 and 3).
+// sixteen slots' lane sums at once for one row (a transposed reduction instead of one reduce_add per slot; for a run
+// of rows it pays, `attend`), software prefetch of K/V rows 8 slots ahead, and threads splitting (row, head) pairs
+// evenly (4 and 5 heads at T=1, not 6 and 3).
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
                const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
   constexpr int64_t MAXG = 4, MAXQ = simd::ATT_QUERIES;  // heads per task; queries (rows x heads) per task
@@ -797,7 +798,8 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
   // bf16, ms): context 1024 AVX-512 T=4 10.1 -> 9.4, T=8 17.1 -> 15.9 (fp32 14.2 -> 13.5, 21.0 -> 20.2); AVX2 T=4
   // 13.4 -> 12.5, T=8 21.4 -> 20.2; context 128 T=16 26.3 -> 22.6, T=1-8 within noise; a causal 64-row prefill
   // chunk at context 512 118.6 -> 113.9, at context 0 within 1-2% (its slots are window slots: per query).
-  const int64_t most_rows = std::max<int64_t>(1, std::min(MAXQ / per_task, R * c.kv_heads * task_groups / (2 * threads)));
+  const int64_t most_rows =
+      std::max<int64_t>(1, std::min(MAXQ / per_task, R * c.kv_heads * task_groups / (2 * threads)));
   std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
   for (const Segment& g : segs) {
     const int64_t n = (g.rows + most_rows - 1) / most_rows;
