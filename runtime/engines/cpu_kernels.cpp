@@ -760,11 +760,46 @@ constexpr std::array<Attend, sizeof...(I)> attend_table(std::index_sequence<I...
   return {attend<static_cast<int>(I) + 1, CD, RUN>...};
 }
 
+constexpr int64_t ATT_HEADS = 4;  // most heads of a GQA group one attention task takes
+
+// How a forward's attention divides into tasks: the same in every layer, so made once a forward (with `visible_slots`).
+struct AttentionTasks {
+  int64_t per_task, task_groups;                  // heads a task takes; tasks per (row run, kv head)
+  std::vector<std::pair<int64_t, int64_t>> runs;  // runs of one segment's rows: (first row, rows)
+};
+
+AttentionTasks attention_tasks(const Config& c, const std::vector<Segment>& segs) {
+  const int64_t group = c.heads / c.kv_heads, threads = at::get_num_threads();
+  int64_t rows = 0, longest = 0;
+  for (const Segment& g : segs) rows += g.rows, longest = std::max(longest, g.length);
+  // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
+  // at long contexts a group's heads sharing each K/V row load beats the balance of more, smaller tasks. Measured
+  // (Zen 4, bf16 T=1, one process, interleaved, three runs): context 2000 11.09-12.27 -> 10.21-11.37 ms, 1024
+  // -0.05 to -0.29 ms, but 128 +0.09 to +0.14 ms, hence the 512 threshold.
+  const bool share = rows * c.kv_heads >= 4 * threads || longest >= 512;
+  AttentionTasks t;
+  t.per_task = share ? std::min(group, ATT_HEADS) : 1;
+  t.task_groups = (group + t.per_task - 1) / t.per_task;
+  // Runs of a segment's rows, as long as the queries allow while there are still two tasks a thread, split evenly.
+  // Why: the rows of a tree see the same prefix, and each loaded every K/V row of it, where a run loads it once.
+  // Measured with the transposed score sums (`attend`; scripts/isa_tcurve.py --against the one-row tasks, Zen 4,
+  // bf16, ms): context 1024 AVX-512 T=4 10.1 -> 9.4, T=8 17.1 -> 15.9 (fp32 14.2 -> 13.5, 21.0 -> 20.2); AVX2 T=4
+  // 13.4 -> 12.5, T=8 21.4 -> 20.2; context 128 T=16 26.3 -> 22.6, T=1-8 within noise; a causal 64-row prefill
+  // chunk at context 512 118.6 -> 113.9, at context 0 within 1-2% (its slots are window slots: per query).
+  const int64_t most_rows =
+      std::max<int64_t>(1, std::min(simd::ATT_QUERIES / t.per_task, rows * c.kv_heads * t.task_groups / (2 * threads)));
+  for (const Segment& g : segs) {
+    const int64_t n = (g.rows + most_rows - 1) / most_rows;
+    for (int64_t k = 0; k < n; ++k) t.runs.emplace_back(g.row0 + g.rows * k / n, g.rows * (k + 1) / n - g.rows * k / n);
+  }
+  return t;
+}
+
 // Attention of every (row, head) over exactly its visible slots, in slot order (`attend`). A task is a kv head, the
-// heads of its GQA group it takes (up to 4; one head per task when there are too few rows to keep every thread busy)
-// and a run of one segment's rows: every query of the task shares each K and V row load of the prefix, and the loop
-// runs over slots with every (query, 16-lane chunk) its own accumulator, so FMA chains run side by side. Why: the
-// former per-(row, head) loop re-read K/V per head and ran one dependent FMA chain per pass over the slots.
+// heads of its GQA group it takes and a run of one segment's rows (`attention_tasks`): every query of the task shares
+// each K and V row load of the prefix, and the loop runs over slots with every (query, 16-lane chunk) its own
+// accumulator, so FMA chains run side by side. Why: the former per-(row, head) loop re-read K/V per head and ran one
+// dependent FMA chain per pass over the slots.
 // Measured (whole forward, as for PREFETCH_BYTES), context 1024: bf16 T=8 58.4 -> 51.4 ms, T=32 123.5 -> 103.7;
 // fp32 T=16 104.7 -> 94.0, T=32 178.6 -> 138.9; context 128 within noise. Logits are bitwise unchanged.
 // At one row and long contexts attention streams the KV cache (46 KB a token, fp32: 94 MB a forward at context
@@ -774,37 +809,17 @@ constexpr std::array<Attend, sizeof...(I)> attend_table(std::index_sequence<I...
 // of rows it pays, `attend`), software prefetch of K/V rows 8 slots ahead, and threads splitting (row, head) pairs
 // evenly (4 and 5 heads at T=1, not 6 and 3).
 void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs, const RowSlots& vis,
-               const float* qkv, int64_t ld_qkv, float* out, float* scores, int64_t scores_ld) {
-  constexpr int64_t MAXG = 4, MAXQ = simd::ATT_QUERIES;  // heads per task; queries (rows x heads) per task
+               const AttentionTasks& tasks, const float* qkv, int64_t ld_qkv, float* out, float* scores,
+               int64_t scores_ld) {
+  constexpr int64_t MAXQ = simd::ATT_QUERIES;  // queries (rows x heads) a task takes
   // per query count: the common head_dim (64) compiled with its chunk count, and any other
   static constexpr auto FIXED = attend_table<4, false>(std::make_index_sequence<MAXQ>());
   static constexpr auto ANY = attend_table<0, false>(std::make_index_sequence<MAXQ>());
   static constexpr auto FIXED_RUN = attend_table<4, true>(std::make_index_sequence<MAXQ>());
   static constexpr auto ANY_RUN = attend_table<0, true>(std::make_index_sequence<MAXQ>());
-  const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads, R = vis.seg.size();
-  const int64_t threads = at::get_num_threads();
-  // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
-  // at long contexts a group's heads sharing each K/V row load beats the balance of more, smaller tasks. Measured
-  // (Zen 4, bf16 T=1, one process, interleaved, three runs): context 2000 11.09-12.27 -> 10.21-11.37 ms, 1024
-  // -0.05 to -0.29 ms, but 128 +0.09 to +0.14 ms, hence the 512 threshold.
-  int64_t longest = 0;
-  for (const Segment& g : segs) longest = std::max(longest, g.length);
-  const bool share = R * c.kv_heads >= 4 * threads || longest >= 512;
-  const int64_t per_task = share ? std::min(group, MAXG) : 1;
-  const int64_t task_groups = (group + per_task - 1) / per_task;  // tasks per (row run, kv head)
-  // Runs of a segment's rows, as long as the queries allow while there are still two tasks a thread, split evenly.
-  // Why: the rows of a tree see the same prefix, and each loaded every K/V row of it, where a run loads it once.
-  // Measured with the transposed score sums (`attend`; scripts/isa_tcurve.py --against the one-row tasks, Zen 4,
-  // bf16, ms): context 1024 AVX-512 T=4 10.1 -> 9.4, T=8 17.1 -> 15.9 (fp32 14.2 -> 13.5, 21.0 -> 20.2); AVX2 T=4
-  // 13.4 -> 12.5, T=8 21.4 -> 20.2; context 128 T=16 26.3 -> 22.6, T=1-8 within noise; a causal 64-row prefill
-  // chunk at context 512 118.6 -> 113.9, at context 0 within 1-2% (its slots are window slots: per query).
-  const int64_t most_rows =
-      std::max<int64_t>(1, std::min(MAXQ / per_task, R * c.kv_heads * task_groups / (2 * threads)));
-  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
-  for (const Segment& g : segs) {
-    const int64_t n = (g.rows + most_rows - 1) / most_rows;
-    for (int64_t k = 0; k < n; ++k) runs.emplace_back(g.row0 + g.rows * k / n, g.rows * (k + 1) / n - g.rows * k / n);
-  }
+  const int64_t H = c.heads, D = c.head_dim, group = c.heads / c.kv_heads;
+  const int64_t per_task = tasks.per_task, task_groups = tasks.task_groups;
+  const auto& runs = tasks.runs;
   const int64_t n_runs = runs.size();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // Tasks in (kv head, head group, run) order: a thread's run of tasks reads one kv head's K/V for run after run
@@ -901,6 +916,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
           std::memcpy(features + (r * n_feat + k) * Hd, x + r * Hd, Hd * sizeof(float));
   };
   const RowSlots vis = visible_slots(segs);
+  const AttentionTasks tasks = attention_tasks(c, segs);
 
   for (int64_t l = 0; l < c.layers; ++l) {
     capture(l);
@@ -932,7 +948,7 @@ void forward_impl(const Config& c, const torch::Tensor& tokens, const torch::Ten
           std::memcpy(g.v + off, row + q_dim + kv_dim + hh * D, D * sizeof(float));
         }
       }
-    attention(c, l, segs, vis, qkv, qkv_dim, att, scores, scores_ld);
+    attention(c, l, segs, vis, tasks, qkv, qkv_dim, att, scores, scores_ld);
     project<W>(att, R, q_dim, projs[4 * l + 1], Hd, h, bo.empty() ? nullptr : bo[l].data_ptr<float>(), x, xq, xs);
     for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, mlp_norm, Hd, c.eps, h + r * Hd);
     project<W>(h, R, Hd, projs[4 * l + 2], 2 * c.inter, g13, nullptr, nullptr, xq, xs);
@@ -998,7 +1014,7 @@ void eagle3_impl(const Config& c, const torch::Tensor& tokens, const torch::Tens
         std::memcpy(s.v + (hh * s.capacity + slot) * D, row + q_dim + kv_dim + hh * D, D * sizeof(float));
       }
     }
-  attention(c, 0, segs, visible_slots(segs), qkv, qkv_dim, att, scores, scratch[6].size(1));
+  attention(c, 0, segs, visible_slots(segs), attention_tasks(c, segs), qkv, qkv_dim, att, scores, scratch[6].size(1));
   std::memcpy(x, g, R * Hd * sizeof(float));
   project<W>(att, R, q_dim, projs[1], Hd, h, nullptr, x, xq, nullptr);
   for (int64_t r = 0; r < R; ++r) rms_norm_row(x + r * Hd, post_norm, Hd, c.eps, h + r * Hd);
