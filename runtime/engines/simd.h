@@ -106,6 +106,7 @@ inline float reduce_add(Vec a) {  // ((v[i] + v[i+8]) + (v[i+4] + v[i+12])), the
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }  // exact in any order
 // Sixteen lane sums at once: lane s is reduce_add(a[s]), bitwise (each sum goes through reduce_add's tree, the
 // vectors transposed as they are added: 15 adds and 30 shuffles for sixteen sums instead of 16 x 7 operations).
+#define SPECTRT_SIMD_REDUCE16
 inline Vec reduce16(const Vec* a) {
   __m512 s[8], t[4], u[2];
   for (int p = 0; p < 8; ++p)  // lanes i + 8 onto i: sums 2p and 2p + 1 in the 256-bit halves
@@ -258,12 +259,6 @@ inline float reduce_add(Vec a) {  // the AVX-512 tree: lanes i and i + 8 first
   const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
   const __m128 w = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(w) + _mm_cvtss_f32(_mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1)));
-}
-// Sixteen lane sums at once: lane s is reduce_add(a[s]) (the AVX-512 build transposes them as it adds)
-inline Vec reduce16(const Vec* a) {
-  float sums[LANES];
-  for (int64_t i = 0; i < LANES; ++i) sums[i] = reduce_add(a[i]);
-  return load(sums);
 }
 inline float reduce_max(Vec a) {
   const __m256 t = _mm256_max_ps(a.lo, a.hi);
@@ -426,12 +421,6 @@ inline float reduce_add(Vec a) {
   for (int i = 0; i < 4; ++i) u[i] = t[i] + t[i + 4];
   return (u[0] + u[2]) + (u[1] + u[3]);
 }
-// Sixteen lane sums at once: lane s is reduce_add(a[s]) (the AVX-512 build transposes them as it adds)
-inline Vec reduce16(const Vec* a) {
-  float sums[LANES];
-  for (int64_t i = 0; i < LANES; ++i) sums[i] = reduce_add(a[i]);
-  return load(sums);
-}
 inline float reduce_max(Vec a) {
   float m = a.v[0];
   for (int64_t i = 1; i < LANES; ++i) m = a.v[i] > m ? a.v[i] : m;
@@ -464,6 +453,14 @@ template <typename W> inline void load_weights_pair(const W* p, Vec& a, Vec& b) 
 }
 template <typename W> inline void in_column_order(Vec& a, Vec& b) {
   a = in_column_order<W>(a), b = in_column_order<W>(b);
+}
+#endif
+
+#ifndef SPECTRT_SIMD_REDUCE16  // one sum at a time (the kernels call it only where ATT_SCORE_BLOCK is 16)
+inline Vec reduce16(const Vec* a) {
+  float sums[LANES];
+  for (int64_t i = 0; i < LANES; ++i) sums[i] = reduce_add(a[i]);
+  return load(sums);
 }
 #endif
 
