@@ -66,8 +66,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts); "
                    "none: draft-less speculation with suffix candidates")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
+                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32; bf16dot: bf16 GEMM "
+                        "inputs too, an exact mode of its own (native only; cheaper verify rows on AVX512_BF16 CPUs)")
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
     p.add_argument("--engines", type=Path, help="engines dir from `spectrt engines` (onnxruntime/tensorrt)")
     p.add_argument("--max-seq-len", type=positive, default=2048)

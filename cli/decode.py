@@ -138,8 +138,8 @@ def add_parsers(sub) -> None:
     pr.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft)")
     pr.add_argument("--no-draft", action="store_true", help="profile the target only")
     pr.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where the cost profile is saved")
-    pr.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                    help="auto: bf16 on the native CPU forward, else fp32")
+    pr.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
+                    help="auto: bf16 on the native CPU forward, else fp32 (bf16dot: see spectrt generate --help)")
     pr.add_argument("--repeats", type=positive, default=15, help="timed forwards per shape (median reported)")
     pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     pr.set_defaults(func=cmd_profile)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import EOS, PROMPTS, chat_ids
 from spectrt.runtime.decoding.decoder import Decoder
 from spectrt.runtime.decoding.profile import prefilled_cache
@@ -78,14 +79,16 @@ def test_a_forced_isa_is_the_one_that_runs(isa, target_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines(target_dir):
-    """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module."""
-    loaded: dict[tuple[str, torch.dtype], Transformer] = {}
+    """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module (dtype "bf16dot": bf16
+    weights summed in k pairs with bf16 GEMM inputs)."""
+    loaded: dict[tuple[str, torch.dtype | str], Transformer] = {}
 
-    def get(isa: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    def get(isa: str, dtype: torch.dtype | str = torch.float32) -> Transformer:
         if (isa, dtype) not in loaded:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("SPECTRT_ISA", isa)
-                loaded[isa, dtype] = Transformer.load(target_dir, dtype)
+                loaded[isa, dtype] = (Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
+                                      if dtype == "bf16dot" else Transformer.load(target_dir, dtype))
             assert loaded[isa, dtype].native.isa == isa
         return loaded[isa, dtype]
 
@@ -152,6 +155,52 @@ def test_packed_gemm_rows_are_invariant_and_correct(rows, dtype, amx, isa, monke
         assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
 
 
+def _pair_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS's arithmetic in torch, for normal numbers: inputs rounded to bf16 (to nearest even), then per k pair
+    in ascending order acc + odd product, + even product. A bf16 times a bf16 is exact in fp32, so each fp32 add is
+    the one rounding of an FMA."""
+    xb, wb = x.bfloat16().float(), w.bfloat16().float()
+    if x.shape[1] % 2:
+        xb, wb = F.pad(xb, (0, 1)), F.pad(wb, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for q in range(xb.shape[1] // 2):
+        for k in (2 * q + 1, 2 * q):
+            acc = acc + xb[:, k:k + 1] * wb[:, k][None]
+    return acc
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16dot_gemm_is_pair_dot_arithmetic_on_every_isa(isa, monkeypatch):
+    """bf16dot's GEMM computes VDPBF16PS's sums bitwise (the instruction on AVX512_BF16 CPUs, two FMAs under DAZ|FTZ
+    elsewhere): every row alone, inside blocks of others, K odd (a zero-padded pair), a partial last panel."""
+    monkeypatch.setenv("SPECTRT_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(200, 71, generator=gen)
+    packed = kernels.pack(w, torch.bfloat16, amx=False, pairs=True)
+    assert packed.shape == (4, 36, kernels.PANEL, 2)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):
+        x = torch.randn(rows, 71, generator=gen)
+        y = kernels.linear(x, packed, 200)
+        assert torch.equal(y, _pair_sums(x, w))
+        for i in range(rows):
+            assert torch.equal(kernels.linear(x[i:i + 1], packed, 200)[0], y[i])
+            assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16dot_reads_and_writes_denormals_as_zero(isa, monkeypatch):
+    """As VDPBF16PS: a denormal input rounds to zero, a product or sum below 2^-126 is flushed (every ISA alike)."""
+    monkeypatch.setenv("SPECTRT_ISA", isa)
+    w = torch.zeros(64, 4)
+    w[0, 0] = 2.0 ** -60  # column 0: 2^-70 * 2^-60 = 2^-130, a denormal product
+    w[1, 1] = 1.0  # column 1: the denormal activation itself
+    w[2, 0], w[2, 2] = 2.0 ** -60, 1.0  # column 2: 2^-130 + 2^-100: the denormal product is dropped, not added
+    x = torch.tensor([[2.0 ** -70, 2.0 ** -140, 2.0 ** -100, 0.0]])
+    y = kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=False, pairs=True), 64)
+    assert y[0, 0].item() == 0.0 and y[0, 1].item() == 0.0
+    assert y[0, 2].item() == 2.0 ** -100
+
+
 def test_amx_bf16_sums_exact_products_of_fp32_activations():
     """The AMX path splits fp32 activations into three bf16: as exact as the FMA path (bf16 weights times fp32
     activations, fp32 sums), not bf16-rounded activations."""
@@ -208,7 +257,7 @@ def test_native_matches_reference_forward(reference, engines, isa):
 
 # the portable build (a correctness fallback ~10x slower) checks an 8-node tree: 64 single steps there cost 16 s
 @pytest.mark.parametrize(("engine_name", "nodes"), [
-    (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16")], "bf16_amx"]
+    (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16", "bf16dot")], "bf16_amx"]
     for nodes in (8, 64) if not (name.startswith("portable") and nodes == 64)])
 def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
@@ -216,7 +265,7 @@ def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name,
         engine = request.getfixturevalue(engine_name)
     else:
         isa, dt = engine_name.split("-")
-        engine = engines(isa, torch.bfloat16 if dt == "bf16" else torch.float32)
+        engine = engines(isa, {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dt, dt))
     gen = torch.Generator().manual_seed(nodes)
     prefix = torch.randint(0, 49152, (40,), generator=gen).tolist()
     tree = _heap_tree(nodes)
@@ -299,6 +348,27 @@ def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf
     assert accepted > 0
 
 
+def test_bf16dot_greedy_tree_equals_its_autoregressive(engines, draft_dir, bf16_prompts):
+    """bf16dot is an exact mode of its own: tree decoding (a bf16 draft's 2,2,1 trees) gives bf16dot AR's tokens.
+    Its rows are invariant on every build (`test_tree_rows_are_bitwise_single_token_steps`) and every build computes
+    the best one's logits (`test_every_isa_computes_the_same_logits`), so the best build decodes here."""
+    target = engines(ISAS[0], "bf16dot")
+    ar = Decoder(target, None, EOS, max_seq_len=512)
+    spec_decoder = Decoder(target, Transformer.load(draft_dir, torch.bfloat16), EOS, max_seq_len=512)
+    accepted = 0
+    for ids in bf16_prompts[:3]:
+        expected = ar.generate(ids, 48).token_ids
+        result = spec_decoder.generate(ids, 48, Tree.parse("2,2,1"))
+        assert result.token_ids == expected
+        accepted += sum(result.stats.accepted)
+    assert accepted > 0
+
+
+def test_bf16dot_needs_the_native_forward(target_dir):
+    with pytest.raises(ValueError, match="bf16dot runs on the native CPU forward only"):
+        Transformer.load(target_dir, torch.bfloat16, native=False, pair_dots=True)
+
+
 @pytest.mark.parametrize("isa", ISAS[1:])
 def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
     """simd.h gives every ISA the same per-lane operations and one reduction order: logits, KV rows and INT8
@@ -314,7 +384,7 @@ def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
 
     def outputs(name: str) -> list[torch.Tensor]:
         out = []
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, "bf16dot"):
             engine = engines(name, dtype)
             cache = engine.new_cache(128, 96)
             causal = torch.ones(80, 80, dtype=torch.bool).tril()

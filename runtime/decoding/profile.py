@@ -272,11 +272,11 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
     """Measure target (and draft) curves + breakdowns; save the cost profile and the report files. The draft is a
     sliced model or an EAGLE-3 head (its forwards timed as `HeadRows`; no per-component breakdown)."""
     from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
-    from spectrt.runtime.engines.engine import DTYPES, draft_dtype
+    from spectrt.runtime.engines.engine import DTYPES, draft_dtype, load_transformer
 
     report = {"backend": "torch", "dtype": dtype, "threads": torch.get_num_threads(), "cpu": _cpu_name(),
               "cores": os.cpu_count(), "target_name": Path(target).name}
-    engines = {"target": Transformer.load(target, DTYPES[dtype])}
+    engines = {"target": load_transformer(target, dtype)}
     if draft is not None:  # in the precision the pipeline runs it
         if is_eagle3(Path(draft)):
             engines["draft"] = HeadRows(Eagle3Head.load(Path(draft), engines["target"],

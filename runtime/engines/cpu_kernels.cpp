@@ -27,6 +27,9 @@
 
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>  // MXCSR (FlushDenormals)
+#endif
 
 #include "simd.h"
 
@@ -189,6 +192,110 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
       break;
     case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
       break;
+    default: break;
+  }
+}
+
+// bf16dot, a precision of its own (kernels.py `pack(..., pairs=True)`): each GEMM input row is rounded to bf16, the
+// weights are packed in k pairs ([P, K2, NR, 2]: column c's weights for k = 2 q, 2 q + 1 side by side), and each
+// column sums, pair by pair in ascending k, the odd product and then the even one, one FMA rounding each, denormal
+// inputs and results read as zero: VDPBF16PS's arithmetic (simd::dot_pair). Why: with fp32 activations every weight
+// costs one fp32 FMA per row, so past ~4 rows a verify is bound by the FMA units (a 4-row bf16 verify 1.5x a
+// single row); a pair dot multiplies twice the weights per instruction. Rows stay invariant (each row's sums are
+// the same instructions whatever the others), and every ISA agrees: without AVX512_BF16 the same FMAs run under
+// MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums over normal and denormal ranges, bitwise).
+
+// fp32 -> bf16, round to nearest even; a denormal becomes a signed zero and a NaN stays a (quiet) NaN, as
+// VCVTNEPS2BF16 rounds. Written in integers, branch-free, so every build rounds alike (and GCC vectorizes the loop).
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t magnitude = u & 0x7FFFFFFFu;
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet_nan = (u >> 16) | 0x40u;
+  const uint32_t signed_zero = (u >> 16) & 0x8000u;
+  return static_cast<uint16_t>(magnitude > 0x7F800000u ? quiet_nan : magnitude < 0x00800000u ? signed_zero : rounded);
+}
+
+// x [rows, K] fp32 -> xp [rows, ldp] bf16 (ldp = 2 K2 >= K, the odd k past K zero)
+void round_rows_bf16(const float* x, int64_t rows, int64_t K, int64_t ldp, uint16_t* xp) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* in = x + m * K;
+    uint16_t* o = xp + m * ldp;
+    for (int64_t k = 0; k < K; ++k) o[k] = round_bf16(in[k]);
+    for (int64_t k = K; k < ldp; ++k) o[k] = 0;
+  }
+}
+
+// Sets MXCSR's DAZ|FTZ for the emulated pair sums while alive (x86; other CPUs run the portable build, whose sums
+// then differ from VDPBF16PS's only where a product or sum falls below 2^-126).
+struct FlushDenormals {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned saved = 0;
+  FlushDenormals() {
+    if constexpr (simd::DOT_FLUSH) saved = _mm_getcsr(), _mm_setcsr(saved | 0x8040u);
+  }
+  ~FlushDenormals() {
+    if constexpr (simd::DOT_FLUSH) _mm_setcsr(saved);
+  }
+#endif
+};
+
+// out[m][c0 : c0 + 16 C] = the pair sums of rows xp[m] (bf16, ldp per row) with a k-pair panel, k pairs ascending.
+template <int M, int C>
+__attribute__((noinline)) void dot_block(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2,
+                                         float* out, int64_t ldo, int64_t cols, int64_t c0, bool ahead) {
+  constexpr int64_t row_bytes = NR * 2 * sizeof(uint16_t), rows_ahead = PREFETCH_BYTES / row_bytes;
+  const int64_t prefetch_bytes = ahead ? row_bytes : 0;
+  Vec acc[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
+  for (int64_t q = 0; q < K2; ++q) {
+    const uint16_t* w = panel + (q * NR + c0) * 2;
+    for (int64_t b = 0; b < prefetch_bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(panel + (q + rows_ahead) * NR * 2) + b, 0, STREAM_LOCALITY);
+    simd::Pairs wv[C];
+    for (int j = 0; j < C; ++j) wv[j] = simd::load_pairs(w + j * LANES * 2), simd::pin(wv[j]);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      uint32_t bits;
+      std::memcpy(&bits, xp + m * ldp + 2 * q, sizeof(bits));
+      const simd::XPair xb = simd::set_pair(bits);
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) acc[m][j] = simd::dot_pair(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < C; ++j) {
+      const int64_t c = c0 + j * LANES;
+      if (c >= cols) break;
+      simd::store_first(out + m * ldo + c, acc[m][j], cols - c);
+    }
+}
+
+// M rows over a panel, in passes of dot_vecs(M) Vecs of columns; the first pass streams the panel (prefetching it)
+template <int M>
+inline void dot_rows(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
+                     int64_t cols, bool& ahead) {
+  constexpr int C = simd::dot_vecs(M);
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, ahead = false)
+    dot_block<M, C>(xp, ldp, panel, K2, out, ldo, cols, c0, ahead);
+}
+
+void dot_panel(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
+               int64_t rows, int64_t cols) {
+  constexpr int MR = simd::DOT_ROWS;
+  FlushDenormals flush;
+  bool ahead = true;
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) dot_rows<MR>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
+  const uint16_t* xr = xp + m * ldp;
+  float* o = out + m * ldo;
+  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
+    case 1: dot_rows<1>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
+    case 2: if constexpr (MR > 2) dot_rows<2>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
+    case 3: if constexpr (MR > 3) dot_rows<3>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
+    case 4: if constexpr (MR > 4) dot_rows<4>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
+    case 5: if constexpr (MR > 5) dot_rows<5>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
     default: break;
   }
 }
@@ -397,7 +504,8 @@ inline int64_t written_row_argmax(const float* row, int64_t n, std::vector<Panel
   return row_argmax(row, n, part.data(), 1);
 }
 
-// out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR] (or for AMX, 6-D bf16, above). With
+// out[rows, N] = x[rows, K] @ W^T (+ bias), W packed [P, K, NR] (or for AMX, 6-D bf16, above; for bf16dot, k pairs
+// [P, K2, NR, 2], `dot_block`). With
 // `residual`, then residual += out (out is scratch): the sum is x + f(x) in that order, as in the reference forward.
 // With `argmax`, each output row's argmax too (the LM head: `PanelMax`).
 template <typename W>
@@ -410,23 +518,41 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
     return;
   }
   const int64_t panels = packed.size(0);
-  const W* wp = packed.data_ptr<W>();
   std::vector<PanelMax> partial(argmax ? panels * rows : 0);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
-      const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-      rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
-      if (argmax)
-        for (int64_t m = 0; m < rows; ++m) partial[p * rows + m] = panel_max(out + m * n_out + c0, cols);
-      if (bias)
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t c = c0; c < c0 + cols; ++c) out[m * n_out + c] = out[m * n_out + c] + bias[c];
-      if (residual)
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t c = c0; c < c0 + cols; ++c) residual[m * n_out + c] = residual[m * n_out + c] + out[m * n_out + c];
-    }
-  });
+  // a panel's outputs while in L1: its maxima (the LM head), then + bias, then residual += out
+  auto finish = [&](int64_t p, int64_t c0, int64_t cols) {
+    if (argmax)
+      for (int64_t m = 0; m < rows; ++m) partial[p * rows + m] = panel_max(out + m * n_out + c0, cols);
+    if (bias)
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = c0; c < c0 + cols; ++c) out[m * n_out + c] = out[m * n_out + c] + bias[c];
+    if (residual)
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = c0; c < c0 + cols; ++c) residual[m * n_out + c] = residual[m * n_out + c] + out[m * n_out + c];
+  };
+  if (packed.dim() == 4) {  // bf16dot: the inputs rounded to bf16 once, then the pair sums
+    TORCH_CHECK(xs != nullptr, "a k-pair (bf16dot) weight needs the bf16 activation scratch");
+    const int64_t K2 = packed.size(1), ldp = 2 * K2;
+    round_rows_bf16(x, rows, K, ldp, xs);
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
+        dot_panel(xs, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols);
+        finish(p, c0, cols);
+      }
+    });
+  } else {
+    const W* wp = packed.data_ptr<W>();
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
+        const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
+        rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
+        finish(p, c0, cols);
+      }
+    });
+  }
   for (int64_t m = 0; argmax && m < rows; ++m) argmax[m] = row_argmax(out + m * n_out, n_out, partial.data() + m, rows);
 }
 

@@ -17,7 +17,9 @@ import numpy as np
 import torch
 from spectrt.runtime.engines.model import KVCache, ModelConfig, Transformer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# --dtype -> the weights' torch dtype. bf16dot: bf16 weights and bf16 GEMM inputs summed in k pairs (the native
+# forward only: cpu_kernels.cpp `dot_block`); an exact mode of its own (row invariant), whose outputs are not bf16's.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16dot": torch.bfloat16}
 
 
 class Segment(NamedTuple):
@@ -125,7 +127,12 @@ def load_engine(checkpoint: Path, backend: str = "torch", dtype: str = "fp32", m
         return TensorRTEngine.load(Path(checkpoint))
     if backend != "torch":
         raise ValueError(f"--backend {backend!r} is not available: choose torch, onnxruntime or tensorrt")
-    return Transformer.load(Path(checkpoint), DTYPES[dtype], measure_kernels)
+    return load_transformer(Path(checkpoint), dtype, measure_kernels)
+
+
+def load_transformer(checkpoint: Path, dtype: str, measure_kernels: bool = True) -> Transformer:
+    """The torch backend's engine for a --dtype name (fp32, bf16, bf16dot)."""
+    return Transformer.load(Path(checkpoint), DTYPES[dtype], measure_kernels, pair_dots=dtype == "bf16dot")
 
 
 def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = None) -> str:

@@ -220,11 +220,16 @@ def amx_enabled() -> bool:
     return os.environ.get("SPECTRT_AMX", "0") == "1" and amx_supported()
 
 
-def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None) -> torch.Tensor:
+def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None, pairs: bool = False) -> torch.Tensor:
     """[N, K] weight -> [ceil(N/PANEL), K, PANEL] panels (zero-padded columns), as the FMA GEMM streams them; bf16
     with AMX (`amx`: None = `amx_enabled()`) -> [P, 4, Kp/32, 16, 16, 2]: per panel, each group of 16 columns a
-    stream of tiles of 16 k-pairs x 16 columns x 2 consecutive k (the layout TDPBF16PS reads), K zero-padded."""
+    stream of tiles of 16 k-pairs x 16 columns x 2 consecutive k (the layout TDPBF16PS reads), K zero-padded.
+    `pairs` (bf16dot: bf16 GEMM inputs) -> bf16 [P, ceil(K/2), PANEL, 2]: each column's weights of k = 2q, 2q + 1
+    side by side (the layout VDPBF16PS reads), K zero-padded to even."""
     n, k = weight.shape
+    if pairs:
+        w = F.pad(weight.to(torch.bfloat16), (0, k % 2, 0, -n % PANEL))  # [P*64, 2 K2]
+        return w.view(-1, PANEL, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
     amx = amx_enabled() if amx is None else amx
     if amx and not amx_supported():
         raise ValueError("AMX packing needs a CPU with AMX-BF16 and the tile state granted: pack with amx=False")
@@ -349,9 +354,9 @@ def pack_int8(proj) -> list[torch.Tensor]:
             F.pad(colsum, (0, -n % PANEL)).contiguous(), group]
 
 
-def pack_projection(w, dtype: torch.dtype) -> list[torch.Tensor]:
-    """[packed] for an fp weight, the six W8A8 tensors for an INT8 projection."""
-    return [pack(w, dtype)] if isinstance(w, torch.Tensor) else pack_int8(w)
+def pack_projection(w, dtype: torch.dtype, pairs: bool = False) -> list[torch.Tensor]:
+    """[packed] for an fp weight (k pairs for bf16dot: `pack`), the six W8A8 tensors for an INT8 projection."""
+    return [pack(w, dtype, pairs=pairs)] if isinstance(w, torch.Tensor) else pack_int8(w)
 
 
 def linear(x: torch.Tensor, proj: list[torch.Tensor] | torch.Tensor, n_out: int) -> torch.Tensor:
@@ -376,7 +381,8 @@ class NativeModel:
     """Packed weights and static scratch for `cpu_kernels.forward`; one per engine, built at load.
 
     Weights keep the engine's dtype (fp32, or bf16 for half the memory traffic); activations, accumulation and the
-    KV cache are fp32. Scratch buffers grow only when a call needs more rows or positions than any before it
+    KV cache are fp32, except that with `pairs` (bf16dot) every GEMM rounds its input rows to bf16 and sums k pairs
+    (cpu_kernels.cpp `dot_block`: half the FMA work per verified row). Scratch buffers grow only when a call needs more rows or positions than any before it
     (`reserve`, done by `new_cache`), so decoding allocates nothing but each forward's logits.
     The native calls release the GIL, so nothing serializes Python callers any more: run one forward at a time
     per engine (the scratch is shared), as the decoder's one loop thread does.
@@ -384,8 +390,12 @@ class NativeModel:
 
     def __init__(self, config, embed: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, layers: list[dict],
                  inv_freq: torch.Tensor, rope_scale: float, dtype: torch.dtype,
-                 head_ids: torch.Tensor | None = None):
-        """`head_ids`: a vocabulary-subset draft head's target ids (its K rows score those, other ids -inf)."""
+                 head_ids: torch.Tensor | None = None, pairs: bool = False):
+        """`head_ids`: a vocabulary-subset draft head's target ids (its K rows score those, other ids -inf).
+        `pairs`: bf16dot (bf16 weights in k pairs, bf16 GEMM inputs)."""
+        if pairs and dtype != torch.bfloat16:
+            raise ValueError(f"bf16dot packs bf16 weights, not {dtype}")
+        self.pairs = pairs
         c = config
         self.config, self.inv_freq, self.rope_scale = c, inv_freq, rope_scale
         self.kernels = load_kernels()
@@ -393,10 +403,10 @@ class NativeModel:
         fp32 = torch.float32
         self.embed = embed.to(fp32).contiguous()
         self.final_norm = norm.to(fp32).contiguous()
-        self.head, self.head_ids = pack(head, dtype), head_ids
+        self.head, self.head_ids = pack(head, dtype, amx=False if pairs else None, pairs=pairs), head_ids
         self.norms = [n.to(fp32).contiguous() for layer in layers for n in (layer["attn_norm"], layer["mlp_norm"])]
         # per layer q/k/v, o, gate/up, down; fp weights keep `dtype`, W8A8 ones their int8 form
-        self.projections = [pack_projection(layer[name], dtype) for layer in layers
+        self.projections = [pack_projection(layer[name], dtype, pairs) for layer in layers
                             for name in ("wqkv", "wo", "w13", "w2")]
         # every streamed weight on huge pages (huge_page_arena: ~25% off a bf16 decode step)
         streamed = huge_page_arena([self.head] + [p[0] for p in self.projections])

@@ -245,12 +245,13 @@ class Transformer:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  measure_kernels: bool = True, projections: list[dict] | None = None, native: bool | None = None,
-                 packed_dtype: torch.dtype | None = None):
+                 packed_dtype: torch.dtype | None = None, pair_dots: bool = False):
         """`projections`: per layer, replacements for the fused projections (an INT8 target's).
 
         `native`: run the native CPU forward (runtime/engines/kernels.py; None = whenever it can run here). It is row
         invariant and several times cheaper per verified row; the torch path stays the reference and the INT8 path.
         `packed_dtype`: the native forward's fp weights (default `dtype`; an INT8 recipe's bf16 kept weights).
+        `pair_dots`: bf16dot, bf16 weights and GEMM inputs summed in k pairs (native only: `NativeModel`).
         """
         self.config = config
         self.dtype = dtype
@@ -287,15 +288,18 @@ class Transformer:
         elif native and (not native_ok or native_unavailable()):
             reason = native_unavailable() or f"it runs fp32/bf16 weights (and W8A8), not {dtype}"
             raise ValueError(f"the native CPU forward cannot run this engine: {reason}")
+        if pair_dots and not native:
+            raise ValueError("--dtype bf16dot runs on the native CPU forward only "
+                             f"({native_unavailable() or 'native=False'}): use --dtype bf16")
         self.native = NativeModel(config, self.embed, self.norm, self.head, self.layers, self.inv_freq,
-                                  self.rope_scale, packed_dtype or dtype, self.head_ids) if native else None
+                                  self.rope_scale, packed_dtype or dtype, self.head_ids, pair_dots) if native else None
         if self.native is None and measure_kernels:  # the reference path's kernel choice, timed at load
             self.linear.prepare([self.head] + [w for layer in self.layers for k, w in layer.items()
                                                if k in ("wqkv", "wo", "w13", "w2")])
 
     @classmethod
     def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, measure_kernels: bool = True,
-             native: bool | None = None) -> Transformer:
+             native: bool | None = None, pair_dots: bool = False) -> Transformer:
         config = ModelConfig.from_dir(checkpoint)
         if quant_format(checkpoint):
             if dtype != torch.float32:
@@ -307,7 +311,7 @@ class Transformer:
             with safe_open(shard, "pt") as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
-        return cls(config, weights, dtype, measure_kernels, native=native)
+        return cls(config, weights, dtype, measure_kernels, native=native, pair_dots=pair_dots)
 
     @property
     def inexact(self) -> str | None:

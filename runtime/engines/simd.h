@@ -10,6 +10,10 @@
 // What differs per ISA is only how many registers a Vec takes, so register blocks are sized here (GEMM_ROWS,
 // gemm_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK), never in the kernels.
 //
+// bf16dot (a precision of its own: bf16 GEMM inputs): dot_pair adds, per column, the odd then the even product of a k
+// pair, each one FMA rounding, denormal inputs and results read as zero: VDPBF16PS (AVX512_BF16) in one instruction;
+// elsewhere two FMAs under MXCSR's DAZ|FTZ (`DOT_FLUSH`: the GEMM sets it around the sums), so every ISA agrees.
+//
 // INT8: dot4 adds, per column, four u8 x s8 products to an int32 lane. VNNI's dpbusd does it in one instruction
 // (AVX-512 VNNI or AVX-VNNI); elsewhere the bytes are widened to int16 and summed by pmaddwd (each pair sum
 // <= 2 * 255 * 128 fits int32 exactly; pmaddubsw would saturate int16), so every ISA gets the same exact sums.
@@ -53,6 +57,30 @@ inline Vec load_weights(const uint16_t* bf16) {  // bf16 -> fp32 is exact: the b
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bf16));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+// 16 columns of a k-pair panel row (column c's two bf16 at 2c, 2c + 1) as the even-k and odd-k weights, in fp32
+inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m512i v = _mm512_loadu_si512(p);
+  even = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+  odd = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+#if defined(__AVX512BF16__)
+// One VDPBF16PS per 16 columns and row: 6 rows x 4 accumulators + 4 raw weight pairs, as the fp32 block.
+#define SPECTRT_SIMD_BF16_DOT
+constexpr bool DOT_FLUSH = false;  // the instruction flushes denormals itself, whatever MXCSR says
+constexpr int DOT_ROWS = 6;
+constexpr int dot_vecs(int /*rows*/) { return 4; }
+struct Pairs { __m512i v; };
+struct XPair { __m512i v; };
+inline Pairs load_pairs(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
+inline void pin(Pairs&) {}
+inline XPair set_pair(uint32_t bits) { return {_mm512_set1_epi32(static_cast<int32_t>(bits))}; }
+inline Vec dot_pair(Vec acc, const XPair& x, const Pairs& w) {
+  return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(x.v), reinterpret_cast<__m512bh>(w.v))};
+}
+#else
+constexpr int DOT_ROWS = 4;  // 4 rows x 4 accumulators + 4 x (even, odd) weights: 24 zmm
+constexpr int dot_vecs(int /*rows*/) { return 4; }
+#endif
 template <typename W> inline Vec in_column_order(Vec a) { return a; }  // see the AVX2 one
 // Two Vecs of a panel row (32 columns) at once, the form the GEMM loads them in. bf16 widens by interleaving zero
 // words (vpunpck*, port 5) instead of zero-extend (port 5) + shift (port 0: an FMA port) per Vec, as on AVX2; the
@@ -205,6 +233,17 @@ template <typename W> inline Vec in_column_order(Vec a) {
     return {_mm256_permute2f128_ps(a.lo, a.hi, 0x20), _mm256_permute2f128_ps(a.lo, a.hi, 0x31)};
   else return a;
 }
+inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {  // as the AVX-512 one, 8 columns a ymm
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
+}
+// 16 ymm: one row 32 columns a pass (4 accumulators, weights loaded at their FMAs), more rows 16 columns (up to 8
+// accumulators + 4 weights + the two broadcasts)
+constexpr int DOT_ROWS = 4;
+constexpr int dot_vecs(int rows) { return rows == 1 ? 2 : 1; }
 // Keep a loaded weight in registers: otherwise GCC folds the load into every row's FMA, and a pass over a panel
 // that does not fit L1 then reads L2 once per row. Measured (576 x 3072 fp32, T=8): 37 -> see kernels.py GFMA/s.
 inline void pin(Vec& a) { asm volatile("" : "+x"(a.lo), "+x"(a.hi)); }
@@ -352,6 +391,17 @@ inline Vec load_weights(const uint16_t* bf16) {
   std::memcpy(&r.v, &bits, sizeof(r.v));
   return r;
 }
+inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  i32x16 e, o;
+  for (int64_t i = 0; i < LANES; ++i) {
+    e[i] = static_cast<int32_t>(uint32_t(p[2 * i]) << 16);
+    o[i] = static_cast<int32_t>(uint32_t(p[2 * i + 1]) << 16);
+  }
+  std::memcpy(&even.v, &e, sizeof(e));
+  std::memcpy(&odd.v, &o, sizeof(o));
+}
+constexpr int DOT_ROWS = 4;
+constexpr int dot_vecs(int /*rows*/) { return 4; }
 template <typename W> inline Vec in_column_order(Vec a) { return a; }
 inline Vec load_first(const float* p, int64_t n) {
   Vec r = zero();
@@ -453,6 +503,27 @@ template <typename W> inline void load_weights_pair(const W* p, Vec& a, Vec& b) 
 }
 template <typename W> inline void in_column_order(Vec& a, Vec& b) {
   a = in_column_order<W>(a), b = in_column_order<W>(b);
+}
+#endif
+
+#ifndef SPECTRT_SIMD_BF16_DOT  // VDPBF16PS's sums from two FMAs, under DAZ|FTZ (set by the GEMM: DOT_FLUSH)
+constexpr bool DOT_FLUSH = true;
+struct Pairs { Vec even, odd; };
+struct XPair { Vec even, odd; };
+inline Pairs load_pairs(const uint16_t* p) {
+  Pairs w;
+  split_pairs(p, w.even, w.odd);
+  return w;
+}
+inline void pin(Pairs& w) { pin(w.even), pin(w.odd); }
+inline float bits_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline XPair set_pair(uint32_t bits) { return {set1(bits_float(bits << 16)), set1(bits_float(bits & 0xFFFF0000u))}; }
+inline Vec dot_pair(Vec acc, const XPair& x, const Pairs& w) {
+  return fmadd(x.even, w.even, fmadd(x.odd, w.odd, acc));  // odd first, as the instruction
 }
 #endif
 
