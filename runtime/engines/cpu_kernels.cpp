@@ -216,12 +216,13 @@ inline uint16_t round_bf16(float f) {
   return static_cast<uint16_t>(magnitude > 0x7F800000u ? quiet_nan : magnitude < 0x00800000u ? signed_zero : rounded);
 }
 
-// x [rows, K] fp32 -> xp [rows, ldp] bf16 (ldp = 2 K2 >= K, the odd k past K zero)
-void round_rows_bf16(const float* x, int64_t rows, int64_t K, int64_t ldp, uint16_t* xp) {
+// x [rows, K] fp32 -> xp [rows, ldp] rounded to bf16, in the form the pair sums read (simd::DotInput: the bf16 bits,
+// or their fp32 value where emulated); ldp = 2 K2 >= K, the odd k past K zero
+void round_rows_bf16(const float* x, int64_t rows, int64_t K, int64_t ldp, simd::DotInput* xp) {
   for (int64_t m = 0; m < rows; ++m) {
     const float* in = x + m * K;
-    uint16_t* o = xp + m * ldp;
-    for (int64_t k = 0; k < K; ++k) o[k] = round_bf16(in[k]);
+    simd::DotInput* o = xp + m * ldp;
+    for (int64_t k = 0; k < K; ++k) o[k] = simd::to_dot_input(round_bf16(in[k]));
     for (int64_t k = K; k < ldp; ++k) o[k] = 0;
   }
 }
@@ -240,11 +241,11 @@ struct FlushDenormals {
 #endif
 };
 
-// out[m][c0 : c0 + 16 C] = the pair sums of rows xp[m] (bf16, ldp per row) with a k-pair panel, k pairs ascending.
+// out[m][c0 : c0 + 16 C] = the pair sums of rows xp[m] (ldp per row) with a k-pair panel, k pairs ascending.
 template <int M, int C>
-__attribute__((noinline)) void dot_block(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2,
+__attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2,
                                          float* out, int64_t ldo, int64_t cols, int64_t c0, bool ahead) {
-  constexpr int64_t row_bytes = NR * 2 * sizeof(uint16_t), rows_ahead = PREFETCH_BYTES / row_bytes;
+  constexpr int64_t row_bytes = NR * 2 * sizeof(uint16_t), rows_ahead = 2 * PREFETCH_BYTES / row_bytes;
   const int64_t prefetch_bytes = ahead ? row_bytes : 0;
   Vec acc[M][C];
   for (int m = 0; m < M; ++m)
@@ -257,9 +258,7 @@ __attribute__((noinline)) void dot_block(const uint16_t* xp, int64_t ldp, const 
     for (int j = 0; j < C; ++j) wv[j] = simd::load_pairs(w + j * LANES * 2), simd::pin(wv[j]);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      uint32_t bits;
-      std::memcpy(&bits, xp + m * ldp + 2 * q, sizeof(bits));
-      const simd::XPair xb = simd::set_pair(bits);
+      const simd::XPair xb = simd::set_pair(xp + m * ldp + 2 * q);
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) acc[m][j] = simd::dot_pair(acc[m][j], xb, wv[j]);
     }
@@ -274,21 +273,21 @@ __attribute__((noinline)) void dot_block(const uint16_t* xp, int64_t ldp, const 
 
 // M rows over a panel, in passes of dot_vecs(M) Vecs of columns; the first pass streams the panel (prefetching it)
 template <int M>
-inline void dot_rows(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
+inline void dot_rows(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
                      int64_t cols, bool& ahead) {
   constexpr int C = simd::dot_vecs(M);
   for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, ahead = false)
     dot_block<M, C>(xp, ldp, panel, K2, out, ldo, cols, c0, ahead);
 }
 
-void dot_panel(const uint16_t* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
+void dot_panel(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
                int64_t rows, int64_t cols) {
   constexpr int MR = simd::DOT_ROWS;
   FlushDenormals flush;
   bool ahead = true;
   int64_t m = 0;
   for (; m + MR <= rows; m += MR) dot_rows<MR>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
-  const uint16_t* xr = xp + m * ldp;
+  const simd::DotInput* xr = xp + m * ldp;
   float* o = out + m * ldo;
   switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
     case 1: dot_rows<1>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
@@ -533,12 +532,14 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
   if (packed.dim() == 4) {  // bf16dot: the inputs rounded to bf16 once, then the pair sums
     TORCH_CHECK(xs != nullptr, "a k-pair (bf16dot) weight needs the bf16 activation scratch");
     const int64_t K2 = packed.size(1), ldp = 2 * K2;
-    round_rows_bf16(x, rows, K, ldp, xs);
+    // the scratch holds rows x 3 Kp bf16 (AMX's three parts), room for rows x ldp fp32 (DotInput where emulated)
+    simd::DotInput* xd = reinterpret_cast<simd::DotInput*>(xs);
+    round_rows_bf16(x, rows, K, ldp, xd);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
-        dot_panel(xs, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols);
+        dot_panel(xd, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols);
         finish(p, c0, cols);
       }
     });

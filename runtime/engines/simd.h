@@ -69,11 +69,17 @@ inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {
 constexpr bool DOT_FLUSH = false;  // the instruction flushes denormals itself, whatever MXCSR says
 constexpr int DOT_ROWS = 6;
 constexpr int dot_vecs(int /*rows*/) { return 4; }
+using DotInput = uint16_t;  // the GEMM's rounded inputs as the instruction reads them: bf16
 struct Pairs { __m512i v; };
 struct XPair { __m512i v; };
 inline Pairs load_pairs(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
 inline void pin(Pairs&) {}
-inline XPair set_pair(uint32_t bits) { return {_mm512_set1_epi32(static_cast<int32_t>(bits))}; }
+inline DotInput to_dot_input(uint16_t bf16) { return bf16; }
+inline XPair set_pair(const DotInput* p) {  // the pair p[0] (even k), p[1] (odd k) in every 32-bit lane
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return {_mm512_set1_epi32(static_cast<int32_t>(bits))};
+}
 inline Vec dot_pair(Vec acc, const XPair& x, const Pairs& w) {
   return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(x.v), reinterpret_cast<__m512bh>(w.v))};
 }
@@ -508,6 +514,9 @@ template <typename W> inline void in_column_order(Vec& a, Vec& b) {
 
 #ifndef SPECTRT_SIMD_BF16_DOT  // VDPBF16PS's sums from two FMAs, under DAZ|FTZ (set by the GEMM: DOT_FLUSH)
 constexpr bool DOT_FLUSH = true;
+// the rounded inputs kept as fp32 (bf16 -> fp32 is exact): each broadcast is then one load, as in the fp32-input
+// GEMM (built from the bf16 bits, a row's two broadcasts took as many uops as its four FMAs: AVX2 T=8 1.5x bf16's)
+using DotInput = float;
 struct Pairs { Vec even, odd; };
 struct XPair { Vec even, odd; };
 inline Pairs load_pairs(const uint16_t* p) {
@@ -516,12 +525,13 @@ inline Pairs load_pairs(const uint16_t* p) {
   return w;
 }
 inline void pin(Pairs& w) { pin(w.even), pin(w.odd); }
-inline float bits_float(uint32_t bits) {
+inline DotInput to_dot_input(uint16_t bf16) {
+  const uint32_t bits = uint32_t(bf16) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
-inline XPair set_pair(uint32_t bits) { return {set1(bits_float(bits << 16)), set1(bits_float(bits & 0xFFFF0000u))}; }
+inline XPair set_pair(const DotInput* p) { return {set1(p[0]), set1(p[1])}; }
 inline Vec dot_pair(Vec acc, const XPair& x, const Pairs& w) {
   return fmadd(x.even, w.even, fmadd(x.odd, w.odd, acc));  // odd first, as the instruction
 }
