@@ -254,13 +254,19 @@ __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, 
     const uint16_t* w = panel + (q * NR + c0) * 2;
     for (int64_t b = 0; b < prefetch_bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(panel + (q + rows_ahead) * NR * 2) + b, 0, STREAM_LOCALITY);
-    simd::Pairs wv[C];
-    for (int j = 0; j < C; ++j) wv[j] = simd::load_pairs(w + j * LANES * 2), simd::pin(wv[j]);
+    if constexpr (M == 1) {  // each weight pair used once: loaded at its sums (all first would not fit on AVX2)
+      const simd::XPair xb = simd::set_pair(xp + 2 * q);
 #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const simd::XPair xb = simd::set_pair(xp + m * ldp + 2 * q);
+      for (int j = 0; j < C; ++j) acc[0][j] = simd::dot_pair(acc[0][j], xb, simd::load_pairs(w + j * LANES * 2));
+    } else {
+      simd::Pairs wv[C];
+      for (int j = 0; j < C; ++j) wv[j] = simd::load_pairs(w + j * LANES * 2), simd::pin(wv[j]);
 #pragma GCC unroll 8
-      for (int j = 0; j < C; ++j) acc[m][j] = simd::dot_pair(acc[m][j], xb, wv[j]);
+      for (int m = 0; m < M; ++m) {
+        const simd::XPair xb = simd::set_pair(xp + m * ldp + 2 * q);
+#pragma GCC unroll 8
+        for (int j = 0; j < C; ++j) acc[m][j] = simd::dot_pair(acc[m][j], xb, wv[j]);
+      }
     }
   }
   for (int m = 0; m < M; ++m)

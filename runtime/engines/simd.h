@@ -246,10 +246,11 @@ inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {  // as the AVX
   even = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
   odd = {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
 }
-// 16 ymm: one row 32 columns a pass (4 accumulators, weights loaded at their FMAs), more rows 16 columns (up to 8
-// accumulators + 4 weights + the two broadcasts)
+// 16 ymm. An emulated pair is two dependent FMAs per accumulator, so the FMA latency wants 8 ymm accumulators: one
+// row takes a whole panel (8, weights loaded at their FMAs), more rows 16 columns a pass (up to 8 accumulators + 4
+// weights + the two broadcasts)
 constexpr int DOT_ROWS = 4;
-constexpr int dot_vecs(int rows) { return rows == 1 ? 2 : 1; }
+constexpr int dot_vecs(int rows) { return rows == 1 ? 4 : 1; }
 // Keep a loaded weight in registers: otherwise GCC folds the load into every row's FMA, and a pass over a panel
 // that does not fit L1 then reads L2 once per row. Measured (576 x 3072 fp32, T=8): 37 -> see kernels.py GFMA/s.
 inline void pin(Vec& a) { asm volatile("" : "+x"(a.lo), "+x"(a.hi)); }
