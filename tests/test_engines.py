@@ -268,6 +268,16 @@ def test_load_errors_say_what_is_needed(engines, target_dir):
             load_engine(engines / "target", "tensorrt")
     with pytest.raises(ValueError, match="choose torch, onnxruntime or tensorrt"):
         load_engine(target_dir, "tvm")
+    with pytest.raises(ValueError, match=r"choose auto or one of \['bf16', 'bf16dot', 'fp32'\]"):
+        load_engine(target_dir, "torch", "fp16")
+
+
+def test_bf16dot_loads_the_k_pair_forward(target_dir):
+    """--dtype bf16dot: bf16 weights packed in k pairs for every streamed GEMM (the LM head included)."""
+    engine = load_engine(target_dir, "torch", "bf16dot", measure_kernels=False)
+    native = engine.native
+    assert native.pairs and native.head.dim() == 4
+    assert all(p[0].dim() == 4 and p[0].dtype == torch.bfloat16 for p in native.projections)
 
 
 def _copy_model_dir(src: Path, dst: Path) -> Path:
