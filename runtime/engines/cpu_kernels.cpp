@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -171,6 +172,22 @@ inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, f
   }
 }
 
+// f(std::integral_constant<int, n>{}) for a runtime n in [1, MAX]: a register block takes its row count as a template
+// argument, so a call's last rows (fewer than a full block) pick theirs here, in one switch for every kernel
+template <int MAX, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  static_assert(MAX <= 6, "add the cases");
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (MAX >= 2) f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (MAX >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (MAX >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (MAX >= 5) f(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (MAX >= 6) f(std::integral_constant<int, 6>{}); break;
+    default: break;
+  }
+}
+
 template <typename W>
 void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
                 int64_t cols, const W* next, bool first_panel) {
@@ -180,20 +197,10 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
   int64_t m = 0, done = 0;
   for (; m + MR <= rows; m += MR)
     panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done, work);
-  const float* xr = x + m * ldx;
-  float* o = out + m * ldo;
-  switch (rest) {  // the last rows: a smaller block (cases >= MR never happen)
-    case 1: panel_rows<W, 1>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work); break;
-    case 2: if constexpr (MR > 2) panel_rows<W, 2>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
-      break;
-    case 3: if constexpr (MR > 3) panel_rows<W, 3>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
-      break;
-    case 4: if constexpr (MR > 4) panel_rows<W, 4>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
-      break;
-    case 5: if constexpr (MR > 5) panel_rows<W, 5>(xr, ldx, panel, K, o, ldo, cols, next, first_panel, done, work);
-      break;
-    default: break;
-  }
+  with_rows<MR - 1>(rest, [&](auto r) {  // the last rows: a smaller block
+    panel_rows<W, decltype(r)::value>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done,
+                                      work);
+  });
 }
 
 // bf16dot, a precision of its own (kernels.py `pack(..., pairs=True)`): each GEMM input row is rounded to bf16, the
@@ -295,16 +302,9 @@ void dot_panel(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int
   bool ahead = true;
   int64_t m = 0;
   for (; m + MR <= rows; m += MR) dot_rows<MR>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
-  const simd::DotInput* xr = xp + m * ldp;
-  float* o = out + m * ldo;
-  switch (rows - m) {  // the last rows: a smaller block (cases >= MR never happen)
-    case 1: dot_rows<1>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
-    case 2: if constexpr (MR > 2) dot_rows<2>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
-    case 3: if constexpr (MR > 3) dot_rows<3>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
-    case 4: if constexpr (MR > 4) dot_rows<4>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
-    case 5: if constexpr (MR > 5) dot_rows<5>(xr, ldp, panel, K2, o, ldo, cols, ahead); break;
-    default: break;
-  }
+  with_rows<MR - 1>(rows - m, [&](auto r) {  // the last rows: a smaller block
+    dot_rows<decltype(r)::value>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
+  });
 }
 
 // AMX bf16 GEMM (CPUs with AMX: Sapphire Rapids and later). Why: past one register block of rows the FMA path is
@@ -663,14 +663,7 @@ void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int6
           const int64_t k40 = g * g4, k4n = std::min(g4, q.k4 - k40);
           const uint8_t* xr = xq + m0 * ldx + 4 * k40;
           const int8_t* pg = panel + k40 * NR * 4;
-          switch (mr) {
-            case 1: int8_rows<1>(xr, ldx, pg, k4n, acc); break;
-            case 2: if constexpr (MR >= 2) int8_rows<2>(xr, ldx, pg, k4n, acc); break;
-            case 3: if constexpr (MR >= 3) int8_rows<3>(xr, ldx, pg, k4n, acc); break;
-            case 4: if constexpr (MR >= 4) int8_rows<4>(xr, ldx, pg, k4n, acc); break;
-            case 5: if constexpr (MR >= 5) int8_rows<5>(xr, ldx, pg, k4n, acc); break;
-            default: if constexpr (MR >= 6) int8_rows<6>(xr, ldx, pg, k4n, acc); break;
-          }
+          with_rows<MR>(mr, [&](auto r) { int8_rows<decltype(r)::value>(xr, ldx, pg, k4n, acc); });
           const int32_t* cs = q.colsum + g * np + c0;
           const float* os = q.out_scale + g * np + c0;
           for (int64_t m = 0; m < mr; ++m) {  // float(acc - colsum) * out_scale (* 1/s_mg), summed over groups
