@@ -267,6 +267,14 @@ __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, 
       const simd::XPair xb = simd::set_pair(xp + 2 * q);
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) acc[0][j] = simd::dot_pair(acc[0][j], xb, simd::load_pairs(w + j * LANES * 2));
+    } else if constexpr (simd::DOT_FLUSH && C > 1) {  // emulated: one Vec's weights at a time, so that the rows'
+      // accumulators stay in registers (all weights held first, AVX2's 2-row block kept 3 of its 8 in memory)
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) {
+        const simd::Pairs wj = simd::load_pairs(w + j * LANES * 2);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) acc[m][j] = simd::dot_pair(acc[m][j], simd::set_pair(xp + m * ldp + 2 * q), wj);
+      }
     } else {
       simd::Pairs wv[C];
       for (int j = 0; j < C; ++j) wv[j] = simd::load_pairs(w + j * LANES * 2), simd::pin(wv[j]);
