@@ -348,6 +348,40 @@ def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf
     assert accepted > 0
 
 
+@pytest.fixture
+def avx512_without_bf16(monkeypatch, engines):
+    """The AVX-512 build as a CPU without AVX512_BF16 compiles it (bf16dot's pair sums emulated under DAZ|FTZ), on a
+    CPU that has it: Skylake to Ice Lake run that build, so it is tested wherever it can be built. Yields the bf16dot
+    engine of the build with BF16 (loaded first)."""
+    if "avx512" not in ISAS or "avx512_bf16" not in kernels.cpu_flags():
+        pytest.skip("no AVX512_BF16 here: the avx512 build already is the emulating one (tested with every ISA)")
+    native = engines("avx512", "bf16dot")
+    monkeypatch.setenv("SPECTRT_ISA", "avx512")
+    monkeypatch.setenv("SPECTRT_NO_AVX512_BF16", "1")
+    kernels._build.cache_clear()
+    yield native
+    monkeypatch.delenv("SPECTRT_NO_AVX512_BF16")
+    kernels._build.cache_clear()
+
+
+def test_bf16dot_emulated_avx512_build_computes_the_same(avx512_without_bf16, target_dir):
+    """Pair sums bitwise VDPBF16PS's, and a tree forward's logits and K/V bitwise those of the build with BF16."""
+    native = avx512_without_bf16
+    assert kernels.load_kernels().bf16_dot == "emulated" and native.native.kernels.bf16_dot == "vdpbf16ps"
+    gen = torch.Generator().manual_seed(13)
+    w, x = torch.randn(200, 71, generator=gen), torch.randn(7, 71, generator=gen)
+    assert torch.equal(kernels.linear(x, kernels.pack(w, torch.bfloat16, amx=False, pairs=True), 200), _pair_sums(x, w))
+    emulated = Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
+    prefix = torch.randint(0, 49152, (30,), generator=gen).tolist()
+    tree = Tree.parse("3,2,1")
+    tokens = torch.randint(0, 49152, (len(tree),), generator=gen)
+    out = []
+    for engine in (emulated, native):
+        cache = _prefilled(engine, prefix)
+        out.append((engine.forward(tokens, tree.positions(30), tree.mask, cache).clone(), cache.k[:, :, :40].clone()))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 def test_bf16dot_greedy_tree_equals_its_autoregressive(engines, draft_dir, bf16_prompts):
     """bf16dot is an exact mode of its own: tree decoding (a bf16 draft's 2,2,1 trees) gives bf16dot AR's tokens.
     Its rows are invariant on every build (`test_tree_rows_are_bitwise_single_token_steps`) and every build computes

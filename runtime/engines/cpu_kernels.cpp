@@ -1367,4 +1367,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_tokens", &top_tokens, "each row's k best ids and softmax probabilities (sampling.top_tokens)");
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
   m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for
+  m.attr("bf16_dot") = simd::DOT_FLUSH ? "emulated" : "vdpbf16ps";  // how this build computes bf16dot's pair sums
 }
