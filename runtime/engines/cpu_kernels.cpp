@@ -210,7 +210,9 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
 // costs one fp32 FMA per row, so past ~4 rows a verify is bound by the FMA units (a 4-row bf16 verify 1.5x a
 // single row); a pair dot multiplies twice the weights per instruction. Rows stay invariant (each row's sums are
 // the same instructions whatever the others), and every ISA agrees: without AVX512_BF16 the same FMAs run under
-// MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums over normal and denormal ranges, bitwise).
+// MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums over normal and denormal ranges, bitwise; the
+// SDM's pseudocode is the same: each accumulation an FMA, odd element first, RNE, DAZ in, FTZ out). Only a NaN's
+// payload may differ between the two (the instruction prefers the low element's NaN).
 
 // fp32 -> bf16, round to nearest even; a denormal becomes a signed zero and a NaN stays a (quiet) NaN, as
 // VCVTNEPS2BF16 rounds. Written in integers, branch-free, so every build rounds alike (and GCC vectorizes the loop).
