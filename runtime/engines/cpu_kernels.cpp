@@ -207,8 +207,8 @@ void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* o
 // weights are packed in k pairs ([P, K2, NR, 2]: column c's weights for k = 2 q, 2 q + 1 side by side), and each
 // column sums, pair by pair in ascending k, the odd product and then the even one, one FMA rounding each, denormal
 // inputs and results read as zero: VDPBF16PS's arithmetic (simd::dot_pair). Why: with fp32 activations every weight
-// costs one fp32 FMA per row, so past ~4 rows a verify is bound by the FMA units (a 4-row bf16 verify 1.5x a
-// single row); a pair dot multiplies twice the weights per instruction. Rows stay invariant (each row's sums are
+// costs one fp32 FMA per row, so past ~4-6 rows a verify or a batch is bound by the FMA units (bf16 T=8 2.1x T=1,
+// context 128, Zen 4); a pair dot multiplies twice the weights per instruction (one core: 114 against 58 GMAC/s). Rows stay invariant (each row's sums are
 // the same instructions whatever the others), and every ISA agrees: without AVX512_BF16 the same FMAs run under
 // MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums over normal and denormal ranges, bitwise; the
 // SDM's pseudocode is the same: each accumulation an FMA, odd element first, RNE, DAZ in, FTZ out). Only a NaN's
@@ -254,8 +254,8 @@ struct FlushDenormals {
 template <int M, int C>
 __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2,
                                          float* out, int64_t ldo, int64_t cols, int64_t c0, bool ahead) {
-  // 8 KB ahead (a pair row is 256 B, so twice the fp32-input stream's reach per step): 4 and 8 KB measured alike in
-  // the whole forward, 16 KB and an L2 hint no better (Zen 4, isa_tcurve --against)
+  // the stream prefetched 8 KB ahead: 4 and 8 KB measured alike in the whole forward (isa_tcurve --against), 8 KB
+  // level with bf16 at T=1-4 on the same memory; 2 and 16 KB and an L2 hint no better (Zen 4)
   constexpr int64_t row_bytes = NR * 2 * sizeof(uint16_t), rows_ahead = 2 * PREFETCH_BYTES / row_bytes;
   const int64_t prefetch_bytes = ahead ? row_bytes : 0;
   Vec acc[M][C];

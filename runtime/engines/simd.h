@@ -8,7 +8,8 @@
 // bitwise the same numbers on every build: an AVX2 machine's logits equal an AVX-512 machine's, row invariance
 // holds everywhere for the same reason, and answers generated on one CPU regenerate exactly on another.
 // What differs per ISA is only how many registers a Vec takes, so register blocks are sized here (GEMM_ROWS,
-// gemm_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK), never in the kernels.
+// gemm_vecs, DOT_ROWS, dot_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK), never in
+// the kernels.
 //
 // bf16dot (a precision of its own: bf16 GEMM inputs): dot_pair adds, per column, the odd then the even product of a k
 // pair, each one FMA rounding, denormal inputs and results read as zero: VDPBF16PS (AVX512_BF16) in one instruction;
@@ -517,7 +518,7 @@ template <typename W> inline void in_column_order(Vec& a, Vec& b) {
 #ifndef SPECTRT_SIMD_BF16_DOT  // VDPBF16PS's sums from two FMAs, under DAZ|FTZ (set by the GEMM: DOT_FLUSH)
 constexpr bool DOT_FLUSH = true;
 // the rounded inputs kept as fp32 (bf16 -> fp32 is exact): each broadcast is then one load, as in the fp32-input
-// GEMM (built from the bf16 bits, a row's two broadcasts took as many uops as its four FMAs: AVX2 T=8 1.5x bf16's)
+// GEMM, not a shift or mask and a move per row and pair beside its four FMAs
 using DotInput = float;
 struct Pairs { Vec even, odd; };
 struct XPair { Vec even, odd; };
