@@ -385,7 +385,8 @@ class NativeModel:
 
     Weights keep the engine's dtype (fp32, or bf16 for half the memory traffic); activations, accumulation and the
     KV cache are fp32, except that with `pairs` (bf16dot) every GEMM rounds its input rows to bf16 and sums k pairs
-    (cpu_kernels.cpp `dot_block`: half the FMA work per verified row). Scratch buffers grow only when a call needs more rows or positions than any before it
+    (cpu_kernels.cpp `dot_block`: half the multiply instructions per verified row). Scratch buffers grow only when a
+    call needs more rows or positions than any before it
     (`reserve`, done by `new_cache`), so decoding allocates nothing but each forward's logits.
     The native calls release the GIL, so nothing serializes Python callers any more: run one forward at a time
     per engine (the scratch is shared), as the decoder's one loop thread does.
