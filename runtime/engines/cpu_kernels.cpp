@@ -145,64 +145,6 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
   }
 }
 
-// FMA work of one pass of `m` rows (gemm_vecs(m) Vec columns), and of all m-row passes over a panel of `cols`
-constexpr int64_t pass_work(int m) { return m * simd::gemm_vecs(m); }
-constexpr int64_t panel_work(int m, int64_t cols) {
-  const int64_t width = simd::gemm_vecs(m) * LANES;
-  return (cols + width - 1) / width * pass_work(m);
-}
-
-// M rows over a whole panel, in passes of gemm_vecs(M) Vec columns (one pass where the registers hold 64 columns).
-// `done` of `work` counts the panel's FMA work so far: each pass prefetches the slice of the next panel that is
-// its share of the work, so the traffic spreads over the panel's compute time.
-template <typename W, int M>
-inline void panel_rows(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo,
-                       int64_t cols, const W* next, bool first_panel, int64_t& done, int64_t work) {
-  constexpr int C = simd::gemm_vecs(M);
-  const int64_t lines = K * NR * static_cast<int64_t>(sizeof(W)) / 64;
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, done += pass_work(M)) {
-    const bool one_pass = work == pass_work(M), ahead = one_pass || (first_panel && done == 0);
-    if (one_pass || !next) {  // nothing to overlap with, or nothing after this panel: prefetch within it
-      panel_block<W, M, C, false>(x, ldx, panel, K, out, ldo, cols, c0, {ahead, nullptr, 0, 0});
-      continue;
-    }
-    const int64_t l0 = lines * done / work, l1 = lines * (done + pass_work(M)) / work;
-    panel_block<W, M, C, true>(x, ldx, panel, K, out, ldo, cols, c0,
-                               {ahead, reinterpret_cast<const char*>(next), 64 * l0, l1 - l0});
-  }
-}
-
-// f(std::integral_constant<int, n>{}) for a runtime n in [1, MAX]: a register block takes its row count as a template
-// argument, so a call's last rows (fewer than a full block) pick theirs here, in one switch for every kernel
-template <int MAX, typename F>
-inline void with_rows(int64_t n, F&& f) {
-  static_assert(MAX <= 6, "add the cases");
-  switch (n) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (MAX >= 2) f(std::integral_constant<int, 2>{}); break;
-    case 3: if constexpr (MAX >= 3) f(std::integral_constant<int, 3>{}); break;
-    case 4: if constexpr (MAX >= 4) f(std::integral_constant<int, 4>{}); break;
-    case 5: if constexpr (MAX >= 5) f(std::integral_constant<int, 5>{}); break;
-    case 6: if constexpr (MAX >= 6) f(std::integral_constant<int, 6>{}); break;
-    default: break;
-  }
-}
-
-template <typename W>
-void rows_block(const float* x, int64_t ldx, const W* panel, int64_t K, float* out, int64_t ldo, int64_t rows,
-                int64_t cols, const W* next, bool first_panel) {
-  constexpr int MR = simd::GEMM_ROWS;
-  const int rest = static_cast<int>(rows % MR);
-  const int64_t work = rows / MR * panel_work(MR, cols) + (rest ? panel_work(rest, cols) : 0);
-  int64_t m = 0, done = 0;
-  for (; m + MR <= rows; m += MR)
-    panel_rows<W, MR>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done, work);
-  with_rows<MR - 1>(rest, [&](auto r) {  // the last rows: a smaller block
-    panel_rows<W, decltype(r)::value>(x + m * ldx, ldx, panel, K, out + m * ldo, ldo, cols, next, first_panel, done,
-                                      work);
-  });
-}
-
 // bf16dot, a precision of its own (kernels.py `pack(..., pairs=True)`): each GEMM input row is rounded to bf16, the
 // weights are packed in k pairs ([P, K2, NR, 2]: column c's weights for k = 2 q, 2 q + 1 side by side), and each
 // column sums, pair by pair in ascending k, the odd product and then the even one, one FMA rounding each, denormal
@@ -251,13 +193,15 @@ struct FlushDenormals {
 };
 
 // out[m][c0 : c0 + 16 C] = the pair sums of rows xp[m] (ldp per row) with a k-pair panel, k pairs ascending.
-template <int M, int C>
+template <int M, int C, bool NEXT>
 __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2,
-                                         float* out, int64_t ldo, int64_t cols, int64_t c0, bool ahead) {
+                                         float* out, int64_t ldo, int64_t cols, int64_t c0, Prefetch pf) {
   // the stream prefetched 8 KB ahead: 4 and 8 KB measured alike in the whole forward (isa_tcurve --against), 8 KB
   // level with bf16 at T=1-4 on the same memory; 2 and 16 KB and an L2 hint no better (Zen 4)
   constexpr int64_t row_bytes = NR * 2 * sizeof(uint16_t), rows_ahead = 2 * PREFETCH_BYTES / row_bytes;
-  const int64_t prefetch_bytes = ahead ? row_bytes : 0;
+  const int64_t prefetch_bytes = pf.ahead ? row_bytes : 0;
+  const char* next_line = pf.next + pf.lo;
+  int64_t credit = 0;  // next-panel lines owed, as in panel_block
   Vec acc[M][C];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < C; ++j) acc[m][j] = simd::zero();
@@ -265,6 +209,8 @@ __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, 
     const uint16_t* w = panel + (q * NR + c0) * 2;
     for (int64_t b = 0; b < prefetch_bytes; b += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(panel + (q + rows_ahead) * NR * 2) + b, 0, STREAM_LOCALITY);
+    if constexpr (NEXT)
+      for (credit += pf.lines; credit >= K2; credit -= K2, next_line += 64) __builtin_prefetch(next_line, 0, 2);
     if constexpr (M == 1) {  // each weight pair used once: loaded at its sums (all first would not fit on AVX2)
       const simd::XPair xb = simd::set_pair(xp + 2 * q);
 #pragma GCC unroll 8
@@ -296,24 +242,92 @@ __attribute__((noinline)) void dot_block(const simd::DotInput* xp, int64_t ldp, 
     }
 }
 
-// M rows over a panel, in passes of dot_vecs(M) Vecs of columns; the first pass streams the panel (prefetching it)
-template <int M>
-inline void dot_rows(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
-                     int64_t cols, bool& ahead) {
-  constexpr int C = simd::dot_vecs(M);
-  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, ahead = false)
-    dot_block<M, C>(xp, ldp, panel, K2, out, ldo, cols, c0, ahead);
+// The two GEMM kernels the panel loop below drives: their input rows, register blocks and one pass over a panel.
+template <typename W>
+struct FmaKernel {  // fp32 input rows, fp32 or bf16 weights [K][NR]: one FMA per weight and row
+  using In = float;
+  using Weight = W;
+  static constexpr int ROWS = simd::GEMM_ROWS;
+  static constexpr int vecs(int m) { return simd::gemm_vecs(m); }
+  static constexpr int64_t STEP_BYTES = NR * sizeof(W);  // one k step of a panel
+  template <int M, int C, bool NEXT>
+  static void block(const In* x, int64_t ldx, const W* panel, int64_t steps, float* out, int64_t ldo, int64_t cols,
+                    int64_t c0, Prefetch pf) {
+    panel_block<W, M, C, NEXT>(x, ldx, panel, steps, out, ldo, cols, c0, pf);
+  }
+};
+struct DotKernel {  // bf16dot: bf16 input rows, weights in k pairs [K2][NR][2]: a pair dot per weight pair and row
+  using In = simd::DotInput;
+  using Weight = uint16_t;
+  static constexpr int ROWS = simd::DOT_ROWS;
+  static constexpr int vecs(int m) { return simd::dot_vecs(m); }
+  static constexpr int64_t STEP_BYTES = NR * 2 * sizeof(uint16_t);  // one k pair of a panel
+  template <int M, int C, bool NEXT>
+  static void block(const In* x, int64_t ldx, const uint16_t* panel, int64_t steps, float* out, int64_t ldo,
+                    int64_t cols, int64_t c0, Prefetch pf) {
+    dot_block<M, C, NEXT>(x, ldx, panel, steps, out, ldo, cols, c0, pf);
+  }
+};
+
+// Register-block work of one pass of `m` rows (Kern::vecs(m) Vec columns), and of all m-row passes over a panel
+template <typename Kern> constexpr int64_t pass_work(int m) { return m * Kern::vecs(m); }
+template <typename Kern> constexpr int64_t panel_work(int m, int64_t cols) {
+  const int64_t width = Kern::vecs(m) * LANES;
+  return (cols + width - 1) / width * pass_work<Kern>(m);
 }
 
-void dot_panel(const simd::DotInput* xp, int64_t ldp, const uint16_t* panel, int64_t K2, float* out, int64_t ldo,
-               int64_t rows, int64_t cols) {
-  constexpr int MR = simd::DOT_ROWS;
-  FlushDenormals flush;
-  bool ahead = true;
-  int64_t m = 0;
-  for (; m + MR <= rows; m += MR) dot_rows<MR>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
-  with_rows<MR - 1>(rows - m, [&](auto r) {  // the last rows: a smaller block
-    dot_rows<decltype(r)::value>(xp + m * ldp, ldp, panel, K2, out + m * ldo, ldo, cols, ahead);
+// M rows over a whole panel, in passes of Kern::vecs(M) Vec columns (one pass where the registers hold 64 columns).
+// `done` of `work` counts the panel's work so far: each pass prefetches the slice of the next panel that is its
+// share of the work, so the traffic spreads over the panel's compute time (`Prefetch`).
+template <typename Kern, int M>
+inline void panel_rows(const typename Kern::In* x, int64_t ldx, const typename Kern::Weight* panel, int64_t steps,
+                       float* out, int64_t ldo, int64_t cols, const typename Kern::Weight* next, bool first_panel,
+                       int64_t& done, int64_t work) {
+  constexpr int C = Kern::vecs(M);
+  constexpr int64_t pass = pass_work<Kern>(M);
+  const int64_t lines = steps * Kern::STEP_BYTES / 64;
+  for (int64_t c0 = 0; c0 < cols; c0 += C * LANES, done += pass) {
+    const bool one_pass = work == pass, ahead = one_pass || (first_panel && done == 0);
+    if (one_pass || !next) {  // nothing to overlap with, or nothing after this panel: prefetch within it
+      Kern::template block<M, C, false>(x, ldx, panel, steps, out, ldo, cols, c0, {ahead, nullptr, 0, 0});
+      continue;
+    }
+    const int64_t l0 = lines * done / work, l1 = lines * (done + pass) / work;
+    Kern::template block<M, C, true>(x, ldx, panel, steps, out, ldo, cols, c0,
+                                     {ahead, reinterpret_cast<const char*>(next), 64 * l0, l1 - l0});
+  }
+}
+
+// f(std::integral_constant<int, n>{}) for a runtime n in [1, MAX]: a register block takes its row count as a template
+// argument, so a call's last rows (fewer than a full block) pick theirs here, in one switch for every kernel
+template <int MAX, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  static_assert(MAX <= 6, "add the cases");
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (MAX >= 2) f(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (MAX >= 3) f(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (MAX >= 4) f(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (MAX >= 5) f(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (MAX >= 6) f(std::integral_constant<int, 6>{}); break;
+    default: break;
+  }
+}
+
+// All `rows` over one panel: blocks of Kern::ROWS rows, then the rest as one smaller block.
+template <typename Kern>
+void rows_block(const typename Kern::In* x, int64_t ldx, const typename Kern::Weight* panel, int64_t steps,
+                float* out, int64_t ldo, int64_t rows, int64_t cols, const typename Kern::Weight* next,
+                bool first_panel) {
+  constexpr int MR = Kern::ROWS;
+  const int rest = static_cast<int>(rows % MR);
+  const int64_t work = rows / MR * panel_work<Kern>(MR, cols) + (rest ? panel_work<Kern>(rest, cols) : 0);
+  int64_t m = 0, done = 0;
+  for (; m + MR <= rows; m += MR)
+    panel_rows<Kern, MR>(x + m * ldx, ldx, panel, steps, out + m * ldo, ldo, cols, next, first_panel, done, work);
+  with_rows<MR - 1>(rest, [&](auto r) {  // the last rows: a smaller block
+    panel_rows<Kern, decltype(r)::value>(x + m * ldx, ldx, panel, steps, out + m * ldo, ldo, cols, next, first_panel,
+                                         done, work);
   });
 }
 
@@ -557,7 +571,11 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
-        dot_panel(xd, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols);
+        {
+          FlushDenormals flush;  // around the sums only: the epilogue's adds keep IEEE denormals on every build
+          const uint16_t* next = p + 1 < p1 ? wp + (p + 1) * K2 * NR * 2 : nullptr;
+          rows_block<DotKernel>(xd, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols, next, p == p0);
+        }
         finish(p, c0, cols);
       }
     });
@@ -567,7 +585,7 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
         const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-        rows_block<W>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
+        rows_block<FmaKernel<W>>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
         finish(p, c0, cols);
       }
     });
