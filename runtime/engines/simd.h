@@ -249,9 +249,10 @@ inline void split_pairs(const uint16_t* p, Vec& even, Vec& odd) {  // as the AVX
 }
 // 16 ymm. An emulated pair is two dependent FMAs per accumulator, so the FMA latency wants 8 ymm accumulators: one
 // row takes a whole panel (8, weights loaded at their FMAs), two rows 32 columns a pass (8, one Vec's weights at a
-// time), 3-4 rows 16 columns (up to 8 accumulators + 4 weights + the two broadcasts). Measured (isa_tcurve, Zen 4,
-// context 128, ms): T=1 10.3 -> 5.9 and T=2 12.1 -> 9.3 against bf16's 5.8 / 7.2; 3-4 rows stay ~1.4x bf16's
-constexpr int DOT_ROWS = 4;
+// time), 3-5 rows 16 columns (up to 10 accumulators + 4 weights + the two broadcasts). Measured (isa_tcurve, Zen 4,
+// context 128, ms, bf16 alongside): T=1 10.3 -> 5.9 (5.8), T=2 12.1 -> 9.3 (7.2); 5 rows a block, not 4: T=6 15.8 ->
+// 12.8 (11.4), T=10 23.1 -> 19.0 (18.5), T=8 16.6 / 17.0 (14.8)
+constexpr int DOT_ROWS = 5;
 constexpr int dot_vecs(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 // Keep a loaded weight in registers: otherwise GCC folds the load into every row's FMA, and a pass over a panel
 // that does not fit L1 then reads L2 once per row. Measured (576 x 3072 fp32, T=8): 37 -> see kernels.py GFMA/s.
