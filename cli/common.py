@@ -61,14 +61,19 @@ def model_dirs(args: argparse.Namespace) -> tuple[Path, Path | None]:
     return resolve_models(args.target, "none" if getattr(args, "no_spec", False) else args.draft, args.artifacts)
 
 
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--dtype, as every subcommand that loads a model takes it."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
+                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32; bf16dot: bf16 GEMM "
+                        "inputs too, an exact mode of its own (native only; cheaper verify rows on AVX512_BF16 CPUs)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts); "
                    "none: draft-less speculation with suffix candidates")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
-                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32; bf16dot: bf16 GEMM "
-                        "inputs too, an exact mode of its own (native only; cheaper verify rows on AVX512_BF16 CPUs)")
+    add_dtype_arg(p)
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"])
     p.add_argument("--engines", type=Path, help="engines dir from `spectrt engines` (onnxruntime/tensorrt)")
     p.add_argument("--max-seq-len", type=positive, default=2048)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from spectrt.cli.common import (
+    add_dtype_arg,
     add_model_args,
     add_sampling_args,
     model_dirs,
@@ -138,8 +139,7 @@ def add_parsers(sub) -> None:
     pr.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft)")
     pr.add_argument("--no-draft", action="store_true", help="profile the target only")
     pr.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where the cost profile is saved")
-    pr.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
-                    help="auto: bf16 on the native CPU forward, else fp32 (bf16dot: see spectrt generate --help)")
+    add_dtype_arg(pr)
     pr.add_argument("--repeats", type=positive, default=15, help="timed forwards per shape (median reported)")
     pr.add_argument("--out", type=Path, default=Path("bench/results/profile"))
     pr.set_defaults(func=cmd_profile)

@@ -13,6 +13,7 @@ import urllib.error
 from dataclasses import asdict
 from pathlib import Path
 
+from spectrt.cli.common import add_dtype_arg
 from spectrt.runtime.serving.client import (
     DEFAULT_MODEL,
     DEFAULT_PROMPTS,
@@ -42,9 +43,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=Path, default=None,
                    help="engines/<name> dir from `spectrt engines` (replaces --target/--draft; see --backend)")
     p.add_argument("--artifacts", type=Path, default=None, help="where converted models live (default: artifacts)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
-                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32; bf16dot: bf16 GEMM "
-                        "inputs too, an exact mode of its own (native only; cheaper verify rows on AVX512_BF16 CPUs)")
+    add_dtype_arg(p)
     p.add_argument("--backend", default="torch", choices=["torch", "onnxruntime", "tensorrt"],
                    help="onnxruntime/tensorrt run the graphs/plans of --engines; torch runs checkpoints")
     p.add_argument("--tree", default=None, help="default tree of the served model, e.g. 2,1 (requests may override)")

@@ -17,10 +17,7 @@ from pathlib import Path
 import spectrt.runtime.engines.kernels as kernels
 import torch
 from spectrt.runtime.engines.checkpoint import resolve_target
-from spectrt.runtime.engines.model import Transformer
-
-# --dtypes name: (weights, pair_dots)
-DTYPES = {"bf16": (torch.bfloat16, False), "fp32": (torch.float32, False), "bf16dot": (torch.bfloat16, True)}
+from spectrt.runtime.engines.engine import load_transformer
 
 
 def binary_tree_mask(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +72,7 @@ def main() -> None:
     for isa in args.isas.split(","):
         os.environ["SPECTRT_ISA"] = isa
         for dt in args.dtypes.split(","):
-            weights, pairs = DTYPES[dt]
-            model = Transformer.load(target, weights, measure_kernels=False, pair_dots=pairs)
+            model = load_transformer(target, dt, measure_kernels=False)
             assert model.native is not None and model.native.isa == isa, isa
             cache = model.new_cache(args.context + 64, 64)
             gen = torch.Generator().manual_seed(0)  # a context of random keys and values: real scores to compare

@@ -150,11 +150,12 @@ __attribute__((noinline)) void panel_block(const float* x, int64_t ldx, const W*
 // column sums, pair by pair in ascending k, the odd product and then the even one, one FMA rounding each, denormal
 // inputs and results read as zero: VDPBF16PS's arithmetic (simd::dot_pair). Why: with fp32 activations every weight
 // costs one fp32 FMA per row, so past ~4-6 rows a verify or a batch is bound by the FMA units (bf16 T=8 2.1x T=1,
-// context 128, Zen 4); a pair dot multiplies twice the weights per instruction (one core: 114 against 58 GMAC/s). Rows stay invariant (each row's sums are
-// the same instructions whatever the others), and every ISA agrees: without AVX512_BF16 the same FMAs run under
-// MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums over normal and denormal ranges, bitwise; the
-// SDM's pseudocode is the same: each accumulation an FMA, odd element first, RNE, DAZ in, FTZ out). Only a NaN's
-// payload may differ between the two (the instruction prefers the low element's NaN).
+// context 128, Zen 4); a pair dot multiplies twice the weights per instruction (one core: 114 against 58 GMAC/s).
+// Rows stay invariant (each row's sums are the same instructions whatever the others), and every ISA agrees:
+// without AVX512_BF16 the same FMAs run under MXCSR's DAZ|FTZ (Zen 4's VDPBF16PS against that emulation: 3.2M sums
+// over normal and denormal ranges, bitwise; the SDM's pseudocode is the same: each accumulation an FMA, odd element
+// first, RNE, DAZ in, FTZ out). Only a NaN's payload may differ between the two (the instruction prefers the low
+// element's NaN).
 
 // fp32 -> bf16, round to nearest even; a denormal becomes a signed zero and a NaN stays a (quiet) NaN, as
 // VCVTNEPS2BF16 rounds. Written in integers, branch-free, so every build rounds alike (and GCC vectorizes the loop).

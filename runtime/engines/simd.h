@@ -8,8 +8,8 @@
 // bitwise the same numbers on every build: an AVX2 machine's logits equal an AVX-512 machine's, row invariance
 // holds everywhere for the same reason, and answers generated on one CPU regenerate exactly on another.
 // What differs per ISA is only how many registers a Vec takes, so register blocks are sized here (GEMM_ROWS,
-// gemm_vecs, DOT_ROWS, dot_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK), never in
-// the kernels.
+// gemm_vecs, DOT_ROWS, dot_vecs, I8_ROWS, I8_VECS, ATT_CHUNKS, ATT_QUERIES, ATT_ACCUMULATORS, ATT_SCORE_BLOCK),
+// never in the kernels.
 //
 // bf16dot (a precision of its own: bf16 GEMM inputs): dot_pair adds, per column, the odd then the even product of a k
 // pair, each one FMA rounding, denormal inputs and results read as zero: VDPBF16PS (AVX512_BF16) in one instruction;
