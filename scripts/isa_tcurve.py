@@ -47,7 +47,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--against", help="git revisions (comma-separated) whose kernels to time next to this checkout's")
     p.add_argument("--isas", default=",".join(i for i in kernels.runnable_isas() if i != "portable"))
-    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--dtypes", default="bf16,fp32",
+                   help="precisions; '+amx' or '+fma' after one picks its GEMM (default: kernels.amx_enabled)")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--context", type=int, default=128, help="committed tokens the rows attend to")
@@ -72,7 +73,9 @@ def main() -> None:
     for isa in args.isas.split(","):
         os.environ["SPECTRT_ISA"] = isa
         for dt in args.dtypes.split(","):
-            model = load_transformer(target, dt, measure_kernels=False)
+            precision, _, gemm = dt.partition("+")  # "+amx" / "+fma": that GEMM, else the precision's default
+            os.environ["SPECTRT_AMX"] = {"amx": "1", "fma": "0", "": ""}[gemm]
+            model = load_transformer(target, precision, measure_kernels=False)
             assert model.native is not None and model.native.isa == isa, isa
             cache = model.new_cache(args.context + 64, 64)
             gen = torch.Generator().manual_seed(0)  # a context of random keys and values: real scores to compare

@@ -25,6 +25,7 @@ from spectrt.build.engines import EngineBuildError, make_engines
 from spectrt.build.export import io_spec
 from spectrt.runtime.decoding.decoder import Decoder, Job
 from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.engines import kernels
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES
 from spectrt.runtime.engines.engine import load_engine
 from spectrt.runtime.engines.model import ModelConfig
@@ -273,11 +274,13 @@ def test_load_errors_say_what_is_needed(engines, target_dir):
 
 
 def test_bf16dot_loads_the_k_pair_forward(target_dir):
-    """--dtype bf16dot: bf16 weights packed in k pairs for every streamed GEMM (the LM head included)."""
+    """--dtype bf16dot: bf16 weights packed in k pairs for every streamed GEMM (the LM head included): AMX tiles
+    where the CPU has AMX-BF16, else the pair-FMA panels."""
     engine = load_engine(target_dir, "torch", "bf16dot", measure_kernels=False)
     native = engine.native
-    assert native.pairs and native.head.dim() == 4
-    assert all(p[0].dim() == 4 and p[0].dtype == torch.bfloat16 for p in native.projections)
+    rank = 5 if kernels.amx_enabled(pairs=True) else 4
+    assert native.pairs and native.head.dim() == rank
+    assert all(p[0].dim() == rank and p[0].dtype == torch.bfloat16 for p in native.projections)
 
 
 def _copy_model_dir(src: Path, dst: Path) -> Path:

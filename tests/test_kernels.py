@@ -80,13 +80,14 @@ def test_a_forced_isa_is_the_one_that_runs(isa, target_dir, monkeypatch):
 @pytest.fixture(scope="module")
 def engines(target_dir):
     """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module (dtype "bf16dot": bf16
-    weights summed in k pairs with bf16 GEMM inputs)."""
+    weights summed in k pairs with bf16 GEMM inputs, on the pair-FMA path every build shares, not AMX's)."""
     loaded: dict[tuple[str, torch.dtype | str], Transformer] = {}
 
     def get(isa: str, dtype: torch.dtype | str = torch.float32) -> Transformer:
         if (isa, dtype) not in loaded:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("SPECTRT_ISA", isa)
+                patch.setenv("SPECTRT_AMX", "0")
                 loaded[isa, dtype] = (Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
                                       if dtype == "bf16dot" else Transformer.load(target_dir, dtype))
             assert loaded[isa, dtype].native.isa == isa
@@ -117,6 +118,18 @@ def bf16_amx(target_dir) -> Transformer:
     return engine
 
 
+@pytest.fixture(scope="module")
+def bf16dot_amx(target_dir) -> Transformer:
+    """The bf16dot engine on the AMX GEMM (its default where the CPU has it)."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("SPECTRT_AMX", raising=False)
+        engine = Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
+    assert engine.native.head.dim() == 5 and all(p[0].dim() == 5 for p in engine.native.projections)
+    return engine
+
+
 def _prefilled(engine: Transformer, prefix: list[int], capacity: int = 512):
     cache = engine.new_cache(capacity, 64)
     causal = torch.ones(len(prefix), len(prefix), dtype=torch.bool).tril()
@@ -130,11 +143,17 @@ def _heap_tree(n: int) -> Tree:
     return Tree(tuple([-1] + [(i - 1) // 2 for i in range(1, n)]))
 
 
-def test_amx_is_opt_in_and_detected(bf16):
-    # an AMX machine must run (and so test) the AMX bf16 GEMM, not silently skip it; the default stays FMA
+def test_amx_is_detected_opt_in_for_bf16_and_default_for_bf16dot(bf16, monkeypatch):
+    # an AMX machine must run (and so test) the AMX GEMMs, not silently skip them; bf16's default stays FMA
     on_avx512 = kernels.native_isa() == "avx512"
     assert kernels.amx_supported() == (on_avx512 and {"amx_bf16", "amx_tile"} <= kernels.cpu_flags())
     assert all(p[0].dim() == 3 for p in bf16.native.projections)
+    monkeypatch.delenv("SPECTRT_AMX", raising=False)
+    assert not kernels.amx_enabled() and kernels.amx_enabled(pairs=True) == kernels.amx_supported()
+    monkeypatch.setenv("SPECTRT_AMX", "0")
+    assert not kernels.amx_enabled(pairs=True)
+    monkeypatch.setenv("SPECTRT_AMX", "1")
+    assert kernels.amx_enabled() == kernels.amx_enabled(pairs=True) == kernels.amx_supported()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 17, 64])
@@ -182,6 +201,25 @@ def test_bf16dot_gemm_is_pair_dot_arithmetic_on_every_isa(isa, monkeypatch):
         x = torch.randn(rows, 71, generator=gen)
         y = kernels.linear(x, packed, 200)
         assert torch.equal(y, _pair_sums(x, w))
+        for i in range(rows):
+            assert torch.equal(kernels.linear(x[i:i + 1], packed, 200)[0], y[i])
+            assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
+
+
+def test_bf16dot_amx_gemm_rows_are_invariant_and_near_the_pair_sums():
+    """bf16dot on AMX tiles: the same bf16 inputs and weights, summed in the tile unit's order and rounding (a pair
+    rounded, then added), so close to the pair-FMA sums but not theirs; each row computed alike whatever the others,
+    K padded to 32 and a partial last panel."""
+    if not kernels.amx_supported():
+        pytest.skip("this CPU has no AMX-BF16")
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(200, 71, generator=gen)
+    packed = kernels.pack(w, torch.bfloat16, amx=True, pairs=True)
+    assert packed.shape == (4, 4, 3, 16, 32)
+    for rows in (1, 2, 3, 5, 13, 16, 17, 40):
+        x = torch.randn(rows, 71, generator=gen)
+        y = kernels.linear(x, packed, 200)
+        torch.testing.assert_close(y, _pair_sums(x, w), rtol=1e-5, atol=1e-5)
         for i in range(rows):
             assert torch.equal(kernels.linear(x[i:i + 1], packed, 200)[0], y[i])
             assert torch.equal(kernels.linear(torch.cat([x.flip(0), x[i:i + 1]]), packed, 200)[-1], y[i])
@@ -257,11 +295,12 @@ def test_native_matches_reference_forward(reference, engines, isa):
 
 # the portable build (a correctness fallback ~10x slower) checks an 8-node tree: 64 single steps there cost 16 s
 @pytest.mark.parametrize(("engine_name", "nodes"), [
-    (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16", "bf16dot")], "bf16_amx"]
+    (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16", "bf16dot")], "bf16_amx",
+                               "bf16dot_amx"]
     for nodes in (8, 64) if not (name.startswith("portable") and nodes == 64)])
 def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
-    if engine_name == "bf16_amx":
+    if engine_name.endswith("_amx"):
         engine = request.getfixturevalue(engine_name)
     else:
         isa, dt = engine_name.split("-")
@@ -382,11 +421,13 @@ def test_bf16dot_emulated_avx512_build_computes_the_same(avx512_without_bf16, ta
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
-def test_bf16dot_greedy_tree_equals_its_autoregressive(engines, draft_dir, bf16_prompts):
+@pytest.mark.parametrize("gemm", ["pair FMAs", "AMX"])
+def test_bf16dot_greedy_tree_equals_its_autoregressive(request, engines, draft_dir, bf16_prompts, gemm):
     """bf16dot is an exact mode of its own: tree decoding (a bf16 draft's 2,2,1 trees) gives bf16dot AR's tokens.
     Its rows are invariant on every build (`test_tree_rows_are_bitwise_single_token_steps`) and every build computes
-    the best one's logits (`test_every_isa_computes_the_same_logits`), so the best build decodes here."""
-    target = engines(ISAS[0], "bf16dot")
+    the best one's logits (`test_every_isa_computes_the_same_logits`), so the best build decodes here; and so does
+    the AMX engine, whose logits are its own."""
+    target = engines(ISAS[0], "bf16dot") if gemm == "pair FMAs" else request.getfixturevalue("bf16dot_amx")
     ar = Decoder(target, None, EOS, max_seq_len=512)
     spec_decoder = Decoder(target, Transformer.load(draft_dir, torch.bfloat16), EOS, max_seq_len=512)
     accepted = 0

@@ -400,17 +400,21 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-2: the hi, mid, lo sums of rows x 16 fp32 outputs; 3-5: the activations' parts (rows x 32 bf16);
-// 6-7: weight tiles (16 k-pairs x 16 columns x 2), alternating so a load need not wait for the last product.
-void configure_tiles(int rows) {
+// Tiles below `row_tiles` hold `rows` rows (sums, activations), the others 16 (weight tiles); every row 64 bytes.
+void configure_tiles(int rows, int row_tiles) {
   TileConfig c{};
   c.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    c.rows[t] = t < 6 ? rows : 16;
+    c.rows[t] = t < row_tiles ? rows : 16;
     c.colsb[t] = 64;
   }
   _tile_loadconfig(&c);
 }
+
+// Three parts (bf16 engines): tiles 0-2 the hi, mid, lo sums of rows x 16 fp32 outputs; 3-5 the activations' parts
+// (rows x 32 bf16); 6-7 weight tiles (16 k-pairs x 16 columns x 2), alternating so a load need not wait for the
+// last product.
+constexpr int SPLIT_ROW_TILES = 6;
 
 // sums[rows][48] = the hi, mid and lo partial sums of one 16-column group (`w`: its stream of Kp/32 tiles).
 void amx_group(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sums) {
@@ -441,14 +445,99 @@ void amx_group(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sum
   _tile_stored(1, sums + 16, 48 * 4);
   _tile_stored(2, sums + 32, 48 * 4);
 }
+
+// bf16dot on AMX: the GEMM inputs are already bf16 (`round_bf16`, as on every build), so one part and one
+// TDPBF16PS per weight tile, a third of the tile work of the split above. Its sums are the tile unit's own: measured
+// on a Sapphire Rapids-class Xeon (/tmp probe, 5M sums), one k pair is rounded to fp32 and then added to the
+// accumulator (a second rounding), which is neither VDPBF16PS's two FMAs nor an exact sum, and over 16 pairs it
+// matches no sequential model: so an AMX bf16dot engine is row invariant (tree == AR) but its logits are its own,
+// as the bf16 AMX path's are. Tiles: 0-1 the sums of two 16-column groups (two independent TDPBF16PS chains),
+// 2 the activation tile, 3-6 weight tiles (a group's pair per block parity, so a load never waits for the product
+// that last read its tile).
+constexpr int PAIR_ROW_TILES = 3;
+
+// x [rows, K] -> xs: each activation rounded to bf16 (`round_bf16`) in the one-part tile layout
+// [row blocks of 16][Kp/32][16][32] (padded k: 0).
+void round_tiles_bf16(const float* x, int64_t rows, int64_t K, int64_t Kp, uint16_t* xs) {
+  const int64_t blocks = Kp / KB;
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* row = xs + (m / 16) * blocks * TILE + (m % 16) * KB;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t q = 0, k = b * KB; q < KB; ++q, ++k) row[b * TILE + q] = k < K ? round_bf16(x[m * K + k]) : 0;
+  }
+}
+
+// sums[rows][32] = the pair sums of two 16-column groups (`w`: the first group's stream of Kp/32 tiles, the second's
+// follows it).
+void amx_pair_groups(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sums) {
+  const uint16_t* w1 = w + blocks * TILE;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t *wt0 = w + b * TILE, *wt1 = w1 + b * TILE;
+    for (int64_t line = 0; line < 16; ++line) {  // prefetches never fault: past the last tile is harmless
+      _mm_prefetch(reinterpret_cast<const char*>(wt0 + AMX_AHEAD * TILE) + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wt1 + AMX_AHEAD * TILE) + 64 * line, _MM_HINT_T0);
+    }
+    _tile_loadd(2, xs + b * TILE, 64);
+    if (b & 1) {
+      _tile_loadd(5, wt0, 64);
+      _tile_loadd(6, wt1, 64);
+      _tile_dpbf16ps(0, 2, 5);
+      _tile_dpbf16ps(1, 2, 6);
+    } else {
+      _tile_loadd(3, wt0, 64);
+      _tile_loadd(4, wt1, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  }
+  _tile_stored(0, sums, 32 * 4);
+  _tile_stored(1, sums + 16, 32 * 4);
+}
+
+// (+ bias) -> out[16 columns], then residual += out: as the FMA path does
+inline void amx_store(__m512 v, int64_t cols, const float* bias, float* out, float* residual) {
+  const __mmask16 mask = tail_mask(cols);
+  if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(out, mask, v);
+  if (residual) _mm512_mask_storeu_ps(residual, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual), v));
+}
 #endif
 
-void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
-              const float* bias, float* residual, uint16_t* xs) {
+// `pairs`: bf16dot's weights (one bf16 part per input, `amx_pair_groups`), else bf16's (three parts, `amx_group`).
+void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, bool pairs, int64_t n_out,
+              float* out, const float* bias, float* residual, uint16_t* xs) {
 #ifdef SPECTRT_HAS_AMX
   const int64_t panels = packed.size(0), blocks = packed.size(2), Kp = blocks * KB;
-  split_bf16x3(x, rows, K, Kp, xs);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (pairs) {
+    round_tiles_bf16(x, rows, K, Kp, xs);
+    // work items: (panel, 32-column half), so 2 threads split a 9-panel projection evenly
+    at::parallel_for(0, panels * 2, 1, [&](int64_t h0, int64_t h1) {
+      alignas(64) float sums[16 * 32];
+      int configured = 0;  // tile shapes are per thread: set for this call's row blocks, released at the end
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t c0 = h * 32;
+        if (c0 >= n_out) continue;  // a padded half of the last panel
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+          const int mr = static_cast<int>(std::min<int64_t>(16, rows - m0));
+          if (mr != configured) configure_tiles(configured = mr, PAIR_ROW_TILES);
+          amx_pair_groups(xs + (m0 / 16) * blocks * TILE, blocks, wp + 2 * h * blocks * TILE, sums);
+          for (int64_t m = 0; m < mr; ++m)
+            for (int64_t j = 0; j < 2; ++j) {
+              const int64_t c = c0 + 16 * j, o = (m0 + m) * n_out + c;
+              if (c < n_out)
+                amx_store(_mm512_load_ps(sums + m * 32 + 16 * j), n_out - c, bias ? bias + c : nullptr, out + o,
+                          residual ? residual + o : nullptr);
+            }
+        }
+      }
+      if (configured) _tile_release();
+    });
+    return;
+  }
+  split_bf16x3(x, rows, K, Kp, xs);
   // work items: (panel, 16-column group), so 2 threads split even a 9-panel projection evenly
   at::parallel_for(0, panels * 4, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float sums[16 * 48];
@@ -458,17 +547,13 @@ void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& pack
       if (cols <= 0) continue;  // a padded group of the last panel
       for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int mr = static_cast<int>(std::min<int64_t>(16, rows - m0));
-        if (mr != configured) configure_tiles(configured = mr);
+        if (mr != configured) configure_tiles(configured = mr, SPLIT_ROW_TILES);
         amx_group(xs + (m0 / 16) * blocks * 3 * TILE, blocks, wp + g * blocks * TILE, sums);
-        const __mmask16 mask = tail_mask(cols);
-        for (int64_t m = 0; m < mr; ++m) {  // (hi + mid) + lo (+ bias) -> out, then residual += out: as the FMA path
+        for (int64_t m = 0; m < mr; ++m) {  // (hi + mid) + lo
           const float* s = sums + m * 48;
-          __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(s), _mm512_load_ps(s + 16)), _mm512_load_ps(s + 32));
-          if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + c0));
           const int64_t o = (m0 + m) * n_out + c0;
-          _mm512_mask_storeu_ps(out + o, mask, v);
-          if (residual)
-            _mm512_mask_storeu_ps(residual + o, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual + o), v));
+          amx_store(_mm512_add_ps(_mm512_add_ps(_mm512_load_ps(s), _mm512_load_ps(s + 16)), _mm512_load_ps(s + 32)),
+                    cols, bias ? bias + c0 : nullptr, out + o, residual ? residual + o : nullptr);
         }
       }
     }
@@ -543,8 +628,8 @@ inline int64_t written_row_argmax(const float* row, int64_t n, std::vector<Panel
 template <typename W>
 void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, int64_t n_out, float* out,
           const float* bias, float* residual, uint16_t* xs, int64_t* argmax = nullptr) {
-  if (packed.dim() == 6) {
-    gemm_amx(x, rows, K, packed, n_out, out, bias, residual, xs);
+  if (packed.dim() == 6 || packed.dim() == 5) {  // AMX tiles: 6-D bf16's, 5-D bf16dot's (kernels.py `pack`)
+    gemm_amx(x, rows, K, packed, packed.dim() == 5, n_out, out, bias, residual, xs);
     std::vector<PanelMax> part;
     for (int64_t m = 0; argmax && m < rows; ++m) argmax[m] = written_row_argmax(out + m * n_out, n_out, part);
     return;

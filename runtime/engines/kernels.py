@@ -79,8 +79,10 @@ def isa_flags(isa: str) -> list[str] | str:
         missing = sorted({"avx512f", "avx512bw"} - flags) if x86 else ["x86-64"]
         # -march=native: everything this CPU has (VNNI, BF16, AMX) beyond the AVX-512 the layer needs.
         # SPECTRT_NO_AVX512_BF16=1 leaves BF16 out on a CPU that has it: the build of an AVX-512 CPU without it
-        # (Skylake to Ice Lake), bf16dot's pair sums emulated, so the tests can run that build here too.
-        no_bf16 = ["-mno-avx512bf16"] if os.environ.get("SPECTRT_NO_AVX512_BF16") == "1" else []
+        # (Skylake to Ice Lake), bf16dot's pair sums emulated, so the tests can run that build here too; such a CPU
+        # has no AMX either (and the AMX path's conversions are AVX512_BF16 instructions).
+        no_bf16 = (["-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"]
+                   if os.environ.get("SPECTRT_NO_AVX512_BF16") == "1" else [])
         return f"this CPU lacks {', '.join(missing)}" if missing else ["-march=native", *no_bf16, "-DSPECTRT_ISA_AVX512"]
     if isa == "avx2":
         missing = sorted({"avx2", "fma"} - flags) if x86 else ["x86-64"]
@@ -211,35 +213,44 @@ def amx_supported() -> bool:
             and _amx_granted(module))
 
 
-def amx_enabled() -> bool:
-    """bf16 engines pack for the AMX GEMM (cpu_kernels.cpp `gemm_amx`): opt-in with SPECTRT_AMX=1 where supported.
+def amx_enabled(pairs: bool = False) -> bool:
+    """Whether engines pack for the AMX GEMM (cpu_kernels.cpp `gemm_amx`) where the CPU supports it: bf16dot's
+    (`pairs`) by default, SPECTRT_AMX=0 turns it off; bf16's opt-in with SPECTRT_AMX=1.
 
-    Why opt-in (measured, whole bf16 forward, AMX vs FMA interleaved in one process under the team lock, best of
-    4 rounds): it flattens the verify curve (context 128: T=16 34.3 -> 26.9 ms, T=32 63.3 -> 46.2; context 1024:
-    T=16 71.9 -> 61.8) but a step of 1-2 rows, AR decoding and the draft's levels, gets 5-11% slower (T=1 16.2 ->
-    17.0 ms at context 128, 19.0 -> 21.1 at 1024), and at T=8 they are even. Both paths are row invariant and sum
-    the same exact products in other orders, so tree == AR holds in either; their logits differ in the last bits.
+    Why bf16dot by default (Intel Xeon with AMX, 2 cores, context 128, one process interleaved, best of 4 rounds'
+    medians, `scripts/isa_tcurve.py --isas avx512 --dtypes bf16,bf16dot+fma,bf16dot`): its inputs are one bf16 part, so T=1 costs what the pair-FMA path costs (11.8 vs 12.0
+    ms) and every verify is cheaper: T=8 19.2 -> 13.6 ms, T=16 33.3 -> 15.7, T=64 149.5 -> 36.2 (bf16 on FMA 11.4 /
+    16.7 / 23.5 / 90.0). Why bf16's is opt-in (measured, whole bf16 forward, AMX vs FMA interleaved in one process
+    under the team lock, best of 4 rounds): its fp32 activations take three bf16 parts, which flattens the verify
+    curve (context 128: T=16 34.3 -> 26.9 ms, T=32 63.3 -> 46.2; context 1024: T=16 71.9 -> 61.8) but a step of 1-2
+    rows, AR decoding and the draft's levels, gets 5-11% slower (T=1 16.2 -> 17.0 ms at context 128, 19.0 -> 21.1 at
+    1024), and at T=8 they are even. Every path is row invariant, so tree == AR holds in each; the AMX paths sum in
+    the tile unit's order and rounding, so their logits differ from the other builds' in the last bits.
     """
-    return os.environ.get("SPECTRT_AMX", "0") == "1" and amx_supported()
+    setting = os.environ.get("SPECTRT_AMX", "")
+    return (setting == "1" or (pairs and setting != "0")) and amx_supported()
 
 
 def pack(weight: torch.Tensor, dtype: torch.dtype, amx: bool | None = None, pairs: bool = False) -> torch.Tensor:
     """[N, K] weight -> [ceil(N/PANEL), K, PANEL] panels (zero-padded columns), as the FMA GEMM streams them; bf16
-    with AMX (`amx`: None = `amx_enabled()`) -> [P, 4, Kp/32, 16, 16, 2]: per panel, each group of 16 columns a
+    with AMX (`amx`: None = `amx_enabled(pairs)`) -> [P, 4, Kp/32, 16, 16, 2]: per panel, each group of 16 columns a
     stream of tiles of 16 k-pairs x 16 columns x 2 consecutive k (the layout TDPBF16PS reads), K zero-padded.
     `pairs` (bf16dot: bf16 GEMM inputs) -> bf16 [P, ceil(K/2), PANEL, 2]: each column's weights of k = 2q, 2q + 1
-    side by side (the layout VDPBF16PS reads), K zero-padded to even."""
+    side by side (the layout VDPBF16PS reads), K zero-padded to even; with AMX the same tiles as bf16's, 5-D
+    [P, 4, Kp/32, 16, 32] (the rank tells the kernel its inputs are one bf16 part, `gemm_amx`)."""
     n, k = weight.shape
+    amx = amx_enabled(pairs) if amx is None else amx
+    if amx and not amx_supported():
+        raise ValueError("AMX packing needs a CPU with AMX-BF16 and the tile state granted: pack with amx=False")
+    if (dtype == torch.bfloat16 or pairs) and amx:
+        # [P*64, Kp]: column 16 j + c, k = 32 b + 2 q + e
+        w = F.pad(weight.to(torch.bfloat16), (0, -k % AMX_K, 0, -n % PANEL))
+        tiles = w.view(-1, 4, 16, w.shape[1] // AMX_K, 16, 2)  # [P, j, c, b, q, e]
+        tiles = tiles.permute(0, 1, 3, 4, 2, 5).contiguous()  # [P, j, b, q, c, e]
+        return tiles.flatten(4) if pairs else tiles
     if pairs:
         w = F.pad(weight.to(torch.bfloat16), (0, k % 2, 0, -n % PANEL))  # [P*64, 2 K2]
         return w.view(-1, PANEL, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
-    amx = amx_enabled() if amx is None else amx
-    if amx and not amx_supported():
-        raise ValueError("AMX packing needs a CPU with AMX-BF16 and the tile state granted: pack with amx=False")
-    if dtype == torch.bfloat16 and amx:
-        w = F.pad(weight.to(dtype), (0, -k % AMX_K, 0, -n % PANEL))  # [P*64, Kp]: column 16 j + c, k = 32 b + 2 q + e
-        tiles = w.view(-1, 4, 16, w.shape[1] // AMX_K, 16, 2)  # [P, j, c, b, q, e]
-        return tiles.permute(0, 1, 3, 4, 2, 5).contiguous()  # [P, j, b, q, c, e]
     w = F.pad(weight.to(dtype), (0, 0, 0, -n % PANEL))
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
@@ -407,7 +418,7 @@ class NativeModel:
         fp32 = torch.float32
         self.embed = embed.to(fp32).contiguous()
         self.final_norm = norm.to(fp32).contiguous()
-        self.head, self.head_ids = pack(head, dtype, amx=False if pairs else None, pairs=pairs), head_ids
+        self.head, self.head_ids = pack(head, dtype, pairs=pairs), head_ids
         self.norms = [n.to(fp32).contiguous() for layer in layers for n in (layer["attn_norm"], layer["mlp_norm"])]
         # per layer q/k/v, o, gate/up, down; fp weights keep `dtype`, W8A8 ones their int8 form
         self.projections = [pack_projection(layer[name], dtype, pairs) for layer in layers
