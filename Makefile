@@ -75,7 +75,7 @@ $(TUNED): | draft  # this machine's cost curve (short) and the policy tuned on i
 	$(BIN)/spectrt tune
 	touch $@
 
-tune: draft  ## re-measure the cost curve and re-tune the speculation policy, default precision (auto: bf16 on the native forward)
+tune: draft  ## re-measure the cost curve and re-tune the speculation policy, default precision (auto: bf16, or bf16dot on AMX CPUs)
 	$(BIN)/spectrt profile
 	$(BIN)/spectrt tune
 	touch $(TUNED)

@@ -64,8 +64,9 @@ def model_dirs(args: argparse.Namespace) -> tuple[Path, Path | None]:
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     """--dtype, as every subcommand that loads a model takes it."""
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "bf16dot"],
-                   help="auto: bf16 on the native CPU forward (exact, 2x fp32's speed), else fp32; bf16dot: bf16 GEMM "
-                        "inputs too, an exact mode of its own (native only; cheaper verify rows on AVX512_BF16 CPUs)")
+                   help="auto: on the native CPU forward bf16dot where AMX runs it, else bf16 (exact, 2x fp32's "
+                        "speed), elsewhere fp32; bf16dot: bf16 GEMM inputs too, an exact mode of its own (native "
+                        "only; on AMX tiles where the CPU has AMX-BF16: far cheaper verify rows and batches)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ from spectrt.runtime.decoding.decoder import Decoder, Job
 from spectrt.runtime.decoding.tree import Tree
 from spectrt.runtime.engines import kernels
 from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES
-from spectrt.runtime.engines.engine import load_engine
+from spectrt.runtime.engines.engine import load_engine, resolve_dtype
 from spectrt.runtime.engines.model import ModelConfig
 from spectrt.runtime.engines.onnx_engine import EngineDirError, OnnxEngine
 from spectrt.runtime.engines.trt_engine import TensorRTEngine
@@ -271,6 +271,14 @@ def test_load_errors_say_what_is_needed(engines, target_dir):
         load_engine(target_dir, "tvm")
     with pytest.raises(ValueError, match=r"choose auto or one of \['bf16', 'bf16dot', 'fp32'\]"):
         load_engine(target_dir, "torch", "fp16")
+
+
+def test_auto_is_bf16dot_where_amx_runs_it_else_bf16_on_the_native_forward(monkeypatch):
+    monkeypatch.delenv("SPECTRT_AMX", raising=False)
+    assert resolve_dtype("auto") == ("bf16dot" if kernels.amx_supported() else "bf16")
+    monkeypatch.setenv("SPECTRT_AMX", "0")  # bf16dot off AMX: bf16 stays the default
+    assert resolve_dtype("auto") == "bf16"
+    assert resolve_dtype("auto", "onnxruntime") == "fp32" and resolve_dtype("bf16dot") == "bf16dot"
 
 
 def test_bf16dot_loads_the_k_pair_forward(target_dir):
