@@ -93,8 +93,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
                       args.depth, args.width)
     p = report["policy"]
     print(f"{report['path']}: budget {p['budget']}, depth {p['depth']}, width {p['width']}, draft {p['draft']}, "
-          f"suffix {p['suffix']}; expected {report['expected_tokens_per_second']:.1f} tok/s vs AR "
-          f"{report['ar_tokens_per_second']:.1f} (costs: {report['cost_source']})")
+          f"suffix {p['suffix']}, host {p['host_ms']:.2f} ms a drafted request; expected "
+          f"{report['expected_tokens_per_second']:.1f} tok/s vs AR {report['ar_tokens_per_second']:.1f} "
+          f"(costs: {report['cost_source']})")
     return 0
 
 

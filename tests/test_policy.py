@@ -377,3 +377,22 @@ def test_the_gate_charges_a_tuned_trees_level_passes():
     verify = CostCurve({1: 8.0, 8: 8.0, 16: 9.6})
     assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, lambda rows, k: 0.5) == [0]
     assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, tuned._drafting_ms(lambda rows, k: 0.5)) == []
+
+
+def test_the_gate_charges_each_drafted_requests_host_work():
+    """`Policy.host_ms` (tuned) is added once per drafted request: at batch 8, where one more verified row costs
+    0.2 ms, a request whose draft earns 0.8 tokens on 1 row pays for 0.4 ms of draft pass alone (8.8 tokens in 8.6 ms
+    against 8 in 8), not with 0.5 ms of host work on top (8.8 in 9.1)."""
+    from spectrt.runtime.decoding.controller import Controller
+    from spectrt.runtime.decoding.propose import SuffixProposer
+
+    def gate(host_ms):
+        policy = Policy(budget=4, depth=1, width=1, draft_gain=0.8, host_ms=host_ms)
+        ms = Controller(policy, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16,
+                        tree_budget=16)._drafting_ms(lambda rows, k: 0.4)
+        return ms, choose_drafted([0.8], [1.0], [2.0], 8.0, 8, CostCurve({1: 8.0, 8: 8.0, 16: 9.6}), ms)
+
+    (free, chosen_free), (dear, chosen_dear) = gate(0.0), gate(0.5)
+    assert free(2, 1) == 0.4 and dear(2, 3) == 0.4 + 3 * 0.5
+    assert chosen_free == [0] and chosen_dear == []
+    assert Policy.from_json(Policy(host_ms=0.45).to_json()).host_ms == 0.45

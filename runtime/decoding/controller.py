@@ -172,10 +172,13 @@ class Controller:
         fixed: 0.8 ms a pass over 8 rows at batch 8, not 1.6), batch 8 drafted as its requests finished and ran
         0.93x plain batched decoding; with the level passes 0.97-1.00x (`scripts/batch_vs_plain.py --rounds 6`, bf16,
         Intel Xeon, four runs; `--min-length` 1.004x), batch 4 0.98-1.00x (1.02-1.04x before), batch 1 the same
-        1.90 tokens a step."""
+        1.90 tokens a step.
+        And the host work each drafted request adds (`Policy.host_ms`, tuned): where verify rows are cheap (bf16dot on
+        AMX tiles, Intel Xeon, batch 8) the gate drafted every request and the step's Python grew 0.5 -> 2.3 ms,
+        which the cheaper rows did not pay back: 0.93x plain batched decoding."""
         levels = max(self.policy.depth - 1, 0) if self.policy.draft_gain is not None else 0
-        width = self.policy.width
-        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k)
+        width, host = self.policy.width, self.policy.host_ms
+        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k) + host * k
 
     def _prior_rows(self) -> float:
         """Verified rows the policy's expected draft gain comes with, before a job's own steps say: a tuned gain

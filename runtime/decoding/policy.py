@@ -157,6 +157,7 @@ class Policy:
     verify_ms: tuple[tuple[int, float], ...] = DEFAULT_VERIFY
     draft_ms: tuple[tuple[int, float], ...] = DEFAULT_DRAFT
     draft_gain: float | None = None  # tuned: expected tokens the draft adds per step (None: a sure token)
+    host_ms: float = 0.0  # tuned: host work a drafted request adds to a step (tree, scores, acceptance), ms
     verify_batched: BatchedCost | None = field(default=None, hash=False)  # the profile's batched tables, if tuned
     draft_batched: BatchedCost | None = field(default=None, hash=False)
 
@@ -204,8 +205,8 @@ class Policy:
     def from_json(cls, data: dict) -> Policy:
         data = dict(data)
         cal = data.pop("calibration", None)
-        fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth", "draft_gain")
-                  if k in data}
+        fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth", "draft_gain",
+                                       "host_ms") if k in data}
         for k in ("verify_ms", "draft_ms"):
             if k in data:
                 fields[k] = tuple((int(t), float(ms)) for t, ms in data[k])
