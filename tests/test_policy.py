@@ -1,6 +1,7 @@
 """The policy's cost model and the tuner's choice on synthetic cost curves and acceptance tables."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from spectrt.runtime.decoding.policy import (
@@ -396,3 +397,25 @@ def test_the_gate_charges_each_drafted_requests_host_work():
     assert free(2, 1) == 0.4 and dear(2, 3) == 0.4 + 3 * 0.5
     assert chosen_free == [0] and chosen_dear == []
     assert Policy.from_json(Policy(host_ms=0.45).to_json()).host_ms == 0.45
+
+
+def test_the_gate_may_draft_the_first_level_alone():
+    """Where the whole tuned tree does not pay at this load but its first level does (one row, one pass: 0.67
+    tokens for 0.6 ms against 1.06 for 1.1 ms, rows at 1 token a ms), the step drafts that level alone; untuned
+    for it (no `first_level_gain`), the step does not draft."""
+    from spectrt.runtime.decoding.controller import Controller
+    from spectrt.runtime.decoding.propose import SuffixProposer
+
+    costs = dict(verify_ms=((1, 8.0), (8, 8.0), (16, 9.6), (64, 30.0)), draft_ms=((1, 0.3), (64, 0.3)))
+    tuned = Policy(budget=6, depth=2, width=3, draft_gain=1.06, first_level_gain=0.67, host_ms=0.2, **costs)
+
+    def controller(policy):
+        return Controller(policy, None, SuffixProposer(1), max_seq_len=256, max_tree_tokens=16, tree_budget=16)
+
+    with_first = controller(tuned)
+    assert with_first.draft_may_pay(8, 128)
+    short = with_first._first_level()
+    assert (short.depth, short.draft_gain, short.host_ms, short.budget, short.width) == (1, 0.67, 0.1, 6, 3)
+    assert with_first._first_level() is short  # one per policy, so `learn` can tell its steps
+    assert not controller(replace(tuned, first_level_gain=None)).draft_may_pay(8, 128)
+    assert controller(replace(tuned, first_level_gain=None)).draft_may_pay(1, 128)  # alone, the whole tree pays

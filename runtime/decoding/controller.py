@@ -12,9 +12,10 @@ alike whatever runs next to it, and one tenant's hot sampled requests never shri
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain, choose_drafted
+from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain, choose_drafted, drafted_rate
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, SuffixProposer
 from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree
 from spectrt.runtime.engines.engine import Segment
@@ -39,6 +40,7 @@ class Controller:
                  max_tree_tokens: int, tree_budget: int):
         self.policy, self.drafter, self.suffix = policy, drafter, suffix
         self.max_seq_len, self.max_tree_tokens, self.tree_budget = max_seq_len, max_tree_tokens, tree_budget
+        self._short: tuple[Policy, Policy] | None = None  # (policy, its first level alone): `_first_level`
 
     def start(self, job: Job) -> None:
         """A new job's speculation state: suffix candidates (the policy's choice for AUTO) and fresh estimates."""
@@ -161,10 +163,27 @@ class Controller:
         1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
         policy = self.policy
         verify, cost = policy.verify_at(active, context), policy.draft_at(context)
-        return bool(choose_drafted([policy.expected_draft_gain], [self._prior_rows()], [1 + policy.depth],
-                                   float(active), active, verify, self._drafting_ms(cost)))
+        if choose_drafted([policy.expected_draft_gain], [self._prior_rows()], [1 + policy.depth], float(active),
+                          active, verify, self._drafting_ms(cost)):
+            return True
+        short = self._first_level()
+        return short is not None and bool(choose_drafted([short.expected_draft_gain], [1.0], [2.0], float(active),
+                                                         active, verify, self._drafting_ms(cost, short)))
 
-    def _drafting_ms(self, draft_cost: Callable[[int, int], float]) -> Callable[[int, int], float]:
+    def _first_level(self) -> Policy | None:
+        """The policy cut to its draft's first level (its tuned gain `first_level_gain`, a level's share of the host
+        work: most of it is per level, children, feeding and tries), for steps where only that pays (`_gate`); None
+        for a policy of one level or an untuned one."""
+        policy = self.policy
+        if policy.depth < 2 or not policy.draft_gain or policy.first_level_gain is None:
+            return None
+        if self._short is None or self._short[0] is not policy:
+            self._short = (policy, replace(policy, depth=1, draft_gain=policy.first_level_gain,
+                                           host_ms=policy.host_ms / policy.depth))
+        return self._short[1]
+
+    def _drafting_ms(self, draft_cost: Callable[[int, int], float],
+                     policy: Policy | None = None) -> Callable[[int, int], float]:
         """ms of a drafting step's passes by (first-pass rows, requests): the pass over the requests' accepted tokens,
         and for a tuned policy the `depth - 1` level passes of `width` nodes each that earn the tree's gain it weighs
         (untuned, the gain is one sure token, as `_prior_rows` says: the first pass's). Why the level passes:
@@ -176,8 +195,9 @@ class Controller:
         And the host work each drafted request adds (`Policy.host_ms`, tuned): where verify rows are cheap (bf16dot on
         AMX tiles, Intel Xeon, batch 8) the gate drafted every request and the step's Python grew 0.5 -> 2.3 ms,
         which the cheaper rows did not pay back: 0.93x plain batched decoding."""
-        levels = max(self.policy.depth - 1, 0) if self.policy.draft_gain is not None else 0
-        width, host = self.policy.width, self.policy.host_ms
+        policy = policy or self.policy
+        levels = max(policy.depth - 1, 0) if policy.draft_gain is not None else 0
+        width, host = policy.width, policy.host_ms
         return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k) + host * k
 
     def _prior_rows(self) -> float:
@@ -209,7 +229,14 @@ class Controller:
         learned from its own steps (`learn_draft_gain`). Why:
         a bound of "a sure token per request" let the draft run at batch 8 where the budget then verified ~0.3 of its
         nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, so a seeded
-        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`)."""
+        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`).
+
+        The step may also draft its jobs' first level alone (`_first_level`: the tuned first-level share of each
+        gain, one row a job, no level passes), whichever of the two choices expects more tokens per ms; the
+        proposer then stops those jobs after one level. Why: where rows are cheap but every pass and each drafted
+        request's host work are not (bf16dot on AMX tiles, Intel Xeon, batch 8), the whole tree's charge kept the
+        draft off, 0.99x plain batched decoding, while drafting one level ran 1.05x (four rounds each, 1.03-1.08x
+        a round, `scripts/batch_vs_plain.py --alt-policy` with the policy cut to depth 1)."""
         grow = [c for c in drafting if c.static is None]
         if not grow:
             return drafting
@@ -218,9 +245,22 @@ class Controller:
         sizes, _ = allocate(scores, caps, 0.0, verify, base_rows, plain)
         gain = allocation_gain(scores, sizes, plain)
         catch_up = [self._catch_up(c.job) for c in grow]
-        chosen = set(choose_drafted([c.job.draft_gain for c in grow], [c.job.draft_rows for c in grow], catch_up, gain,
-                                    base_rows + sum(sizes) + plain,
-                                    verify, self._drafting_ms(draft_cost)))
+        gains, gain_rows, rows = [c.job.draft_gain for c in grow], [c.job.draft_rows for c in grow], \
+            base_rows + sum(sizes) + plain
+        full_ms = self._drafting_ms(draft_cost)
+        picked = choose_drafted(gains, gain_rows, catch_up, gain, rows, verify, full_ms)
+        short = self._first_level()
+        if short is not None:  # the first level alone: its share of each gain, on a level's row, no level pass
+            share, depth = short.draft_gain / self.policy.draft_gain, self.policy.depth
+            short_gains, short_rows = [g * share for g in gains], [r / depth for r in gain_rows]
+            short_ms = self._drafting_ms(draft_cost, short)
+            short_picked = choose_drafted(short_gains, short_rows, catch_up, gain, rows, verify, short_ms)
+            if (drafted_rate(short_picked, short_gains, short_rows, catch_up, gain, rows, verify, short_ms)
+                    > drafted_rate(picked, gains, gain_rows, catch_up, gain, rows, verify, full_ms)):
+                picked = short_picked
+                for i in picked:
+                    grow[i].policy = short  # the proposer reads the step's depth from it
+        chosen = set(picked)
         for i, c in enumerate(grow):
             if i not in chosen:  # not drafted: old evidence fades (explore again later)
                 self.learn_draft_gain(c.job, None)
@@ -258,4 +298,7 @@ class Controller:
             expected, got = job.score_evidence
             job.score_evidence = (SCALE_DECAY * expected + cand.expected, SCALE_DECAY * got + accepted)
         if realized is not None:
+            short = self._first_level()
+            if short is not None and cand.policy is short:  # a first-level step, in the whole tree's terms
+                realized = (realized[0] * self.policy.draft_gain / short.draft_gain, realized[1] * self.policy.depth)
             self.learn_draft_gain(job, realized)

@@ -158,6 +158,7 @@ class Policy:
     draft_ms: tuple[tuple[int, float], ...] = DEFAULT_DRAFT
     draft_gain: float | None = None  # tuned: expected tokens the draft adds per step (None: a sure token)
     host_ms: float = 0.0  # tuned: host work a drafted request adds to a step (tree, scores, acceptance), ms
+    first_level_gain: float | None = None  # tuned: expected tokens the draft's first level alone adds per step
     verify_batched: BatchedCost | None = field(default=None, hash=False)  # the profile's batched tables, if tuned
     draft_batched: BatchedCost | None = field(default=None, hash=False)
 
@@ -206,7 +207,7 @@ class Policy:
         data = dict(data)
         cal = data.pop("calibration", None)
         fields = {k: data[k] for k in ("budget", "depth", "width", "draft", "suffix", "suffix_depth", "draft_gain",
-                                       "host_ms") if k in data}
+                                       "host_ms", "first_level_gain") if k in data}
         for k in ("verify_ms", "draft_ms"):
             if k in data:
                 fields[k] = tuple((int(t), float(ms)) for t, ms in data[k])
@@ -253,6 +254,15 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     for _, j in merged[:best_k]:
         counts[j] += 1
     return [1 + c for c in counts], best_rate
+
+
+def drafted_rate(chosen: list[int], gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float,
+                 rows: int, verify: Callable[[int], float], draft: Callable[[int, int], float]) -> float:
+    """Expected tokens per ms of a step in which the `chosen` requests draft (`choose_drafted`'s terms)."""
+    if not chosen:
+        return gain / verify(rows)
+    return (gain + sum(gains[j] for j in chosen)) / (draft(sum(catch_up[j] for j in chosen), len(chosen))
+                                                     + verify(rows + sum(gain_rows[j] for j in chosen)))
 
 
 def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float, rows: int,

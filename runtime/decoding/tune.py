@@ -238,7 +238,9 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
                            list(range(1, width + 1)), calibration)
     tables = batched_tables(artifacts, Path(target).name, dtype, decoder.draft is not None)
     finalists = [(replace(p, draft_gain=expected_tokens(acceptance, p.budget, p.depth, p.width) - 1
-                          if p.draft else None, **tables), r) for p, r in distinct(ranked)[:FINALISTS]]
+                          if p.draft else None,
+                          first_level_gain=expected_tokens(acceptance, p.budget, 1, p.width) - 1 if p.draft else None,
+                          **tables), r) for p, r in distinct(ranked)[:FINALISTS]]
     measured, chosen = [None], 0  # one candidate (no draft: the draft-off policy): nothing to time
     if len(finalists) > 1:
         measured = time_finalists(decoder, [pipe.encode(p) for p in prompts], [p for p, _ in finalists],
