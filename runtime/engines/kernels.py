@@ -217,10 +217,10 @@ def amx_enabled(pairs: bool = False) -> bool:
     """Whether engines pack for the AMX GEMM (cpu_kernels.cpp `gemm_amx`) where the CPU supports it: bf16dot's
     (`pairs`) by default, SPECTRT_AMX=0 turns it off; bf16's opt-in with SPECTRT_AMX=1.
 
-    Why bf16dot by default (Intel Xeon with AMX, 2 cores, context 128, one process interleaved, best of 4 rounds'
-    medians, `scripts/isa_tcurve.py --isas avx512 --dtypes bf16,bf16dot+fma,bf16dot`): its inputs are one bf16 part, so T=1 costs what the pair-FMA path costs (11.8 vs 12.0
-    ms) and every verify is cheaper: T=8 19.2 -> 13.6 ms, T=16 33.3 -> 15.7, T=64 149.5 -> 36.2 (bf16 on FMA 11.4 /
-    16.7 / 23.5 / 90.0). Why bf16's is opt-in (measured, whole bf16 forward, AMX vs FMA interleaved in one process
+    Why bf16dot by default (Intel Xeon model 207, 2 cores, context 128, one process interleaved, best of 4 rounds'
+    medians, `scripts/isa_tcurve.py --isas avx512 --dtypes bf16,bf16dot+fma,bf16dot`): its inputs are one bf16
+    part, so T=1 costs no more than on pair FMAs (9.8 vs 11.9 ms) and every verify is cheaper: T=8 18.7 -> 13.1 ms,
+    T=16 32.3 -> 15.6, T=64 124.9 -> 35.1 (bf16 on FMA 12.0 / 16.0 / 21.9 / 82.3). Why bf16's is opt-in (measured, whole bf16 forward, AMX vs FMA interleaved in one process
     under the team lock, best of 4 rounds): its fp32 activations take three bf16 parts, which flattens the verify
     curve (context 128: T=16 34.3 -> 26.9 ms, T=32 63.3 -> 46.2; context 1024: T=16 71.9 -> 61.8) but a step of 1-2
     rows, AR decoding and the draft's levels, gets 5-11% slower (T=1 16.2 -> 17.0 ms at context 128, 19.0 -> 21.1 at
