@@ -5,6 +5,8 @@ exact; static KV, limits, sampling."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import EOS, FORWARD_PATHS, PROMPTS, engine_pair
@@ -371,6 +373,35 @@ def test_under_load_a_draft_that_cannot_pay_never_runs(target, prompt_ids, ar_ou
     assert sum(alone.stats.accepted) > 0
     for job, expected in zip([*jobs, alone], [*ar_outputs[:4], ar_outputs[0]], strict=True):
         assert job.out == expected[:64]
+
+
+def test_a_batch_may_draft_the_first_level_alone(target, prompt_ids, ar_outputs):
+    """Where verified rows past the roots plus one a request get dear, the whole depth-2 tree pays for only some of
+    four decoding requests while every request's first level pays: with a tuned first-level gain each step of the
+    full batch runs one draft forward (no level pass), without it the level too; outputs equal AR both ways. (While
+    the others still prefill, a lone decoding request's whole tree pays: those steps are not counted.)"""
+    steep = ((1, 1.0), (8, 1.0), (9, 50.0), (64, 500.0))  # 4 requests: up to one extra row each is free
+    base = Policy(budget=4, depth=2, width=2, suffix=False, draft_gain=1.0, verify_ms=steep, draft_ms=((1, 1e-6),))
+    passes = {}
+    for first_level_gain in (0.8, None):
+        draft = Counting(target)  # the target as its own draft: its first child is always accepted
+        decoder = Decoder(target, draft, EOS, max_seq_len=512, max_active=4,
+                          policy=replace(base, first_level_gain=first_level_gain))
+        jobs = [Job(list(ids), 48, AUTO) for ids in prompt_ids[:4]]
+        for job in jobs:
+            decoder.add(job)
+        per_step = []  # draft forwards of each step in which all four requests decode
+        while len(decoder.active) == 4:
+            calls, full = draft.calls, all(j.decoding for j in jobs)
+            decoder.step()
+            if full:
+                per_step.append(draft.calls - calls)
+        decoder.run([])
+        for job, expected in zip(jobs, ar_outputs[:4], strict=True):
+            assert job.out == expected[:48]
+        passes[first_level_gain] = per_step
+    assert passes[0.8] and set(passes[0.8]) == {1}
+    assert 2 in passes[None]
 
 
 @pytest.mark.parametrize("tree", [None, Tree.parse("2,1")])

@@ -175,7 +175,7 @@ class Controller:
         work: most of it is per level, children, feeding and tries), for steps where only that pays (`_gate`); None
         for a policy of one level or an untuned one."""
         policy = self.policy
-        if policy.depth < 2 or not policy.draft_gain or policy.first_level_gain is None:
+        if policy.depth < 2 or not policy.draft_gain or not policy.first_level_gain:
             return None
         if self._short is None or self._short[0] is not policy:
             self._short = (policy, replace(policy, depth=1, draft_gain=policy.first_level_gain,

@@ -447,8 +447,8 @@ void amx_group(const uint16_t* xs, int64_t blocks, const uint16_t* w, float* sum
 }
 
 // bf16dot on AMX: the GEMM inputs are already bf16 (`round_bf16`, as on every build), so one part and one
-// TDPBF16PS per weight tile, a third of the tile work of the split above. Its sums are the tile unit's own: measured
-// on a Sapphire Rapids-class Xeon (/tmp probe, 5M sums), one k pair is rounded to fp32 and then added to the
+// TDPBF16PS per weight tile, a third of the tile work of the split above. Its sums are the tile unit's own: probed
+// on an Intel Xeon model 207 (standalone TDPBF16PS calls, 5M sums), one k pair is rounded to fp32 and then added to the
 // accumulator (a second rounding), which is neither VDPBF16PS's two FMAs nor an exact sum, and over 16 pairs it
 // matches no sequential model: so an AMX bf16dot engine is row invariant (tree == AR) but its logits are its own,
 // as the bf16 AMX path's are. Tiles: 0-1 the sums of two 16-column groups (two independent TDPBF16PS chains),

@@ -140,10 +140,11 @@ def resolve_dtype(dtype: str, backend: str = "torch", checkpoint: Path | None = 
     fp32 elsewhere (the torch reference path is not row invariant in bf16; exported graphs run fp32) and for an INT8
     `checkpoint` (its non-GEMM ops run in fp32). Each is exact (row invariant: tree decoding equals that precision's
     AR). bf16 (bf16 weights, fp32 arithmetic) streams half fp32's bytes: 2x faster. bf16dot on AMX (bf16 GEMM inputs,
-    kernels.py `amx_enabled`) runs AR at bf16's speed and verifies trees and batches far cheaper; measured on an Intel Xeon
-    with AMX (2 cores, one process, prompts interleaved): its default policy 1.75x bf16 AR on chat and 2.30x on
-    repetitive work, against bf16's own 1.58x / 1.95x. Its answers are its own (the AMX tile unit's sums), not bf16's,
-    which every CPU computes alike: `--dtype bf16` where answers must match another machine's."""
+    kernels.py `amx_enabled`) runs AR at bf16's speed and verifies trees and batches far cheaper; measured on an Intel
+    Xeon with AMX (2 cores, one process, prompts interleaved, `scripts/precision_vs_precision.py`): its default policy
+    1.75x bf16 AR on chat and 2.30x on repetitive work, against bf16's own 1.58x / 1.95x. Its answers are its own (the
+    AMX tile unit's sums), not bf16's, which every CPU computes alike: `--dtype bf16` where answers must match another
+    machine's."""
     if dtype != "auto":
         return dtype
     from spectrt.runtime.engines.int8 import quant_format

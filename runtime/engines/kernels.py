@@ -83,7 +83,9 @@ def isa_flags(isa: str) -> list[str] | str:
         # has no AMX either (and the AMX path's conversions are AVX512_BF16 instructions).
         no_bf16 = (["-mno-avx512bf16", "-mno-amx-bf16", "-mno-amx-tile"]
                    if os.environ.get("SPECTRT_NO_AVX512_BF16") == "1" else [])
-        return f"this CPU lacks {', '.join(missing)}" if missing else ["-march=native", *no_bf16, "-DSPECTRT_ISA_AVX512"]
+        if missing:
+            return f"this CPU lacks {', '.join(missing)}"
+        return ["-march=native", *no_bf16, "-DSPECTRT_ISA_AVX512"]
     if isa == "avx2":
         missing = sorted({"avx2", "fma"} - flags) if x86 else ["x86-64"]
         if missing:
@@ -218,14 +220,15 @@ def amx_enabled(pairs: bool = False) -> bool:
     (`pairs`) by default, SPECTRT_AMX=0 turns it off; bf16's opt-in with SPECTRT_AMX=1.
 
     Why bf16dot by default (Intel Xeon model 207, 2 cores, context 128, one process interleaved, best of 4 rounds'
-    medians, `scripts/isa_tcurve.py --isas avx512 --dtypes bf16,bf16dot+fma,bf16dot`): its inputs are one bf16
-    part, so T=1 costs no more than on pair FMAs (9.8 vs 11.9 ms) and every verify is cheaper: T=8 18.7 -> 13.1 ms,
-    T=16 32.3 -> 15.6, T=64 124.9 -> 35.1 (bf16 on FMA 12.0 / 16.0 / 21.9 / 82.3). Why bf16's is opt-in (measured, whole bf16 forward, AMX vs FMA interleaved in one process
-    under the team lock, best of 4 rounds): its fp32 activations take three bf16 parts, which flattens the verify
-    curve (context 128: T=16 34.3 -> 26.9 ms, T=32 63.3 -> 46.2; context 1024: T=16 71.9 -> 61.8) but a step of 1-2
-    rows, AR decoding and the draft's levels, gets 5-11% slower (T=1 16.2 -> 17.0 ms at context 128, 19.0 -> 21.1 at
-    1024), and at T=8 they are even. Every path is row invariant, so tree == AR holds in each; the AMX paths sum in
-    the tile unit's order and rounding, so their logits differ from the other builds' in the last bits.
+    medians, `scripts/isa_tcurve.py --isas avx512 --dtypes bf16,bf16dot+fma,bf16dot`): its inputs are one bf16 part, so
+    T=1 costs no more than on pair FMAs (9.8 vs 11.9 ms) and every verify is cheaper: T=8 18.7 -> 13.1 ms, T=16 32.3 ->
+    15.6, T=64 124.9 -> 35.1 (bf16 on FMA 12.0 / 16.0 / 21.9 / 82.3). Why bf16's is opt-in (measured, whole bf16
+    forward, AMX vs FMA interleaved in one process under the team lock, best of 4 rounds): its fp32 activations take
+    three bf16 parts, which flattens the verify curve (context 128: T=16 34.3 -> 26.9 ms, T=32 63.3 -> 46.2; context
+    1024: T=16 71.9 -> 61.8) but a step of 1-2 rows, AR decoding and the draft's levels, gets 5-11% slower (T=1 16.2 ->
+    17.0 ms at context 128, 19.0 -> 21.1 at 1024), and at T=8 they are even. Every path is row invariant, so tree == AR
+    holds in each; the AMX paths sum in the tile unit's order and rounding, so their logits differ from the other
+    builds' in the last bits.
     """
     setting = os.environ.get("SPECTRT_AMX", "")
     return (setting == "1" or (pairs and setting != "0")) and amx_supported()
