@@ -455,6 +455,36 @@ def test_segment_buffers_write_each_slots_rows_and_keep_the_others():
     assert wide.rows(0, list(range(30)), 3, tuple(range(0, 60, 2)))[1].tolist() == [3 + 2 * i for i in range(30)]
 
 
+def test_masked_greedy_requests_reduce_their_rows_only_where_the_forwards_argmax_is_masked(target, draft, prompt_ids,
+                                                                                         monkeypatch):
+    """Counters: a greedy request with `min_length` and bad words keeps the forward's own argmax on rows whose
+    argmax its masks leave alone, and masks and reduces its rows only on steps where they hit it; the outputs equal
+    those of masking and reducing every step (`argmax_of` off), bad words included."""
+    from spectrt.runtime.decoding import decoder as decoder_module
+
+    plain = Decoder(target, None, EOS, max_seq_len=512).generate(prompt_ids[0], 24).token_ids
+    reductions = []
+    own = decoder_module.argmax_rows
+    monkeypatch.setattr(decoder_module, "argmax_rows", lambda logits: (reductions.append(1), own(logits))[1])
+
+    def run(with_argmax: bool) -> tuple[list[list[int]], int]:
+        reductions.clear()
+        decoder = Decoder(target, draft, EOS, max_seq_len=512, max_active=2)
+        if not with_argmax:
+            decoder.argmax_of = None
+        jobs = [Job(prompt_ids[0], 24, Tree.parse("2,1"), min_length=24, bad_words=[[plain[3]], plain[8:10]]),
+                Job(prompt_ids[1], 24, None, min_length=24)]
+        decoder.run(jobs)
+        assert all(job.finish == "length" for job in jobs)
+        return [job.out for job in jobs], len(reductions)
+
+    reference, every_step = run(False)
+    outputs, fewer = run(True)
+    assert outputs == reference
+    assert reference[0][:3] == plain[:3] and plain[3] not in reference[0]  # the bad word was masked where it won
+    assert 0 < fewer < every_step
+
+
 def test_greedy_acceptance_reads_the_forwards_argmax_and_survives_its_failure(target, draft, prompt_ids, ar_outputs):
     """Counters: batched greedy steps take every unmasked request's argmax from the native forward (`argmax_of`, one
     call a step) instead of reducing the logits again; if that fails, each request reduces its own rows and the

@@ -558,14 +558,14 @@ class Decoder:
             self.clock.accept += time.perf_counter() - start
 
     def _accept_each(self, planned: list[Verified], info: StepInfo) -> None:
-        # the greedy tokens of every request whose distribution is the target's own (nothing to mask), as the native
-        # forward's LM head found them (`argmax_of`); without them each request reduces its own rows (`_accept`)
-        plain = [v for v in planned if v.cand.job.params.greedy and not self._masks(v.cand.job)]
+        # the greedy tokens of every greedy request as the native forward's LM head found them (`argmax_of`), masked
+        # or not (`_accept` checks them against its masks); without them each request reduces its own rows
+        greedy = [v for v in planned if v.cand.job.params.greedy]
         try:
-            found = self.argmax_of([v.logits for v in plain]) if self.argmax_of is not None and plain else None
+            found = self.argmax_of([v.logits for v in greedy]) if self.argmax_of is not None and greedy else None
         except Exception:  # then each request reduces its own rows below, where a failure ends that request alone
             found = None
-        best = dict(zip(map(id, plain), found, strict=True)) if found is not None else {}
+        best = dict(zip(map(id, greedy), found, strict=True)) if found is not None else {}
         for v in planned:
             job = v.cand.job
             try:
@@ -575,20 +575,14 @@ class Decoder:
                 if job not in info.finished:
                     info.finished.append(job)
 
-    @staticmethod
-    def _masks(job: Job) -> bool:
-        """Whether `_constrain` masks anything in this job's distribution this step."""
-        return bool(job.bad_words) or job.min_length > len(job.out)
-
-    def _constrain(self, job: Job, tree: Tree, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """The request's target distribution at every node: end-of-sequence masked before min_length, bad words
-        masked where their prefix matches. Verification uses this same distribution, so it stays lossless. All
-        masked entries are written in one indexed assignment (a scalar write per word and node cost ~0.1 ms each),
-        in place: the rows are this request's share of the step's logits, read by nothing else (a copy of a batch-8
-        step's rows cost ~30 us a request)."""
+    def _masked(self, job: Job, tree: Tree, tokens: list[int]) -> tuple[list[int], list[int], list[int]] | None:
+        """What the request's target distribution masks this step, None for nothing: (columns masked at every node,
+        and the rows and columns of single entries): end-of-sequence before min_length, bad words where their
+        prefix matches. Per-node entries only where they differ by node (a scalar write per word and node cost ~0.1
+        ms each)."""
         short = job.min_length - len(job.out)  # a node at depth d has emitted len(out) + d tokens before its next
         if not job.bad_words and short <= 0:
-            return logits
+            return None
         rows, cols = [], []
         eos = sorted(job.eos_ids if job.eos_ids is not None else self.eos_ids)
         singles = [w[0] for w in job.bad_words if len(w) == 1]
@@ -612,20 +606,40 @@ class Decoder:
                     if len(seq) >= k and seq[len(seq) - k:] == word[:-1]:
                         rows.append(i)
                         cols.append(word[-1])
+        return singles, rows, cols
+
+    @staticmethod
+    def _masks_any(masked: tuple[list[int], list[int], list[int]], best: list[int]) -> bool:
+        """Whether a row's argmax is an entry `masked` masks: if none is, each row's argmax with the masks applied is
+        the same token (masking only lowers entries, and a lower index than an unmasked first maximum holds a
+        smaller value), so a greedy request keeps the forward's own argmax and writes nothing. Why: masking the
+        rows and reducing them again in numpy cost 0.08 ms a step at batch 1 and 0.2 ms at batch 8 with `min_length`
+        (bf16dot, Intel Xeon AMX; a benchmark's fixed-length requests)."""
+        singles, rows, cols = masked
+        return bool(set(singles).intersection(best)) or any(best[r] == c for r, c in zip(rows, cols, strict=True))
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, masked: tuple[list[int], list[int], list[int]]) -> torch.Tensor:
+        """The logits with `masked`'s entries at -inf: verification uses this same distribution, so it stays
+        lossless. In place: the rows are this request's share of the step's logits, read by nothing else (a copy of
+        a batch-8 step's rows cost ~30 us a request)."""
+        singles, rows, cols = masked
         # numpy's indexed writes: a torch one cost ~0.1 ms in the loop, on the caches a forward had just flushed
-        masked = logits.numpy() if logits.dtype == torch.float32 else logits
+        out = logits.numpy() if logits.dtype == torch.float32 else logits
         if singles:
-            masked[:, singles] = float("-inf")
+            out[:, singles] = float("-inf")
         if rows:
-            masked[rows, cols] = float("-inf")
+            out[rows, cols] = float("-inf")
         return logits
 
     def _accept(self, v: Verified, info: StepInfo, best: list[int] | None = None) -> None:
-        """Verify one request's tree against the target's logits (`best`: their argmax per row, computed already for
-        a greedy request with nothing to mask), then commit, learn and check its stop conditions."""
+        """Verify one request's tree against the target's logits (`best`: their argmax per row before any mask,
+        computed already for a greedy request), then commit, learn and check its stop conditions."""
         cand, tree, order, tokens, token_list, features = v.cand, v.tree, v.order, v.tokens, v.token_ids, v.features
         job, trie, stats = cand.job, cand.trie, cand.job.stats
-        logits = self._constrain(job, tree, token_list, v.logits)
+        logits, masked = v.logits, self._masked(job, tree, token_list)
+        if masked is not None and (best is None or self._masks_any(masked, best)):
+            logits, best = self._constrain(logits, masked), None
         stats.target_passes += 1
         stats.proposed += len(tree) - 1
         stats.verified.append(len(tree))

@@ -517,8 +517,9 @@ class NativeModel:
 
     def argmax_of(self, blocks: list[torch.Tensor]) -> list[list[int]] | None:
         """Each block's rows' argmax (`sampling.argmax_rows`), as the last forward's LM head computed them, where the
-        blocks are rows of that forward's logits, unchanged since (the decode loop masks rows in place only for the
-        requests it does not ask this for); else None. Why: the rows are not read again (see `gemm`'s argmax)."""
+        blocks are rows of that forward's logits; else None. Of the values the forward computed: the decode loop asks
+        before it masks any row in place and checks the answer against its masks (`Decoder._masks_any`). Why: the
+        rows are not read again (see `gemm`'s argmax)."""
         logits = self.last_logits
         if logits is None or not blocks:
             return None
