@@ -72,7 +72,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
     from spectrt.runtime.decoding.pipeline import Pipeline
-    from spectrt.runtime.decoding.tune import run_tune
+    from spectrt.runtime.decoding.tune import HOST_BATCH, run_tune
 
     target, draft = model_dirs(args)
     if args.prompts:
@@ -87,13 +87,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # no prefix cache: the finalists decode each prompt one after another (`tune.time_finalists`), and a later one
     # would start from an earlier one's KV and draft rows
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts,
-                    prefix_cache=False)
+                    prefix_cache=False, max_active=HOST_BATCH)  # slots for the batched host measurement
     pipe.generate(prompts[0], 8, None)  # warm-up: kernel choice
     report = run_tune(pipe, target, draft, args.dtype, args.artifacts, prompts[:args.limit], args.max_new_tokens,
                       args.depth, args.width)
     p = report["policy"]
+    more = "untimed" if p.get("host_more_ms") is None else f"{p['host_more_ms']:.2f}"
     print(f"{report['path']}: budget {p['budget']}, depth {p['depth']}, width {p['width']}, draft {p['draft']}, "
-          f"suffix {p['suffix']}, host {p['host_ms']:.2f} ms a drafted request; expected "
+          f"suffix {p['suffix']}, host {p['host_ms']:.2f} ms a drafted request ({more} each further one); expected "
           f"{report['expected_tokens_per_second']:.1f} tok/s vs AR {report['ar_tokens_per_second']:.1f} "
           f"(costs: {report['cost_source']})")
     return 0

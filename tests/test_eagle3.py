@@ -555,6 +555,26 @@ def test_tune_without_a_cost_profile_times_a_head_draft(tiny, trained, tmp_path)
     assert draft is not None and 0 < draft(1) <= draft(16) and 0 < verify(1) <= verify(64)
 
 
+def test_tune_measures_a_further_drafted_requests_host_work_at_batch(tiny, trained, tmp_path):
+    """`further_host_ms` decodes batches with every request drafting (the gate told the draft is sure and free) and
+    the same batches plainly, then restores the decoder's policy; below a batch of 2 it measures nothing."""
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.tune import further_host_ms
+
+    pipe = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=256, artifacts=tmp_path,
+                    max_active=2, prefix_cache=False)
+    decoder, policy = pipe.decoder, pipe.decoder.controller.policy
+    ids = [pipe.encode(p) for p in ("Name a color.", "Count to five.", "Say hi.")]
+    drafted, own = [], decoder.drafter.propose
+    decoder.drafter.propose = lambda cands, *rest: (drafted.append(len(cands)), own(cands, *rest))[1]
+    more = further_host_ms(decoder, ids, policy, 8, first_ms=0.0)
+    assert more is not None and more >= 0.0
+    assert max(drafted) == 2  # one batch of 2, both requests drafting in a step
+    assert decoder.controller.policy is policy
+    alone = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=256, artifacts=tmp_path)
+    assert further_host_ms(alone.decoder, ids, policy, 8, first_ms=0.0) is None
+
+
 def test_sampled_trees_with_the_head_draw_from_full_vocabulary_rows(tiny, trained, monkeypatch):
     """Sampling with a head: children are drawn from the draft's q as full-vocabulary rows (zero outside the head's
     vocabulary), the verify rule gets q of the target's width, and seeded requests decode alike run twice."""

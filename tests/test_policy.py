@@ -399,6 +399,31 @@ def test_the_gate_charges_each_drafted_requests_host_work():
     assert Policy.from_json(Policy(host_ms=0.45).to_json()).host_ms == 0.45
 
 
+def test_a_batch_is_charged_the_first_drafted_requests_host_work_and_less_for_each_further_one():
+    """`Policy.host_charge`: `host_ms` for one drafted request, `host_more_ms` for each further one (untuned: `host_ms`
+    each). At batch 8, rows at 0.2 ms, two draft passes at 0.4 ms: 8 drafts at 0.8 tokens a row pay with 2.0 + 7 x
+    0.05 ms of host work (14.4 tokens in 12.75 ms against 8 in 8), not with 8 x 2.0 (14.4 in 26.4)."""
+    from spectrt.runtime.decoding.controller import Controller
+    from spectrt.runtime.decoding.propose import SuffixProposer
+
+    shared = Policy(budget=4, depth=2, width=1, draft_gain=0.8, first_level_gain=0.5, host_ms=2.0, host_more_ms=0.05)
+    alone = replace(shared, host_more_ms=None)
+    assert [shared.host_charge(k) for k in (0, 1, 3)] == [0.0, 2.0, 2.1] and alone.host_charge(3) == 6.0
+    assert Policy.from_json(shared.to_json()).host_more_ms == 0.05
+    assert Policy.from_json(alone.to_json()).host_more_ms is None
+
+    def gate(policy):
+        controller = Controller(policy, None, SuffixProposer(8), max_seq_len=64, max_tree_tokens=16, tree_budget=64)
+        ms = controller._drafting_ms(lambda rows, k: 0.4)
+        return controller, choose_drafted([0.8] * 8, [1.0] * 8, [2.0] * 8, 8.0, 8,
+                                          CostCurve({1: 8.0, 8: 8.0, 16: 9.6}), ms)
+
+    (controller, chosen_shared), (_, chosen_alone) = gate(shared), gate(alone)
+    assert chosen_shared == list(range(8)) and chosen_alone == []
+    short = controller._first_level()
+    assert (short.host_ms, short.host_more_ms) == (1.0, 0.025)  # a level's share of both
+
+
 def test_the_gate_may_draft_the_first_level_alone():
     """Where the whole tuned tree does not pay at this load but its first level does (one row, one pass: 0.67
     tokens for 0.6 ms against 1.06 for 1.1 ms, rows at 1 token a ms), the step drafts that level alone; untuned

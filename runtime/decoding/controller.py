@@ -178,8 +178,9 @@ class Controller:
         if policy.depth < 2 or not policy.draft_gain or not policy.first_level_gain:
             return None
         if self._short is None or self._short[0] is not policy:
+            more = None if policy.host_more_ms is None else policy.host_more_ms / policy.depth
             self._short = (policy, replace(policy, depth=1, draft_gain=policy.first_level_gain,
-                                           host_ms=policy.host_ms / policy.depth))
+                                           host_ms=policy.host_ms / policy.depth, host_more_ms=more))
         return self._short[1]
 
     def _drafting_ms(self, draft_cost: Callable[[int, int], float],
@@ -194,11 +195,12 @@ class Controller:
         1.90 tokens a step.
         And the host work each drafted request adds (`Policy.host_ms`, tuned): where verify rows are cheap (bf16dot on
         AMX tiles, Intel Xeon, batch 8) the gate drafted every request and the step's Python grew 0.5 -> 2.3 ms,
-        which the cheaper rows did not pay back: 0.93x plain batched decoding."""
+        which the cheaper rows did not pay back: 0.93x plain batched decoding. A batch's requests share part of it
+        (`Policy.host_charge`)."""
         policy = policy or self.policy
         levels = max(policy.depth - 1, 0) if policy.draft_gain is not None else 0
-        width, host = policy.width, policy.host_ms
-        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k) + host * k
+        width, host = policy.width, policy.host_charge
+        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k) + host(k)
 
     def _prior_rows(self) -> float:
         """Verified rows the policy's expected draft gain comes with, before a job's own steps say: a tuned gain

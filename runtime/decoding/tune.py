@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from spectrt.runtime.decoding.decoder import Decoder, StepClock
+from spectrt.runtime.decoding.decoder import Decoder, Job, StepClock
 from spectrt.runtime.decoding.policy import (
     BatchedCost,
     Calibration,
@@ -31,9 +31,11 @@ from spectrt.runtime.decoding.policy import (
     rank_policies,
 )
 from spectrt.runtime.decoding.profile import cost_profile_path
+from spectrt.runtime.decoding.tree import AUTO
 from tqdm import tqdm
 
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+HOST_BATCH = 8  # the batch a further drafted request's host work is measured at (`further_host_ms`)
 BUDGETS = [2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
 # The model's best candidates timed in the decode loop, and how much faster than the model's own choice one must run to
 # replace it: a guard against what the model does not see (host work per draft level, the draft pass on cold caches,
@@ -225,6 +227,36 @@ def drafting_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy,
     return max(1e3 * (host(clocks[True]) - host(clocks[False])), 0.0)
 
 
+def further_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy, max_new_tokens: int,
+                    first_ms: float) -> float | None:
+    """Host ms each further drafted request adds to a step (`Policy.host_more_ms`): batches of `n` = `HOST_BATCH`
+    requests (at most the decoder's slots and the prompts), every request drafting (the gate told the draft is sure
+    and free) and then the same batch by the target alone, `min_length` keeping the batch full; the host time a step
+    between the two, less the first drafted request's `first_ms`, over the further requests a step. None where no
+    batch of 2 fits."""
+    n = min(HOST_BATCH, decoder.max_active, len(prompts))
+    if n < 2:
+        return None
+    forced = replace(policy, draft_gain=float(policy.budget), first_level_gain=None, host_ms=0.0, host_more_ms=0.0)
+    served, clocks = decoder.controller.policy, {False: StepClock(), True: StepClock()}
+    try:
+        decoder.controller.policy = forced
+        for start in tqdm(range(0, len(prompts) - n + 1, n), desc=f"tune: host work at batch {n}", unit="batch"):
+            for drafting in (False, True):
+                decoder.clock = clocks[drafting]
+                decoder.run([Job(list(ids), max_new_tokens, AUTO if drafting else None, min_length=max_new_tokens)
+                             for ids in prompts[start:start + n]])
+    finally:
+        decoder.controller.policy, decoder.clock = served, StepClock()
+
+    def host(clock: StepClock) -> float:
+        return 1e3 * (clock.total - clock.target - clock.draft) / max(clock.steps, 1)
+
+    drafting = clocks[True]
+    further = drafting.rows / max(drafting.steps, 1) - 1  # requests a step besides the first (all draft)
+    return max((host(drafting) - host(clocks[False]) - first_ms) / further, 0.0) if further > 0.5 else None
+
+
 def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path, prompts: list[str],
              max_new_tokens: int = 64, depth: int = 4, width: int = 3) -> dict:
     """Measure, choose, save; returns the saved report."""
@@ -248,8 +280,10 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
         chosen = pick_measured(measured, MEASURED_MARGIN)
     policy, rate = finalists[chosen]
     if policy.draft:
-        policy = replace(policy, host_ms=round(drafting_host_ms(decoder, [pipe.encode(p) for p in prompts], policy,
-                                                                max_new_tokens), 3))
+        ids = [pipe.encode(p) for p in prompts]
+        first = drafting_host_ms(decoder, ids, policy, max_new_tokens)
+        more = further_host_ms(decoder, ids, policy, max_new_tokens, first)
+        policy = replace(policy, host_ms=round(first, 3), host_more_ms=None if more is None else round(more, 3))
     report = {
         "target": str(target), "draft": str(draft) if draft else None, "dtype": dtype,
         "threads": torch.get_num_threads(), "cost_source": source, "prompts": len(prompts),
