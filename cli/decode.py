@@ -72,7 +72,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
     from spectrt.runtime.decoding.pipeline import Pipeline
-    from spectrt.runtime.decoding.tune import HOST_BATCH, run_tune
+    from spectrt.runtime.decoding.tune import run_tune
 
     target, draft = model_dirs(args)
     if args.prompts:
@@ -87,7 +87,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     # no prefix cache: the finalists decode each prompt one after another (`tune.time_finalists`), and a later one
     # would start from an earlier one's KV and draft rows
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts,
-                    prefix_cache=False, max_active=HOST_BATCH)  # slots for the batched host measurement
+                    prefix_cache=False, max_active=args.batch)  # slots for the batched host measurement
     pipe.generate(prompts[0], 8, None)  # warm-up: kernel choice
     report = run_tune(pipe, target, draft, args.dtype, args.artifacts, prompts[:args.limit], args.max_new_tokens,
                       args.depth, args.width)
@@ -155,5 +155,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--max-new-tokens", type=positive, default=64)
     t.add_argument("--depth", type=positive, default=4, help="deepest draft level considered")
     t.add_argument("--width", type=positive, default=3, help="widest draft expansion considered")
+    t.add_argument("--batch", type=positive, default=8,
+                   help="requests decoded together to measure the host work a batch's drafted requests share "
+                        "(Policy.host_more_ms; needs that many KV slots of --max-seq-len; 1: not measured, each "
+                        "drafted request charged a lone one's)")
     t.set_defaults(func=cmd_tune)
 

@@ -35,7 +35,6 @@ from spectrt.runtime.decoding.tree import AUTO
 from tqdm import tqdm
 
 PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-HOST_BATCH = 8  # the batch a further drafted request's host work is measured at (`further_host_ms`)
 BUDGETS = [2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
 # The model's best candidates timed in the decode loop, and how much faster than the model's own choice one must run to
 # replace it: a guard against what the model does not see (host work per draft level, the draft pass on cold caches,
@@ -229,12 +228,12 @@ def drafting_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy,
 
 def further_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy, max_new_tokens: int,
                     first_ms: float) -> float | None:
-    """Host ms each further drafted request adds to a step (`Policy.host_more_ms`): batches of `n` = `HOST_BATCH`
-    requests (at most the decoder's slots and the prompts), every request drafting (the gate told the draft is sure
-    and free) and then the same batch by the target alone, `min_length` keeping the batch full; the host time a step
-    between the two, less the first drafted request's `first_ms`, over the further requests a step. None where no
-    batch of 2 fits."""
-    n = min(HOST_BATCH, decoder.max_active, len(prompts))
+    """Host ms each further drafted request adds to a step (`Policy.host_more_ms`): batches of as many requests as
+    the decoder has slots (`spectrt tune --batch`, at most the prompts), every request drafting (the gate told the
+    draft is sure and free) and then the same batch by the target alone, `min_length` keeping the batch full; the
+    host time a step between the two, less the first drafted request's `first_ms`, over the further requests a step.
+    None where no batch of 2 fits."""
+    n = min(decoder.max_active, len(prompts))
     if n < 2:
         return None
     forced = replace(policy, draft_gain=float(policy.budget), first_level_gain=None, host_ms=0.0, host_more_ms=0.0)
