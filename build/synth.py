@@ -4,9 +4,9 @@ Given only its pre-query template (the chat template's default system turn, then
 model writes a user message of the kind it was tuned on; answered by the same target, these give on-distribution
 training data at any scale with no download. Follow-up turns the same way: the template up to the next user turn of
 a conversation the target already answered. Every message is sampled through the one decode loop
-(build/generation.py) with its own seed, so a seed gives the same prompts on every machine the native forward runs
-on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable ASCII (English),
-not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
+(build/generation.py) with its own seed in bf16 (`DTYPE`), so a seed gives the same prompts on every machine the
+native forward runs on, and the set is filtered: finished (not cut by length), 12-400 characters, mostly printable
+ASCII (English), not a near-duplicate of another (normalized text, first 12 words) nor of a held-out prompt.
 
 Unsteered, the target writes long "Can you help me..." requests; answers to those agree with the draft ~10 points more
 than answers to the short questions people type ("What is...", "How do I...": measured on the shipped head, 62% vs
@@ -25,7 +25,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from spectrt.build.corpus import Conversation
+from spectrt.build.corpus import HELDOUT_PROMPTS, Conversation, read_prompts, synth_prompts_path
 from spectrt.build.generation import Request, generate
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.engines.checkpoint import eos_ids
@@ -35,6 +35,9 @@ TEMPERATURE, TOP_P = 1.0, 0.95  # Magpie samples the user turn at T=1 (top-p kee
 MAX_USER_TOKENS = 96
 MIN_CHARS, MAX_CHARS = 12, 400
 CHUNK = 256  # requests per round of generation
+# bf16, not `auto`: the shipped files were made in bf16, which every ISA computes alike; `auto` is bf16dot on AMX CPUs,
+# whose sums are the tile unit's own, and sampled there the same seeds gave other prompts (5 of the first 6 of seed 0)
+DTYPE = "bf16"
 
 
 def pre_query_ids(tokenizer, history: Conversation = (), opener: str = "") -> list[int]:
@@ -69,8 +72,19 @@ def message_seed(seed: int, index: int, history: Conversation = ()) -> int:
     return int(digest[:15], 16)
 
 
+def excluded(seed: int) -> list[Conversation]:
+    """What the prompts of `seed` must not repeat: the held-out prompts, every benchmark prompt (one per line) and
+    the files of smaller seeds. Why: nobody trains on what measures the draft."""
+    from spectrt.runtime.decoding.bench import BENCH_DIR
+
+    earlier = [synth_prompts_path(s) for s in range(seed)]
+    out = [c for path in (HELDOUT_PROMPTS, *earlier) if path.is_file() for c in read_prompts(path)]
+    return out + [[{"role": "user", "content": line.strip()}] for path in sorted(BENCH_DIR.glob("*.txt"))
+                  for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conversation] = (),
-               dtype: str = "auto", progress: bool = True, exclude: Sequence[Conversation] = (),
+               dtype: str = DTYPE, progress: bool = True, exclude: Sequence[Conversation] = (),
                openers: Sequence[str] = ()) -> list[Conversation]:
     """`count` new single-turn conversations, or with `histories` a follow-up user turn for each history that yields
     an acceptable one; deduplicated against each other and `exclude`, in the seed's order. With `openers` every

@@ -51,15 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = resolve_target(args.target)
     if args.what == "prompts":
-        from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts, synth_prompts_path
-        from spectrt.build.synth import openers_of, synthesize, write_prompts
-        from spectrt.runtime.decoding.bench import BENCH_DIR
+        from spectrt.build.corpus import read_prompts, synth_prompts_path
+        from spectrt.build.synth import excluded, openers_of, synthesize, write_prompts
 
-        earlier = [synth_prompts_path(seed) for seed in range(args.seed)]
-        # nobody trains on what measures the draft: the held-out prompts and every benchmark prompt (one per line)
-        exclude = [c for path in (HELDOUT_PROMPTS, *earlier) if path.is_file() for c in read_prompts(path)]
-        exclude += [[{"role": "user", "content": line.strip()}] for path in sorted(BENCH_DIR.glob("*.txt"))
-                    for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         out = synth_prompts_path(args.seed)
         steer = f" --openers {args.openers}" if args.openers else ""
         header = (f"Self-synthesized user prompts (Magpie) of {Path(target).name}, seed {args.seed}:\n"
@@ -69,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{out} was made by this command: kept (--force makes it again; a seed gives the same prompts)")
             return 0
         openers = openers_of(read_prompts(args.openers)) if args.openers else ()
-        convs = synthesize(target, args.count, args.seed, exclude=exclude, openers=openers)
+        convs = synthesize(target, args.count, args.seed, exclude=excluded(args.seed), openers=openers)
         write_prompts(out, convs, header)
         print(f"wrote {len(convs)} prompts to {out}")
     elif args.what == "answers":
