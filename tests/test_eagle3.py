@@ -688,7 +688,7 @@ def test_shipped_greedy_answers_regenerate_for_the_embedded_target(target_dir, t
     cfg = DistillConfig(**GREEDY_ANSWERS)  # the settings both commands share, so the key the shipped file carries
     shipped = C.load_shipped(C.target_fingerprint(target_dir), cfg.generation_key(False))
     written = C.read_prompts(C.DISTILL_PROMPTS)
-    steered = [c for seed in (2, 3, 4, 5) for c in C.read_prompts(C.synth_prompts_path(seed))]
+    steered = [c for seed in C.STEERED_SEEDS for c in C.read_prompts(C.synth_prompts_path(seed))]
     assert set(shipped) == {C.conv_key(c) for c in written + steered}
     for i, conv in enumerate((written[3], steered[-1])):
         fresh, _ = C.generate_distill_data(target_dir, [conv], tmp_path / f"regen-{i}", cfg, progress=False,
