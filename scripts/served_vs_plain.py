@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", help="draft dir for the server (default: the shipped one)")
     p.add_argument("--prefix-cache", action="store_true", help="leave the server's prefix cache on (see above)")
     p.add_argument("--grpc-port", type=int, default=8101, help="gRPC port (HTTP one below, metrics one above)")
-    p.add_argument("--log", type=Path, default=Path("served_vs_plain.log"), help="the server's output")
+    p.add_argument("--log", type=Path, default=Path("artifacts/served_vs_plain.log"), help="the server's output")
     args = p.parse_args(argv)
     prompts = [line.strip() for line in DEFAULT_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    args.log.parent.mkdir(parents=True, exist_ok=True)
     server = start_server(args, args.log)
     try:
         for concurrency in (int(c) for c in args.concurrency.split(",")):

@@ -211,19 +211,15 @@ def time_finalists(decoder: Decoder, prompts: list[list[int]], policies: list[Po
 def drafting_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy, max_new_tokens: int) -> float:
     """Host ms a drafted request adds to a step (`Policy.host_ms`, which the draft gate charges): the loop's host time
     a step (`Decoder.clock`: total minus forwards) under `policy` minus the target alone's, at batch 1, each prompt
-    both ways in turn. A batch shares some of it (bf16dot on AMX, Intel Xeon: 0.23 ms a drafted request at batch 8
-    against ~0.45 at batch 1), so a batch is charged a little more than it pays: the gate errs towards plain steps."""
+    both ways in turn. It holds the step's own part too, which a batch's drafted requests share (`further_host_ms`
+    measures what each further one adds)."""
     clocks = {False: StepClock(), True: StepClock()}
     for ids in tqdm(prompts, desc="tune: host work", unit="prompt"):
         for drafting in (False, True):
             decoder.clock = clocks[drafting]
             decoder.generate(ids, max_new_tokens, policy=policy if drafting else None)
     decoder.clock = StepClock()
-
-    def host(clock: StepClock) -> float:
-        return (clock.total - clock.target - clock.draft) / max(clock.steps, 1)
-
-    return max(1e3 * (host(clocks[True]) - host(clocks[False])), 0.0)
+    return max(clocks[True].per_step_ms()["host"] - clocks[False].per_step_ms()["host"], 0.0)
 
 
 def further_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy, max_new_tokens: int,
@@ -247,13 +243,10 @@ def further_host_ms(decoder: Decoder, prompts: list[list[int]], policy: Policy, 
                              for ids in prompts[start:start + n]])
     finally:
         decoder.controller.policy, decoder.clock = served, StepClock()
-
-    def host(clock: StepClock) -> float:
-        return 1e3 * (clock.total - clock.target - clock.draft) / max(clock.steps, 1)
-
     drafting = clocks[True]
     further = drafting.rows / max(drafting.steps, 1) - 1  # requests a step besides the first (all draft)
-    return max((host(drafting) - host(clocks[False]) - first_ms) / further, 0.0) if further > 0.5 else None
+    added = drafting.per_step_ms()["host"] - clocks[False].per_step_ms()["host"]
+    return max((added - first_ms) / further, 0.0) if further > 0.5 else None
 
 
 def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path, prompts: list[str],
