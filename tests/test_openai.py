@@ -117,11 +117,11 @@ REFUSED = [
     ({"messages": [{"role": "tool", "content": "x"}]}, "role must be one of"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "tool_calls is not"),
-    ({"model": "gpt-4o"}, "the model `gpt-4o` does not exist"),
     ({"model": None}, "model is required"),
     ({"max_tokens": 0}, r"max_tokens must be in \[1, 48\]"),
     ({"max_tokens": LIMIT + 1}, r"max_tokens must be in \[1, 48\].*got 49"),
     ({"max_tokens": 8.5}, "max_tokens must be an integer"),
+    ({"max_completion_tokens": LIMIT + 1}, r"^max_completion_tokens must be in \[1, 48\].*got 49"),
     ({"temperature": 2.5}, r"temperature must be in \[0, 2\]"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"n": 2}, "n=2 is not supported"),
@@ -147,6 +147,19 @@ def test_bad_chat_bodies_are_refused_with_a_reason(body, message):
     assert refused.value.status == 400 and re.search(message, refused.value.message), refused.value.message
     error = refused.value.body()["error"]
     assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+    named = re.match(r"\^?(\w+) must be", message)  # the error's param is the field the body sent
+    if named and named.group(1) in body:
+        assert error["param"] == named.group(1)
+
+
+@pytest.mark.unit
+def test_an_unknown_model_is_404_not_found():
+    """As OpenAI's API and vLLM answer it: 404 with code model_not_found, the served model named."""
+    with pytest.raises(type(bad(""))) as refused:
+        _chat(model="gpt-4o")
+    error = refused.value.body()["error"]
+    assert refused.value.status == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+    assert "the model `gpt-4o` does not exist: this server serves `spectrt`" in error["message"]
 
 
 @pytest.mark.unit
@@ -309,7 +322,7 @@ def test_cross_site_posts_foreign_hosts_and_missing_api_keys_are_refused():
         return [(r.status, (await r.json()).get("error", {}).get("code")) for r in (plain, foreign, local, json_post)]
 
     assert _frontend(calls) == [(415, "unsupported_media_type"), (403, "forbidden_host"), (200, None),
-                                (400, "model_not_found")]
+                                (404, "model_not_found")]
 
     async def keyed(client, triton, fake):
         return [(await client.get("/v1/models", headers=h)).status for h in

@@ -324,6 +324,47 @@ def test_a_dead_scheduler_thread_is_restarted_and_its_requests_answered(target, 
     sched.stop()
 
 
+def test_an_empty_request_or_a_failed_admission_ends_that_request_alone(target, draft, tokenizer, encode,
+                                                                       monkeypatch):
+    """A request without rows gets one "invalid" error (its deadline, a min over no rows, raised in `tick` and failed
+    every request in flight); a row whose admission raises (the draft's prefix reuse here) ends its own request with
+    one error, its slot goes back, and the other request finishes."""
+    sched = _scheduler(target, draft, tokenizer, max_active=2)
+    empty, bad, good = Sink(), Sink(), Sink()
+    _submit(sched, [], empty)
+    real, calls = sched.decoder.drafter.reuse, []
+
+    def reuse(src, dst, length):
+        calls.append(dst)
+        if len(calls) == 1:
+            raise RuntimeError("a broken prefix copy")
+        return real(src, dst, length)
+
+    monkeypatch.setattr(sched.decoder.drafter, "reuse", reuse)
+    _submit(sched, [_row(encode, tokenizer, max_tokens=8)], bad)
+    _submit(sched, [_row(encode, tokenizer, max_tokens=8)], good)
+    _drive(sched, [empty, bad, good])
+    assert [s.finals for s in (empty, bad, good)] == [1, 1, 1]
+    assert empty.events[-1][:2] == ("fail", "invalid") and "no rows" in empty.events[-1][2]
+    assert bad.events[-1][:2] == ("fail", "internal") and "a broken prefix copy" in bad.events[-1][2]
+    assert good.result().finish_reason in ("stop", "length") and len(calls) == 2
+    assert sorted(sched.decoder.free) == [0, 1] and sched.reserved == 0 and not sched.decoder.active
+
+
+@pytest.mark.unit
+def test_the_timeout_limit_sent_as_fp32_is_the_limit(tokenizer, encode):
+    """The OpenAI frontend sends the limit itself as TYPE_FP32 (35.2 arrives as 35.2000008): accepted as the limit,
+    not refused as over it (every request failed with 400 at such a max_request_seconds)."""
+    import numpy as np
+
+    limits = Limits(max_request_seconds=35.2)
+    row = make_row({"text_input": b"hi", "timeout_seconds": float(np.float32(35.2))}, limits, encode,
+                   lambda w: tokenizer.encode(w, add_special_tokens=False))
+    assert row.timeout == 35.2
+    with pytest.raises(RequestError, match="timeout_seconds must be in"):
+        make_row({"text_input": b"hi", "timeout_seconds": 35.3}, limits, encode, lambda w: [])
+
+
 @pytest.mark.unit
 def test_validator_refuses_costly_inputs_before_any_work(tokenizer, encode):
     """A 1 MB tree string and a 10,000-entry word list are refused before anything is decoded or tokenized (the

@@ -55,7 +55,10 @@ def test_stop_strings_find_the_earliest_match_in_new_text():
     assert stops.find("abc", 0) is None
     assert stops.find("ab\ncd\n", 0) == 3
     assert stops.find("abcEN", 3) is None and stops.find("abcEND more", 5) == 6  # a match across two pushes
-    assert stops.find("x\nyEND", 2) == 6  # the old newline was already seen: only new matches count
+    assert stops.find("x\nyEND", 3) == 6  # the old newline was already seen: only new matches count
+    # a match ending exactly where the new text starts counts: the text before it changed (a tokenizer's clean-up
+    # joined "ab " and "." into "ab."), else it would have stopped the stream before
+    assert StopStrings(["b."]).find("ab.", 3) == 3 and StopStrings(["b."]).find("ab.x", 4) is None
     assert StopStrings([]).find("anything", 0) is None
 
 

@@ -359,13 +359,20 @@ class Decoder:
         if index is not None:
             index.remove(slot)
         cache = self.target_caches[slot]
-        if self.drafter is not None:
-            if drafts:
-                length = self.drafter.reuse(src, slot, length)
-            else:
-                self.drafter.reuse(src, slot, 0)  # the slot's draft starts empty: this request never reads it
-        if length and src != slot:
-            cache.copy_prefix(self.target_caches[src], length)
+        try:
+            if self.drafter is not None:
+                if drafts:
+                    length = self.drafter.reuse(src, slot, length)
+                else:
+                    self.drafter.reuse(src, slot, 0)  # the slot's draft starts empty: this request never reads it
+            if length and src != slot:
+                cache.copy_prefix(self.target_caches[src], length)
+        except BaseException:  # the slot goes back empty: a failed admission must not shrink the decoder for good
+            cache.length = 0
+            if self.drafter is not None:
+                self.drafter.caches[slot].length = 0
+            free.append(slot)
+            raise
         cache.length = length
         return slot, length
 

@@ -125,7 +125,9 @@ class StopStrings:
     def find(self, text: str, new_from: int) -> int | None:
         """The smallest end index of a stop string that ends at or after `new_from` (the match is kept: the text is
         cut after it), or None."""
-        ends = [i + len(s) for s in self.stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+        # from new_from - len(s): a match ending exactly at new_from is new when the text before it changed (a
+        # tokenizer's clean-up joined "ab " and "." into "ab."); one that did not change would have stopped
+        ends = [i + len(s) for s in self.stops if (i := text.find(s, max(0, new_from - len(s)))) >= 0]
         return min(ends) if ends else None
 
 

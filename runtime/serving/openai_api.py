@@ -168,13 +168,16 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
-def _common(body: dict, served: str, limits: Limits, max_tokens: int | None) -> tuple[dict, bool, bool, list[str]]:
+def _common(body: dict, served: str, limits: Limits, max_tokens: int | None, max_tokens_name: str = "max_tokens"
+            ) -> tuple[dict, bool, bool, list[str]]:
+    """The fields both endpoints share; `max_tokens_name`: the body's field that gave `max_tokens` (its errors name
+    it: a chat body may send max_completion_tokens)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model is required: the served model's name (GET /v1/models)", "model")
-    if model != served:
-        raise bad(f"the model `{model}` does not exist: this server serves `{served}` (GET /v1/models)", "model",
-                  "model_not_found")
+    if model != served:  # 404, as OpenAI's own API and vLLM answer an unknown model
+        raise ApiError(404, f"the model `{model}` does not exist: this server serves `{served}` (GET /v1/models)",
+                       "model", "model_not_found")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise bad("stream must be true or false", "stream")
@@ -189,8 +192,8 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None) -> 
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage must be true or false", "stream_options")
     if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
-        raise bad(f"max_tokens must be in [1, {limits.max_tokens}] (this deployment's limit), got {max_tokens}",
-                  "max_tokens")
+        raise bad(f"{max_tokens_name} must be in [1, {limits.max_tokens}] (this deployment's limit), got "
+                  f"{max_tokens}", max_tokens_name)
     fields: dict = {"max_tokens": max_tokens if max_tokens is not None else limits.default_max_tokens}
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
@@ -259,7 +262,7 @@ def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[d
     messages = chat_messages(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, name)
-    fields, stream, include_usage, stops = _common(body, served, limits, max_tokens)
+    fields, stream, include_usage, stops = _common(body, served, limits, max_tokens, name)
     fields.update(text_input=render(messages), apply_chat_template=False)
     return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"])
 

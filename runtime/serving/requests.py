@@ -174,6 +174,8 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
     if not 0 <= min_length <= max_tokens:
         raise RequestError(f"min_length must be in [0, max_tokens={max_tokens}], got {min_length}")
     timeout = _number(fields, "timeout_seconds", limits.max_request_seconds, float)
+    if limits.max_request_seconds < timeout <= limits.max_request_seconds * (1 + 1e-6):
+        timeout = limits.max_request_seconds  # the limit itself sent as FP32 (35.2 -> 35.2000008): not over it
     if not 0 < timeout <= limits.max_request_seconds:
         raise RequestError(f"timeout_seconds must be in (0, {limits.max_request_seconds:g}] (this server's "
                            f"limit), got {timeout:g}")

@@ -240,6 +240,8 @@ class Scheduler:
         for i, row in enumerate(request.rows):
             row.job.tag = (request, i)
         try:
+            if not request.rows:  # else its deadline (a min over no rows) raised in `tick`, failing every request
+                raise ValueError("the request has no rows: send text_input with shape [1, 1]")
             for row in request.rows:
                 self.decoder.check(row.job)
         except ValueError as e:
@@ -315,6 +317,12 @@ class Scheduler:
             job = request.rows[i].job
             try:  # the slot is taken before the reservation is given back: room is never counted twice
                 self.decoder.add(job)
+            except Exception as e:  # this request alone ends (the decoder gave the slot back); raised out of `tick`,
+                # it failed every request in flight
+                LOG.exception("request %r: admitting row %d failed", request.id, i)
+                self.metrics.count("failed")
+                self._fail(request, f"spectrt failed: {type(e).__name__}: {e}", "internal")
+                continue
             finally:
                 self.release(1)
             request.active += 1

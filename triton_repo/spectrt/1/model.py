@@ -258,9 +258,12 @@ class TritonPythonModel:
                 self.loaded = self._load(params, args["model_name"])
             except BaseException as e:  # initialize raises it: the model does not load
                 failure.append(e)
-                return
-            finally:
                 loaded.set()
+                return
+            # the loop's thread is known before initialize returns: an execute in between saw no live scheduler
+            # and started a second loop on the same decoder
+            self.scheduler.thread = threading.current_thread()
+            loaded.set()
             self.scheduler.run_here()
 
         threading.Thread(target=load_then_decode, name="spectrt-scheduler", daemon=True).start()
@@ -388,6 +391,8 @@ class TritonPythonModel:
         if texts is None:
             raise validator.RequestError("text_input is required (TYPE_STRING, shape [1, 1]: the prompt)")
         n = texts.shape[0]
+        if n == 0:
+            raise validator.RequestError("text_input has no rows: send one prompt a row, shape [1, 1]")
         for name, array in columns.items():
             if array.shape[0] != n:
                 raise validator.RequestError(f"{name} has {array.shape[0]} rows but text_input has {n}")
