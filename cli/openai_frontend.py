@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $SPECTRT_API_KEY; "
                         "a flag's value is visible in the process list, the variable or --api-key-file is not)")
     p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the API "
+                        "from a browser (CORS); default none")
     return p
 
 
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     from spectrt.runtime.serving.openai_frontend import run
 
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else args.api_key
-    run(args.grpc_url, args.model, args.tokenizer, args.host, args.port, args.timeout, args.drain_seconds, api_key)
+    run(args.grpc_url, args.model, args.tokenizer, args.host, args.port, args.timeout, args.drain_seconds, api_key,
+        tuple(args.allowed_origins.split(",")))
     sys.exit(0)
 
 

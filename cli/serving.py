@@ -72,6 +72,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECTRT_API_KEY"),
                    help="the OpenAI endpoint requires `Authorization: Bearer KEY` on every route but /health "
                         "(default: $SPECTRT_API_KEY, which keeps it out of the process list)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
+                        "OpenAI endpoint from a browser (CORS); default none")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
@@ -102,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
                               console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
                               openai_port=args.openai_port, openai_host=args.openai_host,
-                              openai_timeout=args.openai_timeout, api_key=args.api_key)
+                              openai_timeout=args.openai_timeout, api_key=args.api_key,
+                              allowed_origins=args.allowed_origins)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2

@@ -249,7 +249,8 @@ class _RefusingStream:
 FRONTEND = web.AppKey("frontend", Frontend)
 
 
-def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: _FakeGrpc | None = None):
+def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: _FakeGrpc | None = None,
+              allowed_origins: tuple[str, ...] = ()):
     """Run `calls(client, triton, fake)` against an in-process frontend whose Triton is `_FakeGrpc`."""
     import asyncio
 
@@ -259,13 +260,46 @@ def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: 
         triton = Triton("127.0.0.1:1", "spectrt")
         await triton.client.close()
         triton.client = grpc = fake or _FakeGrpc()
-        frontend = Frontend(triton, None, "spectrt", 5.0, host, api_key)
+        frontend = Frontend(triton, None, "spectrt", 5.0, host, api_key, allowed_origins=allowed_origins)
         app = frontend.app()
         app[FRONTEND] = frontend
         async with TestClient(TestServer(app)) as client:
             return await calls(client, triton, grpc)
 
     return asyncio.run(run())
+
+
+@pytest.mark.unit
+def test_cross_site_pages_call_only_from_allowed_origins():
+    """CORS: a page from an allowed origin gets its preflight answered (before the API key: a preflight has none)
+    and its origin on every response, errors included; any other origin gets neither, and without allowed origins
+    (the default) no page elsewhere can call."""
+    page, other = "http://localhost:3000", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+
+    async def calls(client, triton, fake):
+        out = []
+        for origin in (page, other):
+            ok = await client.options("/v1/chat/completions", headers={"Origin": origin, **preflight})
+            listed = await client.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer s3cret"})
+            refused = await client.get("/v1/models", headers={"Origin": origin})
+            out.append((ok.status, ok.headers.get("Access-Control-Allow-Origin"),
+                        ok.headers.get("Access-Control-Allow-Headers"), listed.status,
+                        listed.headers.get("Access-Control-Allow-Origin"), refused.status,
+                        refused.headers.get("Access-Control-Allow-Origin")))
+        return out
+
+    allowed, denied = _frontend(calls, api_key="s3cret", allowed_origins=(page + "/",))
+    assert allowed == (204, page, "Authorization, Content-Type", 200, page, 401, page)
+    # not a granted preflight: the key check refuses it like any other request without the key
+    assert denied[0] == 401 and denied[1] is None and denied[3:] == (200, None, 401, None)
+
+    async def default(client, triton, fake):
+        r = await client.options("/v1/completions", headers={"Origin": page, **preflight})
+        return r.status, r.headers.get("Access-Control-Allow-Origin")
+
+    assert _frontend(default) == (405, None)
+    assert _frontend(default, allowed_origins=("*",)) == (204, page)
 
 
 @pytest.mark.unit

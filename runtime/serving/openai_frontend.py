@@ -213,12 +213,16 @@ def is_loopback(host: str) -> bool:
 class Frontend:
     """The routes. `host`: the address it is bound to; on a loopback one only loopback `Host` headers are served
     (a web page that rebinds its DNS name to 127.0.0.1 cannot read answers). `api_key`: every route but /health
-    needs `Authorization: Bearer <api_key>`."""
+    needs `Authorization: Bearer <api_key>`. `allowed_origins`: web pages (origins, or "*" for any) that may call
+    it from a browser (CORS: their preflight is answered and every response names them); none by default, so a
+    page elsewhere can neither send JSON nor read an answer."""
 
     def __init__(self, triton: Triton, template: ChatTemplate | None, served: str, timeout: float,
-                 host: str = "127.0.0.1", api_key: str | None = None, drain_seconds: float = 5.0):
+                 host: str = "127.0.0.1", api_key: str | None = None, drain_seconds: float = 5.0,
+                 allowed_origins: tuple[str, ...] = ()):
         self.triton, self.template, self.served, self.timeout = triton, template, served, timeout
         self.loopback, self.api_key = is_loopback(host), api_key
+        self.allowed_origins = frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip())
         self.started = int(time.time())
         # a graceful stop: new answers are refused, open ones get `drain_seconds`, then `drained` ends them
         self.drain_seconds, self.stopping, self.open_answers = drain_seconds, False, 0
@@ -233,7 +237,33 @@ class Frontend:
         app.router.add_post("/v1/completions", self.completions)
         app.on_shutdown.append(self.drain)
         app.on_cleanup.append(self._close)
+        app.on_response_prepare.append(self._cors_headers)  # every response, errors and streams included
         return app
+
+    def _allowed(self, request: web.Request) -> str | None:
+        """The request's Origin if it may call from a browser (an allowed origin, or any with "*"), else None."""
+        origin = request.headers.get("Origin")
+        if origin and ("*" in self.allowed_origins or origin.rstrip("/") in self.allowed_origins):
+            return origin
+        return None
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.allowed_origins:
+            response.headers.setdefault("Vary", "Origin")  # caches keep one answer per origin
+        origin = self._allowed(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+
+    def _preflight(self, request: web.Request) -> web.Response | None:
+        """The answer to an allowed page's CORS preflight (before the API key check: a preflight carries none)."""
+        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+            return None
+        if self._allowed(request) is None:
+            return None  # routed as any OPTIONS: 405, and the browser refuses the page's request
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            "Access-Control-Max-Age": "600"})
 
     async def drain(self, _app=None) -> None:
         """At SIGTERM/SIGINT (aiohttp runs this after it stopped listening, before it closes connections): open
@@ -253,10 +283,14 @@ class Frontend:
     @web.middleware
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
         """Who may call: a loopback Host on a loopback bind, the API key if one is set, and JSON bodies only (a
-        cross-site page can POST text/plain without asking; application/json needs a CORS preflight, never granted)."""
+        cross-site page can POST text/plain without asking; application/json needs a CORS preflight, granted only to
+        `allowed_origins`)."""
         if self.loopback and not is_loopback((request.url.host or "").strip("[]")):
             raise ApiError(403, f"Host {request.host!r} is not served: this endpoint is bound to a loopback address "
                                 "(connect to 127.0.0.1 or localhost)", None, "forbidden_host")
+        preflight = self._preflight(request)
+        if preflight is not None:
+            return preflight
         if self.api_key is not None and request.path != "/health":
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
@@ -415,14 +449,14 @@ def _error_response(error: ApiError) -> web.Response:
 
 
 def run(grpc_url: str, model: str, tokenizer: Path | None, host: str, port: int, timeout: float,
-        drain_seconds: float, api_key: str | None) -> None:
+        drain_seconds: float, api_key: str | None, allowed_origins: tuple[str, ...] = ()) -> None:
     """Serve the OpenAI API until SIGTERM/SIGINT (`python -m spectrt.cli.openai_frontend` parses the flags)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     template = ChatTemplate(tokenizer) if tokenizer else None
 
     async def make_app() -> web.Application:  # the gRPC aio channel belongs to the server's event loop
         return Frontend(Triton(grpc_url, model), template, model, timeout, host, api_key or None,
-                        drain_seconds).app()
+                        drain_seconds, allowed_origins).app()
 
     LOG.info("OpenAI endpoint on http://%s:%d/v1 -> Triton %s model %s", host, port, grpc_url, model)
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request;

@@ -196,7 +196,7 @@ class TritonServer:
                  ready_timeout: float = 180.0, exit_timeout: int = 10, run_dir: Path | None = None,
                  log_verbose: int = 0, console: bool = False, admin_key: str | None = None,
                  openai_port: int | None = None, openai_host: str | None = None, openai_timeout: float = 600.0,
-                 tokenizer: Path | None = None, api_key: str | None = None):
+                 tokenizer: Path | None = None, api_key: str | None = None, allowed_origins: str = ""):
         # Path values are made absolute here (the deployed copy lives elsewhere); strings are written as given,
         # and the model resolves relative ones against the model repository's parent directory
         self.params = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in (params or {}).items()}
@@ -218,6 +218,7 @@ class TritonServer:
         # the model's drain at stop (its drain_seconds parameter), which the frontend's open answers get too
         self.drain_seconds = float(self.params.get("drain_seconds") or 5.0)
         self.api_key = api_key  # the OpenAI endpoint's; handed over in a file of the run dir, not on a command line
+        self.allowed_origins = allowed_origins  # the OpenAI endpoint's CORS origins (comma-separated)
         self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
         if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
             raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
@@ -295,7 +296,8 @@ class TritonServer:
                 f"--model={self.served_name}", f"--tokenizer={tokenizer}", f"--host={self.openai_host}",
                 f"--port={self.openai_port}", f"--timeout={self.openai_timeout:g}",
                 f"--drain-seconds={self.drain_seconds:g}",
-                *([f"--api-key-file={self.run_dir / 'api-key'}"] if self.api_key else [])]
+                *([f"--api-key-file={self.run_dir / 'api-key'}"] if self.api_key else []),
+                *([f"--allowed-origins={self.allowed_origins}"] if self.allowed_origins else [])]
 
     def prepare(self) -> None:
         """A fresh run directory (never one that exists: we delete only what we made) with the model and backends."""
