@@ -351,6 +351,45 @@ def test_an_empty_request_or_a_failed_admission_ends_that_request_alone(target, 
     assert sorted(sched.decoder.free) == [0, 1] and sched.reserved == 0 and not sched.decoder.active
 
 
+def test_a_failed_step_whose_cleanup_raises_too_still_answers_everyone(target, draft, tokenizer, encode,
+                                                                       monkeypatch):
+    """A step raises and then freeing one of its slots raises too: every request in flight still gets one error,
+    the loop keeps running (it used to die with the rest unanswered until a new request restarted it), and the
+    slots come back."""
+    sched = _scheduler(target, draft, tokenizer, max_active=2)
+    real_step, real_cancel = sched.decoder.step, sched.decoder.cancel
+    broken = {"step": 1, "cancel": 1}
+
+    def step():
+        active = sched.decoder.active
+        if broken["step"] and len(active) == 2 and all(j.out for j in active):
+            broken["step"] -= 1
+            raise RuntimeError("a broken step")
+        return real_step()
+
+    def cancel(job):
+        if broken["cancel"]:
+            broken["cancel"] -= 1
+            raise RuntimeError("a broken cancel")
+        return real_cancel(job)
+
+    monkeypatch.setattr(sched.decoder, "step", step)
+    monkeypatch.setattr(sched.decoder, "cancel", cancel)
+    sinks = [Sink(), Sink()]
+    for sink in sinks:
+        _submit(sched, [_row(encode, tokenizer, max_tokens=24)], sink)
+    sched.start()
+    assert all(s.done.wait(120) for s in sinks)
+    assert broken == {"step": 0, "cancel": 0} and [s.finals for s in sinks] == [1, 1]
+    assert all(s.events[-1][:2] == ("fail", "internal") and "a broken step" in s.events[-1][2] for s in sinks)
+    fresh = Sink()
+    _submit(sched, [_row(encode, tokenizer, max_tokens=4)], fresh)
+    assert fresh.done.wait(120) and fresh.finals == 1 and fresh.result().output_tokens == 4
+    assert sched.alive and sched.restarts == 0
+    sched.stop()
+    assert sorted(sched.decoder.free) == [0, 1] and not sched.decoder.active
+
+
 @pytest.mark.unit
 def test_the_timeout_limit_sent_as_fp32_is_the_limit(tokenizer, encode):
     """The OpenAI frontend sends the limit itself as TYPE_FP32 (35.2 arrives as 35.2000008): accepted as the limit,

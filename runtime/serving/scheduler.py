@@ -179,11 +179,7 @@ class Scheduler:
             self.restarts += 1
             self.metrics.count("scheduler_restarts")
             LOG.error("the scheduler thread died: restarting it, ending the %d request(s) it held", len(self.requests))
-            for request in list(self.requests):
-                self._fail(request, "spectrt failed: the scheduler restarted after an internal error: retry",
-                           "internal")
-            for job in list(self.decoder.active):
-                self.decoder.cancel(job)
+            self._end_all("spectrt failed: the scheduler restarted after an internal error: retry")
         self.thread = threading.Thread(target=self._run, name="spectrt-scheduler", daemon=True)
         self.thread.start()
 
@@ -216,10 +212,25 @@ class Scheduler:
                 self.tick()
             except Exception as e:  # never leave a request without its final response: end what was in flight
                 LOG.exception("scheduler step failed; ending the %d request(s) in flight", len(self.requests))
-                for request in list(self.requests):
-                    self._fail(request, f"spectrt failed: {type(e).__name__}: {e}", "internal")
-                for job in list(self.decoder.active):
-                    self.decoder.cancel(job)
+                self._end_all(f"spectrt failed: {type(e).__name__}: {e}")
+
+    def _end_all(self, message: str) -> None:
+        """Fail every request in flight and free every slot, each on its own: one that raises (its state is what
+        failed) must not end the loop with the others unanswered until the next request restarts it."""
+        for request in list(self.requests):
+            try:
+                self._fail(request, message, "internal")
+            except Exception:
+                LOG.exception("request %r: ending it failed", request.id)
+                request.done = True
+                if request in self.requests:
+                    self.requests.remove(request)
+                self._send(request, "fail", message, "internal")
+        for job in list(self.decoder.active):
+            try:
+                self.decoder.cancel(job)
+            except Exception:
+                LOG.exception("freeing a slot failed")
 
     def _take_incoming(self, wait: float = 0.0) -> None:
         try:
