@@ -434,7 +434,10 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:  # unknown route (404), wrong method (405), body too large (413)
         if e.status < 400:
             raise
-        return _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}"))
+        response = _error_response(ApiError(e.status, f"{e.reason}: {request.method} {request.path}"))
+        if "Allow" in e.headers:  # a 405 names the methods the route takes (RFC 9110)
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
     except (asyncio.CancelledError, ConnectionResetError):
         raise  # the client went away: nobody to answer
     except Exception as e:
