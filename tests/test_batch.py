@@ -283,6 +283,23 @@ def test_min_length_bad_words_and_stop_words(models):
     assert stop.out == short.out[:4] and stop.finish == "stop"
 
 
+@pytest.mark.parametrize("models", FORWARD_PATHS, indirect=True)
+def test_stop_words_longer_than_the_output_so_far_are_found_across_steps(models):
+    """The tail checked before a step's tokens is the whole output while it is shorter than a word minus one: a
+    4-token word emitted over two speculative steps of 2 tokens each (the target as its own draft), and a 3-token
+    word next to a 5-token one in plain decoding, both stop where the target alone stops (a negative slice start
+    kept too few tokens: both ran past their stop word)."""
+    target, _, eos, prompts, _ = models
+    ar = Job(prompts[0], 24)
+    Decoder(target, None, eos, max_seq_len=256).run([ar])
+    spec = Job(prompts[0], 24, Tree.parse("1"), stop_words=[ar.out[:4]])
+    Decoder(target, target, eos, max_seq_len=256).run([spec])
+    assert spec.stats.accepted[:2] == [1, 1] and spec.out == ar.out[:4] and spec.finish == "stop"
+    plain = Job(prompts[0], 24, stop_words=[ar.out[1:4], [49151, 49150, 49151, 49150, 49151]])
+    Decoder(target, None, eos, max_seq_len=256).run([plain])
+    assert plain.out == ar.out[:4] and plain.finish == "stop"
+
+
 def test_bad_job_is_refused_before_taking_a_slot(models):
     target, draft, eos, prompts, _ = models
     batch = Decoder(target, draft, eos, max_seq_len=64, max_tree_tokens=8, max_active=1)

@@ -691,7 +691,8 @@ class Decoder:
         stop_end = None
         if job.stop_words:  # a stop sequence completed before any end-of-sequence token ends the output after it
             longest = max(len(w) for w in job.stop_words)
-            tail = job.out[len(job.out) - longest + 1:] if longest > 1 else []
+            # max(.., 0): with fewer output tokens than the word minus one, a negative start kept too few of them
+            tail = job.out[max(len(job.out) - longest + 1, 0):] if longest > 1 else []
             stop_end = stop_token_end(tail, new if eos_at is None else new[:eos_at], job.stop_words)
         if stop_end is not None:
             new, finish, emitted = new[:stop_end], "stop", stop_end
