@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain, choose_drafted, drafted_rate
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, SuffixProposer
-from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree
+from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree, shaped
 from spectrt.runtime.engines.engine import Segment
 
 if TYPE_CHECKING:
@@ -81,8 +81,9 @@ class Controller:
             room = self.max_seq_len - len(job.ids)  # a tree deeper than the room left only wastes rows
             if isinstance(job.tree, Tree):
                 tree = job.tree if static_total <= self.tree_budget else cut_tree(job.tree, share)
-                if tree.max_depth > room:
-                    tree = cut_tree(tree, sum(d <= room for d in tree.depths))
+                if tree.max_depth > room:  # the levels within the room: a breadth-first prefix (`cut_tree` keeps
+                    # its count of nodes by rank, the top-1 chain to full depth first)
+                    tree = shaped(tree.parents[:sum(d <= room for d in tree.depths)])
                 cand.static, cand.budget = tree, len(tree)
             elif self._holds(job, len(decode)):  # a plain step: no proposing, no gate, no budget
                 held.append(cand)
