@@ -300,6 +300,25 @@ def test_stop_words_longer_than_the_output_so_far_are_found_across_steps(models)
     assert plain.out == ar.out[:4] and plain.finish == "stop"
 
 
+def test_a_static_tree_near_max_seq_len_verifies_only_the_levels_that_fit(models, monkeypatch):
+    """With 2 positions left a 3,1,1 tree verifies its first two levels (7 nodes), none past max_seq_len (the cut
+    by rank kept 7 nodes with the top-1 chain to depth 3: rows drafted and verified past the sequence's end)."""
+    target, draft, eos, prompts, _ = models
+    max_seq_len = len(prompts[0]) + 2
+    positions = []
+    real = target.forward_many
+
+    def forward_many(segments, logit_rows=None):
+        positions.extend(int(s[1].max()) for s in segments)
+        return real(segments, logit_rows)
+
+    monkeypatch.setattr(target, "forward_many", forward_many)
+    job = Job(prompts[0], 8, Tree.parse("3,1,1"))
+    Decoder(target, draft, eos, max_seq_len=max_seq_len).run([job])
+    assert job.stats.verified[0] == 7 and max(positions) < max_seq_len
+    assert len(job.out) <= 2 and job.finish in ("length", "stop")
+
+
 def test_bad_job_is_refused_before_taking_a_slot(models):
     target, draft, eos, prompts, _ = models
     batch = Decoder(target, draft, eos, max_seq_len=64, max_tree_tokens=8, max_active=1)
@@ -325,6 +344,34 @@ class PoisonedEngine(RecordingEngine):
         if self.slot is not None and any(s[3].slot == self.slot for s in segments):
             raise RuntimeError("poisoned request")
         return self.engine.forward_many(segments, logit_rows)
+
+
+def test_a_failed_step_replays_the_other_requests_draws_exactly(models):
+    """A seeded sampled request with a static tree draws its children before the target forward; when another
+    request's failure rolls that step back, its retry alone draws the same children again: its tokens and draft
+    passes equal a run where nothing failed (the draft generator and the controller's state are part of what a failed
+    step restores; before, only cache lengths were, and the request's tokens changed)."""
+    target, draft, eos, prompts, _ = models
+
+    def run(poison: bool) -> tuple[Job, Job]:
+        poisoned = PoisonedEngine(target)
+        decoder = Decoder(poisoned, draft, eos, max_seq_len=256, max_active=2, prefill_budget=256)
+        seeded = Job(prompts[0], 16, Tree.parse("2,1"), params=SamplingParams(temperature=1.0, seed=7))
+        other = Job(prompts[1], 16)
+        decoder.add(seeded)
+        decoder.add(other)
+        decoder.step()  # both prompts prefilled
+        decoder.step()
+        if poison:
+            poisoned.slot = other.slot
+        while decoder.active:
+            decoder.step()
+        return seeded, other
+
+    clean, _ = run(False)
+    seeded, other = run(True)
+    assert other.finish == "error" and seeded.error is None
+    assert seeded.out == clean.out and seeded.stats.draft_passes == clean.stats.draft_passes
 
 
 def test_a_failing_request_ends_alone_and_the_batch_goes_on(models):

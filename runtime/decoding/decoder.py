@@ -450,7 +450,7 @@ class Decoder:
             clock.total += time.perf_counter() - start
 
     def _step(self, jobs: list[Job], info: StepInfo) -> StepInfo:
-        snapshot = self._lengths(jobs)
+        snapshot = self._snapshot(jobs)
         try:
             planned = self._forward(jobs, info)
         except Exception as exc:
@@ -463,7 +463,7 @@ class Decoder:
             info = StepInfo(active=len(jobs), fallback=f"{type(exc).__name__}: {exc}")
             for job in jobs:
                 alone = StepInfo()
-                one = self._lengths([job])
+                one = self._snapshot([job])
                 try:
                     planned = self._forward([job], alone)
                 except Exception as failure:
@@ -477,16 +477,29 @@ class Decoder:
         self._accept_all(planned, info)
         return info
 
-    def _lengths(self, jobs: list[Job]) -> list[tuple]:
+    def _snapshot(self, jobs: list[Job]) -> tuple[list[tuple], list[tuple]]:
+        """What a failed step must put back so each job's retry alone plans and draws as the batch would have: the
+        caches' lengths, and each job's controller state and draft passes (a hold spent, evidence faded), plus the
+        draft generator of a sampled static tree (the one state its children draw from: a seeded request's tokens
+        changed when another request's failure made it draw twice)."""
         caches = [self.target_caches[j.slot] for j in jobs]
         if self.drafter is not None:
             caches += [self.drafter.caches[j.slot] for j in jobs]
-        return [(c, c.length) for c in caches]
+        states = [(j, j.hold, j.holds, j.idle, j.draft_evidence, j.draft_gain, j.draft_rows, j.stats.draft_passes,
+                   j.draft_gen.get_state() if isinstance(j.tree, Tree) and not j.params.greedy else None)
+                  for j in jobs]
+        return [(c, c.length) for c in caches], states
 
     @staticmethod
-    def _restore(snapshot: list[tuple]) -> None:
-        for cache, length in snapshot:
+    def _restore(snapshot: tuple[list[tuple], list[tuple]]) -> None:
+        lengths, states = snapshot
+        for cache, length in lengths:
             cache.length = length
+        for job, *state, generator in states:
+            job.hold, job.holds, job.idle, job.draft_evidence, job.draft_gain, job.draft_rows, \
+                job.stats.draft_passes = state
+            if generator is not None:
+                job.draft_gen.set_state(generator)
 
     def _forward(self, jobs: list[Job], info: StepInfo) -> list[Verified]:
         """Everything up to and including the target forward (no request state changes but cache lengths, which
