@@ -32,7 +32,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
-	$(BIN)/pip install -q grpcio python-rapidjson packaging protobuf
+	# --no-deps here too: resolving would check nvidia-pytriton's own deps (pyzmq, sh, ...: its Python API, unused)
+	# and print a resolver ERROR on every fresh setup; grpcio's one requirement, typing-extensions, comes with torch
+	$(BIN)/pip install -q --no-deps grpcio python-rapidjson packaging protobuf
 	# the native CPU forward (runtime/engines/cpu_kernels.cpp over simd.h), its best ISA here compiled once into ~/.cache/spectrt (~1 min)
 	$(BIN)/python -c "from spectrt.runtime.engines.kernels import native_isa, native_unavailable as why; \
 		print('native CPU kernels:', native_isa() or why())"
