@@ -167,11 +167,13 @@ def test_target_answers_are_cached(tiny, corpora, tmp_path):
     assert stats4["generated_tokens"] > 0  # other generation settings: other cache
 
 
-def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tmp_path):
+def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tmp_path, monkeypatch):
     """top-k log-probs and features of every record from batched forwards (sampled answers to one prompt as branches
-    of one tree) equal a causal forward of that record alone; greedy answers are the target's argmax."""
+    of one tree) equal a causal forward of that record alone; greedy answers are the target's argmax. In bf16 on
+    every CPU (an AMX one forces bf16dot otherwise: its own test below)."""
     from spectrt.runtime.engines.model import Transformer
 
+    monkeypatch.setattr(C, "resolve_dtype", lambda dtype: "bf16")
     cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0)  # answers by the bf16 target (gen_dtype)
     greedy, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:7], tmp_path, cfg, progress=False)
     sampled, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[7:10], tmp_path, T.DistillConfig(
