@@ -407,8 +407,7 @@ def teacher_force(
         # bf16 labels from AMX tiles' bf16dot where it runs (`resolve_dtype`'s `auto`): 2.1x the rate (Intel Xeon
         # model 207, 2 cores, 400 shipped greedy answers with features, interleaved twice: 1,492-1,674 vs 719-794
         # tokens/s), their top-1 labels the bf16 forward's on 99.5% of positions (near-ties apart)
-        dots = fast and _dtype(dtype) == torch.bfloat16 and native_unavailable() is None and \
-            resolve_dtype("auto") == "bf16dot"
+        dots = fast and _dtype(dtype) == torch.bfloat16 and resolve_dtype("auto") == "bf16dot"  # native only
         target = Transformer.load(Path(target), _dtype(dtype) if fast else torch.float32, pair_dots=dots)
     model = target
     groups = _prompt_groups(records)

