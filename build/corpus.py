@@ -330,6 +330,35 @@ def _prompt_groups(records: Sequence[dict]) -> list[list[int]]:
     return list(groups.values())
 
 
+class DiskFeatures:
+    """A teacher-forced record's target features, left in its cache file and read when indexed (`r["features"][a:b]`
+    reads those rows, `[:]` all of them, as on a tensor). Why: held in memory, the features of 28,456 answers took
+    ~16 GB (0.58 MB an answer: bf16 rows of 3 x hidden at every prompt and answer position), near a 24 GB machine's
+    end, so more data could not be trained on. A read costs ~1.4 ms (a training batch reads ~14: ~2% of its step)."""
+
+    def __init__(self, path: Path, index: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.path, self.index, self.shape, self.dtype = path, index, shape, dtype
+
+    def __getitem__(self, key) -> torch.Tensor:
+        # mmap: only the rows read are paged in; the mapping ends with the last view of it
+        return torch.load(self.path, weights_only=True, mmap=True)[self.index]["features"][key]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def _load_lazily(path: Path) -> list[dict]:
+    """A cache file's records, their features left on disk (`DiskFeatures`): the rest (token ids, top-k labels,
+    ~0.2 KB an answer token) is copied out of the mapping, so nothing keeps the file mapped."""
+    kept = []
+    for j, r in enumerate(torch.load(path, weights_only=True, mmap=True)):
+        rec = {k: v.clone() if isinstance(v, torch.Tensor) and k != "features" else v for k, v in r.items()}
+        if "features" in r:
+            rec["features"] = DiskFeatures(path, j, tuple(r["features"].shape), r["features"].dtype)
+        kept.append(rec)
+    return kept
+
+
 def _steady_heap() -> None:
     """Fix glibc's mmap threshold at 128 KB (the default it starts from). Why: freeing each forward's 100 MB logits
     raised the dynamic threshold to 32 MB, so every later temporary came from the heap, interleaved with the
@@ -395,6 +424,7 @@ def teacher_force(
     named by its tokens and the settings, and read back instead of forced again: teacher forcing the shipped 1.25M
     answer tokens takes 35-70 minutes on 2 cores, so a run cut short by its deadline or the session keeps its work and
     the next run, with more data or a longer budget, forces only what is new.
+    The records returned then leave their features in those files (`DiskFeatures`), so memory does not bound the data.
     """
     from spectrt.runtime.engines.kernels import native_unavailable
     from spectrt.runtime.engines.model import Transformer
@@ -430,7 +460,7 @@ def teacher_force(
                 if not path.is_file():
                     missing.append(part)
                     continue
-                kept = torch.load(path, weights_only=True)
+                kept = _load_lazily(path)
                 out += kept
                 cached += len(kept)
                 cached_tokens += sum(len(r["input_ids"]) for r in kept)
@@ -473,8 +503,10 @@ def teacher_force(
                     new["features"] = features[j][rec_rows].to(torch.bfloat16)
                 out.append(new)
                 tokens += len(rec["input_ids"])
-            if cache_dir is not None:
-                atomic_save(out[first:], cache_dir / _group_file(records, groups[k]))
+            if cache_dir is not None:  # then its features are read back from there when trained on
+                path = cache_dir / _group_file(records, groups[k])
+                atomic_save(out[first:], path)
+                out[first:] = _load_lazily(path)
             bar.update(len(groups[k]))
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - t0):.0f}")
     bar.close()

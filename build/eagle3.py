@@ -207,7 +207,7 @@ def _collate(records: Sequence[dict], idx: Sequence[int], pad_id: int, steps: in
     valid = torch.zeros(len(seqs), n + steps, dtype=torch.bool)
     for b, r in enumerate(seqs):
         ids, p = r["input_ids"].long(), r["prompt_len"]
-        feats[b, :len(ids) - 1] = r["features"][:-1]
+        feats[b, :len(ids) - 1] = r["features"][:len(ids) - 1]  # a slice: rows left on disk read only these
         nxt[b, :len(ids) - 1] = ids[1:]
         a = len(r["top_ids"])  # prediction positions p - 1 .. p - 2 + a predict the answer tokens
         top_ids[b, p - 1:p - 1 + a] = remap[r["top_ids"].long()]

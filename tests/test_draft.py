@@ -208,7 +208,8 @@ def _assert_same_records(got: list[dict], fresh: list[dict]) -> None:
     by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
     for rec in got:
         want = by_ids[tuple(rec["input_ids"].tolist())]
-        assert all(torch.equal(rec[k], want[k]) for k in ("top_ids", "top_logp", "features"))
+        assert all(torch.equal(rec[k], want[k]) for k in ("top_ids", "top_logp"))
+        assert torch.equal(rec["features"][:], want["features"][:])
 
 
 def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, corpora, tmp_path):
@@ -226,6 +227,18 @@ def test_teacher_forcing_cache_keeps_a_cut_run_and_forces_only_the_rest(tiny, co
     assert stats["tokens"] + stats["cached_tokens"] == sum(len(r["input_ids"]) for r in recs)
     fresh, _ = C.teacher_force(tiny, recs, "float32", 5, (1, 3), rows_per_call=16, progress=False)
     _assert_same_records(full, fresh)
+    # the cached records (read back, or forced now and saved) leave their features on disk: a training batch reads
+    # the same rows from there as from records held in memory
+    assert all(isinstance(r["features"], C.DiskFeatures) for r in full + cut)
+    assert all(isinstance(r["features"], torch.Tensor) for r in fresh)
+    from spectrt.build.eagle3 import _collate
+
+    order = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(fresh)}
+    in_memory = [fresh[order[tuple(r["input_ids"].tolist())]] for r in full]
+    remap = torch.arange(int(max(r["top_ids"].max() for r in fresh)) + 1)  # every id its own row
+    for got, want in zip(_collate(full, range(len(full)), 0, 3, remap), _collate(in_memory, range(len(full)), 0, 3,
+                                                                                     remap), strict=True):
+        assert torch.equal(got, want)
     _, again = C.teacher_force(tiny, recs, "float32", 5, (1, 3), progress=False, cache_dir=cache)
     assert again["cached"] == len(recs) and again["forward_rows"] == 0
     _, other = C.teacher_force(tiny, recs, "float32", 4, (1, 3), progress=False, cache_dir=cache)
@@ -516,7 +529,8 @@ def test_teacher_forcing_runs_bf16_labels_as_bf16dot_where_auto_is_and_keeps_the
     _, again = C.teacher_force(tiny, answers, "bfloat16", 4, (1, 3), progress=False, cache_dir=cache)
     assert again["cached"] == len(answers) and again["forward_rows"] == 0
     by_ids = {tuple(r["input_ids"].tolist()): r for r in plain}
-    assert any(not torch.equal(r["features"], by_ids[tuple(r["input_ids"].tolist())]["features"]) for r in dots)
+    assert any(not torch.equal(r["features"][:], by_ids[tuple(r["input_ids"].tolist())]["features"][:])
+               for r in dots)
 
 
 # ------------------------------------------------------------------------------------------------ errors
