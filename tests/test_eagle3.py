@@ -393,6 +393,26 @@ def test_the_proposer_reads_draft_vocabulary_columns(tiny, tmp_path):
         assert all(r == pytest.approx(w, rel=1e-6) for r, w in zip(probs, want_probs, strict=True))
 
 
+def test_a_full_vocabulary_head_gives_the_proposer_the_rows_it_asks_for(tiny, tmp_path):
+    """A head over the whole vocabulary (`--vocab-subset 0`, or a SpecForge head without `d2t`) returns the logits of
+    the rows the proposer names: a catch-up of five rows drafts from its last row. (Passed by position, the rows
+    landed in the head's `full_vocab` and every row came back: drafting then read the first, an earlier position.)"""
+    target = Transformer.load(tiny, native=False, measure_kernels=False)
+    out = B.save_head(_random_module(target, k=target.config.vocab_size), tiny, tmp_path / "head", (2, 2, 1))
+    feats = torch.randn(6, 3 * 64, generator=torch.Generator().manual_seed(5))
+    ids = [5, 77, 300, 12, 9, 41]
+    for native in (False, True) if native_unavailable() is None else (False,):
+        head = Eagle3Head.load(out, target, native=native)
+        proposer = Eagle3Proposer(head, 1, 32, 8, target)
+        assert proposer.vocab_ids is None  # the whole vocabulary: no subset columns
+        proposer.take(0, 0, feats)
+        seg = proposer.chunk(0, ids, len(ids))
+        assert seg.tokens.shape[0] == 5
+        (last,) = proposer._run([seg], [1])
+        every = head.forward(seg.tokens, seg.positions, seg.tree_mask, head.new_cache(32, 8), seg.hidden)[0]
+        assert last.shape[0] == 1 and torch.equal(last[0], every[-1])
+
+
 def test_mismatched_heads_are_refused(tiny, tmp_path):
     target = Transformer.load(tiny, native=False, measure_kernels=False)
     out = B.save_head(_random_module(target), tiny, tmp_path / "head", (2, 2, 1))

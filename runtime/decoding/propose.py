@@ -226,9 +226,11 @@ class DraftProposer:
     def _forward(self, segments: list[Segment], logit_rows: list[int | None] | None = None) -> list:
         start = time.perf_counter()
         try:
+            # by name: a head's second parameter is `full_vocab`, where a full-vocabulary head (no draft subset) got
+            # the rows asked for, and then drafted from a catch-up's first row, not its last
             if self.vocab_ids is not None:
                 return self.engine.forward_many(segments, full_vocab=False, logit_rows=logit_rows)
-            return self.engine.forward_many(segments, logit_rows)
+            return self.engine.forward_many(segments, logit_rows=logit_rows)
         finally:
             self.forward_seconds += time.perf_counter() - start
 
