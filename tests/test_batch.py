@@ -154,6 +154,34 @@ def test_row_cap_cuts_static_trees_and_outputs_stay_equal(models):
     assert all(job.stats.proposed < 2 * job.stats.target_passes for job in jobs), "trees must have been cut"
 
 
+def test_tree_budget_caps_dynamic_trees_and_suffix_candidates_too(models):
+    """`tree_budget` bounds a step's tree rows over all requests whatever proposed them: four dynamic-tree requests
+    and a static tree with suffix candidates under a budget of 8 rows (roots included), outputs unchanged. (Only
+    static shapes were cut: the flat-cost policy verified up to 6 nodes a request, ~20 rows a step.)"""
+    target, draft, eos, _, _ = models
+    trees = [AUTO, AUTO, AUTO, Tree.parse("2,1"), AUTO]
+    jobs = _jobs(models, trees, [20, 20, 20, 20, 20], suffix={3: True})
+    decoder = Decoder(target, draft, eos, max_seq_len=256, max_active=4, prefill_budget=16, policy=DYNAMIC,
+                      tree_budget=8)
+    steps = _run(decoder, jobs)
+    assert max(s.tree_tokens for s in steps) == 8  # the cap binds, and holds
+    for job, want in zip(jobs, _sequential(models, jobs), strict=True):
+        assert job.out == want
+
+
+def test_trees_stop_where_the_output_must_end(models):
+    """A request with one token left verifies its root alone (a deeper node could only emit tokens past its end),
+    and what a step reports accepted never exceeds what it kept."""
+    target, draft, eos, _, _ = models
+    jobs = _jobs(models, [Tree.parse("2,2"), AUTO, Tree.parse("1,1,1")], [1, 1, 3])
+    Decoder(target, draft, eos, max_seq_len=256, max_active=3, policy=DYNAMIC).run(jobs)
+    assert [j.stats.verified for j in jobs[:2]] == [[1], [1]]
+    assert all(sum(j.stats.accepted) <= len(j.out) for j in jobs)
+    assert all(max(j.stats.verified) <= 1 + 2 for j in jobs)  # 3 tokens: depth 2 at most (1,1,1 is cut)
+    for job, want in zip(jobs, _sequential(models, jobs), strict=True):
+        assert job.out == want
+
+
 def test_budget_degrades_to_plain_batched_decoding_as_the_batch_grows(models):
     """A cost curve where one extra row is worth it for one request but not when 4 share the forward: alone a
     request verifies trees; four together decode one token each, and the draft is skipped."""
@@ -301,8 +329,9 @@ def test_stop_words_longer_than_the_output_so_far_are_found_across_steps(models)
 
 
 def test_a_static_tree_near_max_seq_len_verifies_only_the_levels_that_fit(models, monkeypatch):
-    """With 2 positions left a 3,1,1 tree verifies its first two levels (7 nodes), none past max_seq_len (the cut
-    by rank kept 7 nodes with the top-1 chain to depth 3: rows drafted and verified past the sequence's end)."""
+    """With 2 positions left a 3,1,1 tree verifies its first level (4 nodes: a depth-1 path and its bonus token fill
+    them), none past max_seq_len (the cut by rank kept 7 nodes with the top-1 chain to depth 3: rows drafted and
+    verified past the sequence's end)."""
     target, draft, eos, prompts, _ = models
     max_seq_len = len(prompts[0]) + 2
     positions = []
@@ -315,7 +344,7 @@ def test_a_static_tree_near_max_seq_len_verifies_only_the_levels_that_fit(models
     monkeypatch.setattr(target, "forward_many", forward_many)
     job = Job(prompts[0], 8, Tree.parse("3,1,1"))
     Decoder(target, draft, eos, max_seq_len=max_seq_len).run([job])
-    assert job.stats.verified[0] == 7 and max(positions) < max_seq_len
+    assert job.stats.verified[0] == 4 and max(positions) < max_seq_len
     assert len(job.out) <= 2 and job.finish in ("length", "stop")
 
 

@@ -78,7 +78,7 @@ class Controller:
         for job in decode:
             root = len(job.ids) - 1  # the root is the last accepted token, at position len(ids) - 1
             cand = Candidates(job, TokenTrie(job.ids[-1]), root)
-            room = self.max_seq_len - len(job.ids)  # a tree deeper than the room left only wastes rows
+            room = self._room(job)
             if isinstance(job.tree, Tree):
                 tree = job.tree if static_total <= self.tree_budget else cut_tree(job.tree, share)
                 if tree.max_depth > room:  # the levels within the room: a breadth-first prefix (`cut_tree` keeps
@@ -105,6 +105,8 @@ class Controller:
         plain = prefilling + len(held)  # rows of one token each, like the requests still prefilling
         static_rows = sum(len(c.static) for c in cands if c.static is not None)
         dynamic = [c for c in cands if c.static is None]
+        # the step's tree rows beyond every decoding job's root and the static shapes (`tree_budget`, over all jobs)
+        rows_left = self.tree_budget - len(held) - len(dynamic) - static_rows
         sunk = 0.0
         if self.drafter is not None:
             drafting = [c for c in cands if self.drafts(c.job) and (c.static is None or len(c.static) > 1)]
@@ -115,16 +117,23 @@ class Controller:
             if cand.static is not None:
                 cand.budget = len(cand.trie)
                 if cand.job.suffix:
-                    self.suffix.propose(cand, policy, self.max_tree_tokens - len(cand.static))
+                    self.suffix.propose(cand, policy, min(self.max_tree_tokens - len(cand.static),
+                                                          self._room(cand.job), max(rows_left, 0)))
+                    rows_left -= len(cand.trie) - cand.budget
                     cand.budget = len(cand.trie)
         sizes, _ = allocate([c.scaled_scores() for c in dynamic], [c.budget for c in dynamic], sunk, verify,
-                            sum(len(c.trie) for c in cands if c.static is not None), plain)
+                            sum(len(c.trie) for c in cands if c.static is not None), plain, max(rows_left, 0))
         for cand, size in zip(dynamic, sizes, strict=True):
             cand.chosen = size
             cand.expected = sum(cand.scores[:size - 1])
             if cand.budget > 1:
                 self._idle(cand, len(decode))
         return cands + held
+
+    def _room(self, job: Job) -> int:
+        """The deepest node worth verifying for the job: a path of depth d emits d + 1 tokens (its bonus token), and
+        the job may emit only what its `max_new_tokens` and `max_seq_len` leave; deeper nodes only waste rows."""
+        return min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids)) - len(job.out) - 1
 
     @staticmethod
     def _holds(job: Job, batch: int) -> bool:

@@ -238,7 +238,8 @@ class Decoder:
     """Up to `max_active` requests decoded together: `add` between `step`s, `cancel` any time between steps.
 
     `policy` shapes dynamic trees (`AUTO` jobs) and holds this machine's cost curves that the budget rule weighs;
-    `tree_budget` caps the rows a step spends on trees (static trees are cut by rank beyond it); `prefill_budget`
+    `tree_budget` caps the rows a step spends on trees (static trees are cut by rank beyond it, dynamic trees and
+    suffix candidates are chosen within it); `prefill_budget`
     the prompt tokens prefilled per step; `prefix_cache`: reuse cached prefixes across requests (where exact).
     """
 
@@ -676,7 +677,6 @@ class Decoder:
             sampled = [trie.sampled[i] for i in order] if cand.q else None
             path, bonus = verify_sampled(tree, tokens, sampling_probs(logits, job.params), q, job.verify_gen,
                                          point, sampled)
-        stats.accepted.append(len(path) - 1)
         realized = None
         if cand.drafted:  # what the draft alone brought this step and the rows it took (nodes only it offered)
             alone = [{kind for kind, _ in cand.keys.get(i, ())} == {"draft"} for i in order]
@@ -714,6 +714,9 @@ class Decoder:
         elif eos_at is not None:
             new, finish, emitted = new[:eos_at], "stop", eos_at + 1
         stats.emitted_tokens += emitted
+        # accepted tokens it kept: a path past its end-of-sequence token, stop word or length limit is cut (what the
+        # draft got right, the controller learned from the whole path above)
+        stats.accepted.append(min(len(path) - 1, emitted))
         job.out.extend(new)
         job.ids.extend(new)
         if job.suffix:

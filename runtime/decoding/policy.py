@@ -241,7 +241,7 @@ def allocation_gain(scores: list[list[float]], sizes: list[int], plain: int = 0)
 
 
 def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
-             base_rows: int = 0, plain: int = 0) -> tuple[list[int], float]:
+             base_rows: int = 0, plain: int = 0, cap: int | None = None) -> tuple[list[int], float]:
     """One speculation budget across a batch: nodes to verify per request (root included, >= 1 each), maximising
     expected tokens per millisecond of the ONE batched forward, and that rate.
 
@@ -253,11 +253,12 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     prefix of each request's list, so each tree stays connected: a node's score never exceeds its parent's) and
     the count is chosen by maximising the rate, so the result is never worse than plain batched decoding
     (nothing chosen), and at batch 1 it is the per-step verify size of one request. `plain` more requests count as
-    one row and one token each (requests still prefilling, as the plain step they are about to take).
+    one row and one token each (requests still prefilling, as the plain step they are about to take). `cap`: at
+    most that many nodes beyond the roots over all requests (the decoder's `tree_budget`).
     """
     n = len(scores) + plain
-    merged = sorted(((s, j) for j, (row, cap) in enumerate(zip(scores, budgets, strict=True))
-                     for s in row[:max(cap - 1, 0)]), key=lambda sj: (-sj[0], sj[1]))
+    merged = sorted(((s, j) for j, (row, most) in enumerate(zip(scores, budgets, strict=True))
+                     for s in row[:max(most - 1, 0)]), key=lambda sj: (-sj[0], sj[1]))[:cap]
     counts = [0] * len(scores)
     best_k, gain = 0, float(n)
     best_rate = gain / (sunk_ms + verify(base_rows + n))
