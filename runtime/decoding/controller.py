@@ -5,8 +5,10 @@ step, `plan` gives each decoding job its candidates: a static tree (cut to the s
 candidates, the draft's levels when its pass pays (`_gate`, from each job's learned draft gain), and then the one
 budget (`policy.allocate` over scaled scores: `Candidates.scaled_scores`) that picks how many of each trie's best
 nodes to verify. After verification `learn` moves the job's own estimates: its score scale (accepted over expected
-tree tokens) and its draft gain (tokens only the draft got accepted). Both are per job, so a seeded request decodes
-alike whatever runs next to it, and one tenant's hot sampled requests never shrink another's trees.
+tree tokens) and its draft gain (tokens only the draft got accepted). Both are per job, so one tenant's hot sampled
+requests never shrink another's trees. (A seeded sampled request with dynamic trees draws from the same exact
+distribution in any batch, but not the same tokens: the budget sizes its tree at the batch's cost, and the draws
+follow the tree's shape. Static trees draw alike in any batch.)
 """
 
 from __future__ import annotations
@@ -240,8 +242,8 @@ class Controller:
         Each job's expected draft gain and the verified rows it comes with (`Job.draft_gain`, `Job.draft_rows`) are
         learned from its own steps (`learn_draft_gain`). Why:
         a bound of "a sure token per request" let the draft run at batch 8 where the budget then verified ~0.3 of its
-        nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, so a seeded
-        request decodes alike whatever ran before it. A backlog is charged spread over the steps left (`_catch_up`).
+        nodes per request (0.80x plain batched decoding, bf16). Only the job's own evidence moves it, not what other
+        requests did before it. A backlog is charged spread over the steps left (`_catch_up`).
 
         The step may also draft its jobs' first level alone (`_first_level`: the tuned first-level share of each
         gain, one row a job, no level passes), whichever of the two choices expects more tokens per ms; the

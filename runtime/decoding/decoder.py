@@ -479,7 +479,8 @@ class Decoder:
         return info
 
     def _snapshot(self, jobs: list[Job]) -> tuple[list[tuple], list[tuple]]:
-        """What a failed step must put back so each job's retry alone plans and draws as the batch would have: the
+        """What a failed step must put back so each job's retry alone starts from the state the batch left it (a static
+        tree then draws what the batch would have; a dynamic tree is sized at batch 1's cost, exact all the same): the
         caches' lengths, and each job's controller state and draft passes (a hold spent, evidence faded), plus the
         draft generator of a sampled static tree (the one state its children draw from: a seeded request's tokens
         changed when another request's failure made it draw twice). Taken every step: ~1.3 us at batch 1, ~3 at
