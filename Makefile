@@ -63,14 +63,16 @@ ship-draft: setup  ## train the shipped draft further (105 min on 2 cores, resum
 	$(BIN)/python -m spectrt.cli.ship prompts --count 3500 --seed 5 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 6 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 7 --openers build/prompts/distill.txt
+	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 8 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship answers --greedy --minutes 30 --work-dir artifacts/ship-greedy.work \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
-		build/prompts/synth-seed7.txt
+		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt
 	$(BIN)/spectrt draft --kind eagle3 --train --force --greedy-answers --budget-minutes 105 --data-share 0.42 \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
-		build/prompts/synth-seed7.txt --out artifacts/ship-greedy --init-from build/drafts/$(EMBEDDED) --lr 4e-4
+		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt --out artifacts/ship-greedy \
+		--init-from build/drafts/$(EMBEDDED) --lr 4e-4
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-greedy
 
 TUNED := artifacts/.tuned-default
