@@ -551,6 +551,7 @@ def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes:
     (`<target>-greedy`; the held-out answers are greedy already and ship with the sampled set). Why ship what
     regenerates exactly: 720k answer tokens take 22 minutes on 2 cores, and a machine's cache dies with it."""
     cfg = DistillConfig(**GREEDY_ANSWERS) if greedy else DistillConfig(samples_per_prompt=rounds)
+    out = Path(out) if out is not None else ANSWERS_DIR / (Path(target).name + ("-greedy" if greedy else ""))
     deadline = time.monotonic() + 60 * minutes
     fingerprint, sets = target_fingerprint(target), {}
     train = [c for path in prompts for c in read_prompts(path)]
@@ -561,9 +562,11 @@ def ship_answers(target: Path, work_dir: Path, out: Path | None = None, minutes:
         n_rounds = 1 if eval_set else cfg.samples_per_prompt
         wanted = {_sample_key(conv_key(c), r) for c in convs for r in range(n_rounds)}
         cached = torch.load(stats["cache"], weights_only=True) if Path(stats["cache"]).is_file() else {}
-        answers = {**load_shipped(fingerprint, key), **cached}
-        sets[name] = (key, {k: v for k, v in answers.items() if k in wanted})
-        print(f"{name}: {len(sets[name][1])} of {len(wanted)} answers, "
-              f"{sum(len(r['input_ids']) - r['prompt_len'] for r in sets[name][1].values())} answer tokens")
-    stem = Path(target).name + ("-greedy" if greedy else "")
-    return write_shipped(out or ANSWERS_DIR / stem, target, sets)
+        # every answer the output ships already stays (another call's prompt files: the bare command once rewrote
+        # the greedy file with its default prompts' answers alone, 34k answers down to 461), this call's are added
+        answers = {**load_shipped(fingerprint, key, out.parent), **{k: v for k, v in cached.items() if k in wanted}}
+        sets[name] = (key, answers)
+        print(f"{name}: {sum(k in answers for k in wanted)} of {len(wanted)} answers to these prompts, "
+              f"{len(answers)} shipped ({sum(len(r['input_ids']) - r['prompt_len'] for r in answers.values())} "
+              "answer tokens)")
+    return write_shipped(out, target, sets)

@@ -265,6 +265,21 @@ def test_teacher_forcing_cache_forces_only_an_added_round(tiny, corpora, tmp_pat
     assert again["cached"] == len(recs) and again["forward_rows"] == 0
 
 
+def test_ship_answers_keeps_what_it_shipped_and_adds(tiny, tmp_path):
+    """A call for other prompt files adds their answers and keeps those shipped before (the bare command once
+    rewrote the greedy file with its default prompts' answers alone: 34k answers down to 461)."""
+    files = []
+    for name, lines in (("a", ["Name a color.", "What is rain?"]), ("b", ["Count to three.", "Say hello."])):
+        files.append(tmp_path / f"{name}.txt")
+        files[-1].write_text("\n".join(lines) + "\n")
+    out = tmp_path / "answers" / "tiny-greedy"
+    for i, path in enumerate(files):
+        C.ship_answers(tiny, tmp_path / f"work-{i}", out=out, minutes=5, prompts=[path], greedy=True)
+    key = T.DistillConfig(**T.GREEDY_ANSWERS).generation_key(False)
+    shipped = C.load_shipped(C.target_fingerprint(tiny), key, out.parent)
+    assert set(shipped) == {C.conv_key(c) for path in files for c in C.read_prompts(path)}
+
+
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
     import shutil
 
