@@ -156,6 +156,7 @@ def make_draft(
         raise ValueError(f"budget_minutes must be positive, got {budget_minutes}")
     if not (target / "config.json").is_file():
         raise ValueError(f"{target} is not a Hugging Face checkpoint (no config.json): pass the target's directory")
+    (out_dir / SHIP_NAME).unlink(missing_ok=True)  # a draft made here is no installed shipped one (`installed_current`)
     prompt_files = [Path(prompts)] if isinstance(prompts, (str, Path)) else [Path(p) for p in prompts]
     train_convs = [conv for path in prompt_files for conv in read_prompts(path)]
     eval_convs = read_prompts(heldout)
@@ -349,4 +350,16 @@ def install_shipped(target: Path, out_dir: Path, drafts_dir: Path = DRAFTS_DIR) 
     for name in TOKENIZER_FILES:
         if (Path(target) / name).is_file():
             shutil.copy(Path(target) / name, out_dir / name)
+    shutil.copy(source / SHIP_NAME, out_dir / SHIP_NAME)  # last: what was installed, once it all was
     return out_dir
+
+
+def installed_current(target: Path, out_dir: Path, drafts_dir: Path = DRAFTS_DIR) -> bool | None:
+    """For a draft `install_shipped` put in `out_dir`: whether it is the one shipped now for this target (None: a
+    draft made here, or installed before installs recorded their `ship.json`). Why: `spectrt draft` reused whatever
+    `out_dir` held, so after an update that shipped a better draft the old one was served, tuned and benchmarked."""
+    installed = Path(out_dir) / SHIP_NAME
+    if not installed.is_file():
+        return None
+    source = shipped_draft(target, drafts_dir)
+    return source is not None and (source / SHIP_NAME).read_text() == installed.read_text()

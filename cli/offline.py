@@ -14,7 +14,7 @@ from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointErro
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
-    from spectrt.build.draft import install_shipped, make_draft
+    from spectrt.build.draft import install_shipped, installed_current, make_draft
     from spectrt.runtime.decoding.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
@@ -23,8 +23,10 @@ def cmd_draft(args: argparse.Namespace) -> int:
                                            default.with_name(default.name.removesuffix("-draft") + "-eagle3"))
     report_path = out / "draft_report.json"
     if (out / "config.json").is_file() and report_path.is_file() and not args.force:
-        print(f"reusing the draft in {out} (--force rebuilds it)")
-        return 0
+        if installed_current(target, out) is not False:
+            print(f"reusing the draft in {out} (--force rebuilds it)")
+            return 0
+        print(f"{out} holds a shipped draft that is not the one shipped now for this target: replacing it")
     if not args.train and args.out is None:  # the draft trained once at scale for this very target, if shipped
         try:
             installed = install_shipped(target, default)

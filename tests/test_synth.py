@@ -109,6 +109,23 @@ def test_a_shipped_draft_installs_only_for_its_target_and_refuses_corruption(tmp
         D.install_shipped(tiny, tmp_path / "again", drafts)
 
 
+def test_an_installed_draft_knows_whether_it_is_the_one_shipped_now(tmp_path):
+    """An installed shipped draft is current until another is shipped for its target (then `spectrt draft` installs
+    the new one instead of reusing it); a draft made here is never taken for an installed one."""
+    from test_draft import make_tiny_target
+
+    tiny, other = make_tiny_target(tmp_path / "tiny"), make_tiny_target(tmp_path / "other", layers=2)
+    drafts = tmp_path / "drafts"
+    D.ship_draft(_fake_draft(tmp_path / "a", top1=0.45), tiny, drafts / "tiny", "first")
+    out = D.install_shipped(tiny, tmp_path / "installed", drafts)
+    assert D.installed_current(tiny, out, drafts) is True
+    assert D.installed_current(other, out, drafts) is False  # shipped for another target's weights
+    D.ship_draft(_fake_draft(tmp_path / "b", scale=2.0, top1=0.5), tiny, drafts / "tiny", "better")
+    assert D.installed_current(tiny, out, drafts) is False
+    assert D.installed_current(tiny, D.install_shipped(tiny, out, drafts), drafts) is True
+    assert D.installed_current(tiny, _fake_draft(tmp_path / "made-here"), drafts) is None
+
+
 def test_a_worse_draft_does_not_replace_the_shipped_one(tmp_path):
     """Shipping keeps the better draft: a lower held-out top-1 for the same target is refused with both figures,
     unless forced; a better one, or one for another target, replaces it."""
