@@ -14,6 +14,7 @@ Measured choices are in `DistillConfig` (build/distill.py), shared with the slic
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -194,6 +195,15 @@ class _SubsetHeadLoss(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def _digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A short sha256 of the tensors' values (what a training state was made from)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(str(t.dtype).encode())
+    return h.hexdigest()[:16]
+
+
 def _collate(records: Sequence[dict], idx: Sequence[int], pad_id: int, steps: int, remap: torch.Tensor):
     """Features [B, N, 3Ht], next tokens [B, N + steps - 1], and per step position p = t + 1 + i the target's top-k
     ([B, N + steps, k], ids remapped to draft rows, -1 outside) with the mask of positions that have one."""
@@ -260,10 +270,12 @@ def train_head(
         p.requires_grad_(n in names)
     opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.head_lr, betas=cfg.betas,
                             weight_decay=cfg.weight_decay)
-    meta = {"kind": "eagle3", "trainable": names, "records": len(records), "tag": tag, "vocab": len(draft_ids),
-            "ttt_steps": cfg.ttt_steps}
-    resumed = _load_state(state_path, meta, ("kind", "trainable", "tag", "vocab"), params, names, opt, progress) \
-        if resume else None
+    # the draft vocabulary itself and the starting head, not only their sizes: a state trained on other ids (its
+    # LM head rows under another id map, with --train-lm-head) or from another head is not this run's to continue
+    meta = {"kind": "eagle3", "trainable": names, "records": len(records), "tag": tag, "vocab": _digest([draft_ids]),
+            "init": None if init is None else _digest([init[n] for n in sorted(init)]), "ttt_steps": cfg.ttt_steps}
+    resumed = _load_state(state_path, meta, ("kind", "trainable", "tag", "vocab", "init"), params, names, opt,
+                          progress) if resume else None
     step, epoch, pos = resumed or (0, 0, 0)
     if init is not None and resumed is None:
         if not torch.equal(init["d2t"], model.d2t):

@@ -648,6 +648,26 @@ def test_eagle3_resume_continues(tiny, corpora, tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_state_for_another_draft_vocabulary_or_starting_head_is_not_resumed(tiny, corpora, tmp_path):
+    """A training state is continued only by a run with the same draft ids (not merely as many: a trained LM head's
+    rows belong to their ids) and the same starting head; else the run starts fresh from its own."""
+    cfg = DistillConfig(**{**TINY, "max_new_tokens": 8, "head_batch_tokens": 512, "head_train_lm_head": True})
+    answers, _ = C.generate_distill_data(tiny, C.read_prompts(corpora[0])[:6], tmp_path / "data", cfg,
+                                         progress=False)
+    records, _ = C.teacher_force(tiny, answers, "float32", cfg.top_k, (2, 2, 1), progress=False)
+    target = Transformer.load(tiny)
+    ids = D.frequent_ids(records, 192, 384)
+    other = torch.cat([ids[1:], torch.tensor([int(ids[-1]) + 1])])  # as many ids, not the same
+    args = (records, target.config, target.embed, target.head, target.norm)
+    state = tmp_path / "s.pt"
+    first, _ = B.train_head(*args, ids, state, cfg, max_steps=2, progress=False)
+    assert B.train_head(*args, ids, state, cfg, max_steps=3, progress=False)[1]["resumed_from_step"] == 2
+    assert B.train_head(*args, other, state, cfg, max_steps=3, progress=False)[1]["resumed_from_step"] == 0
+    init = {**first.state_dict(), "d2t": first.d2t}
+    _, stats = B.train_head(*args, ids, tmp_path / "t.pt", cfg, max_steps=2, progress=False, init=init)
+    assert B.train_head(*args, ids, tmp_path / "t.pt", cfg, max_steps=3, progress=False)[1]["resumed_from_step"] == 0
+
+
 def test_a_run_can_continue_a_finished_head(tiny, corpora, trained, tmp_path):
     """--init-from: a run continues another head's weights and draft vocabulary (zero steps give it back, held-out
     agreement included); a head for other feature layers, or a slice, is refused with the reason."""
