@@ -265,6 +265,28 @@ def test_teacher_forcing_cache_forces_only_an_added_round(tiny, corpora, tmp_pat
     assert again["cached"] == len(recs) and again["forward_rows"] == 0
 
 
+def test_answers_generated_until_their_deadline_are_all_teacher_forced(tiny, corpora, tmp_path, monkeypatch):
+    """Generation stops where the data window keeps its last share for teacher forcing: answers generated right up
+    to their deadline are all forced (generating until the window's end left forcing one call: a first run for a
+    target without shipped answers trained on a handful of answers)."""
+    import time
+
+    real = D.generate_distill_data
+
+    def until_deadline(*args, deadline=None, **kwargs):  # a generation that uses all the time it is given
+        out = real(*args, deadline=deadline, **kwargs)
+        if deadline is not None and not kwargs.get("eval_set"):
+            time.sleep(max(deadline - time.monotonic(), 0.0))
+        return out
+
+    monkeypatch.setattr(D, "generate_distill_data", until_deadline)
+    out = D.make_draft(tiny, tmp_path / "d", kind="eagle3", budget_minutes=0.4, prompts=corpora[0],
+                       heldout=corpora[1], max_steps=0, progress=False,
+                       **{**TINY, "max_new_tokens": 8, "head_data_fraction": 0.5})
+    data = json.loads((out / D.REPORT_NAME).read_text())["data"]
+    assert data["answers"] > 10 and data["teacher_forcing"]["records"] == data["answers"]
+
+
 def test_ship_answers_keeps_what_it_shipped_and_adds(tiny, tmp_path):
     """A call for other prompt files adds their answers and keeps those shipped before (the bare command once
     rewrote the greedy file with its default prompts' answers alone: 34k answers down to 461)."""
