@@ -309,18 +309,32 @@ def ship_draft(draft_dir: Path, target: Path, out_dir: Path, command: str, force
         if shipped_for == target_fingerprint(target) and new_top1 < old_top1:
             raise ValueError(f"{draft_dir} agrees less with the target than the shipped draft (held-out top-1 "
                              f"{new_top1:.1%} < {old_top1:.1%}): train it longer, or pass --force to ship it anyway")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in load_file(draft_dir / "model.safetensors").items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
-    for name in ("config.json", REPORT_NAME):
-        shutil.copy(draft_dir / name, out_dir / name)
-    size_mb = sum((out_dir / n).stat().st_size for n in SHIPPED_FILES) / 2**20
-    if size_mb > SHIPPED_LIMIT_MB:
-        raise ValueError(f"the draft takes {size_mb:.1f} MB: a shipped draft must stay under {SHIPPED_LIMIT_MB} MB")
-    meta = {"target": target_fingerprint(target), "target_name": Path(target).name, "command": command,
-            "sha256": {n: _sha256(out_dir / n) for n in SHIPPED_FILES}}
-    (out_dir / SHIP_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    # built and checked beside the package, then moved in, ship.json last: a refused or interrupted ship leaves the
+    # shipped draft as it was (written in place, a too-large draft replaced the weights and then failed the check,
+    # and every install refused the package as corrupted)
+    staging = out_dir.with_name(out_dir.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+                 for k, v in load_file(draft_dir / "model.safetensors").items()}
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        for name in ("config.json", REPORT_NAME):
+            shutil.copy(draft_dir / name, staging / name)
+        size_mb = sum((staging / n).stat().st_size for n in SHIPPED_FILES) / 2**20
+        if size_mb > SHIPPED_LIMIT_MB:
+            raise ValueError(f"the draft takes {size_mb:.1f} MB: a shipped draft must stay under {SHIPPED_LIMIT_MB} "
+                             "MB")
+        meta = {"target": target_fingerprint(target), "target_name": Path(target).name, "command": command,
+                "sha256": {n: _sha256(staging / n) for n in SHIPPED_FILES}}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / SHIP_NAME).unlink(missing_ok=True)  # no ship.json vouches for a half-moved draft
+        for name in SHIPPED_FILES:
+            os.chmod(staging / name, 0o644)  # safetensors writes 0600; servers may run as another user
+            os.replace(staging / name, out_dir / name)
+        (out_dir / SHIP_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

@@ -137,6 +137,15 @@ def test_a_worse_draft_does_not_replace_the_shipped_one(tmp_path):
     with pytest.raises(ValueError, match=r"40.0% < 45.0%.*--force"):
         D.ship_draft(_fake_draft(tmp_path / "b", top1=0.40), tiny, drafts, "worse")
     assert json.loads((drafts / "ship.json").read_text())["command"] == "first"
+    big = _fake_draft(tmp_path / "big", top1=0.9)  # too large to ship: refused, the shipped draft untouched
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(D.SHIPPED_LIMIT_MB * 2**19 + 1, dtype=torch.float32)},
+              big / "model.safetensors")
+    with pytest.raises(ValueError, match="must stay under"):
+        D.ship_draft(big, tiny, drafts, "too big")
+    assert D.install_shipped(tiny, tmp_path / "still", drafts.parent) is not None  # every sha256 still holds
+    assert (drafts / "model.safetensors").stat().st_mode & 0o777 == 0o644
     D.ship_draft(tmp_path / "b", tiny, drafts, "forced", force=True)
     D.ship_draft(_fake_draft(tmp_path / "c", top1=0.42), tiny, drafts, "better")
     D.ship_draft(_fake_draft(tmp_path / "d", top1=0.1), other, drafts, "another target")
