@@ -280,9 +280,10 @@ def train_head(
     if init is not None and resumed is None:
         if not torch.equal(init["d2t"], model.d2t):
             raise ValueError("the starting head's draft vocabulary differs from this run's: pass its draft_ids")
-        with torch.no_grad():
-            for n in names:
-                params[n].copy_(init[n].float())
+        with torch.no_grad():  # frozen ones too: a head trained with --train-lm-head keeps its LM head rows
+            for n, p in params.items():
+                if n in init:
+                    p.copy_(init[n].float())
     start_step = step
     remap = subset_remap(draft_ids.long(), target_config.vocab_size)
     embed_c = embed.detach().to(torch.bfloat16 if cfg.amp else torch.float32)

@@ -11,6 +11,7 @@ import gc
 import json
 import math
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -666,6 +667,11 @@ def test_a_state_for_another_draft_vocabulary_or_starting_head_is_not_resumed(ti
     init = {**first.state_dict(), "d2t": first.d2t}
     _, stats = B.train_head(*args, ids, tmp_path / "t.pt", cfg, max_steps=2, progress=False, init=init)
     assert B.train_head(*args, ids, tmp_path / "t.pt", cfg, max_steps=3, progress=False)[1]["resumed_from_step"] == 0
+    # continued without --train-lm-head, a head whose LM head was trained keeps those rows (frozen, not reset)
+    frozen = replace(cfg, head_train_lm_head=False)
+    kept, _ = B.train_head(*args, ids, tmp_path / "u.pt", frozen, max_steps=0, progress=False, init=init)
+    assert torch.equal(kept.lm_head.weight, first.lm_head.weight)
+    assert not torch.equal(first.lm_head.weight, target.head[ids].float())  # it was trained: the check means it
 
 
 def test_a_run_can_continue_a_finished_head(tiny, corpora, trained, tmp_path):
