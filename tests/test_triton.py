@@ -106,7 +106,8 @@ def test_streamed_chunks_equal_inprocess_generate(server, session, pipe):
     assert r.chunks == deltas  # the same deltas the in-process stream produced
     assert r.perf["output_tokens"] == len(gen.token_ids)
     assert r.perf["target_passes"] == gen.stats.target_passes
-    assert r.perf["total_draft_tokens"] == gen.stats.target_passes * 4  # tree 2,1: 4 draft nodes per pass
+    # tree 2,1: 4 draft nodes a pass, fewer on a last step with fewer tokens left (trees stop at the output's end)
+    assert r.perf["total_draft_tokens"] == gen.stats.proposed <= gen.stats.target_passes * 4
     assert r.perf["total_accepted_draft_tokens"] == sum(gen.stats.accepted)
     assert r.ttft is not None and r.ttft <= r.latency
 
