@@ -190,23 +190,30 @@ class Scheduler:
         self.thread = threading.current_thread()
         self._run()
 
-    def stop(self, drain_seconds: float = 0.0) -> None:
+    def stop(self, drain_seconds: float = 0.0, grace_seconds: float = 10.0) -> bool:
         """Refuse new requests, let the ones in flight finish for up to `drain_seconds`, then end the rest with an
-        UNAVAILABLE final response; returns once the thread is gone."""
+        UNAVAILABLE final response. Returns True once the loop is gone; False if it is still inside a step
+        `grace_seconds` after the drain. Then nothing here touches what the loop owns (its requests, the decoder it
+        may be running this moment: ending them from here raced it): the loop ends every request itself when that
+        step returns, so each still gets exactly one final response."""
         with self.lock:
             self.accepting = False
         self.drain_until = time.monotonic() + drain_seconds
         self.stopping = True
         if self.thread is not None:
-            self.thread.join(timeout=drain_seconds + 10)
-        self._take_incoming()
-        for request in list(self.requests):
-            self._fail(request, "the server is stopping: retry on another instance", "unavailable")
+            self.thread.join(timeout=drain_seconds + grace_seconds)
+        if self.alive:
+            LOG.error("the scheduler thread is still in a step %g s after the drain: it ends its %d request(s) "
+                      "when the step returns", grace_seconds, len(self.requests))
+            return False
+        self._end_stopped()  # no loop (never started, or gone): what is left is ours to end
+        return True
 
     # ------------------------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
         while True:
             if self.stopping and (time.monotonic() >= self.drain_until or not self.requests and self.incoming.empty()):
+                self._end_stopped()
                 return
             try:
                 self.tick()
@@ -214,18 +221,23 @@ class Scheduler:
                 LOG.exception("scheduler step failed; ending the %d request(s) in flight", len(self.requests))
                 self._end_all(f"spectrt failed: {type(e).__name__}: {e}")
 
-    def _end_all(self, message: str) -> None:
+    def _end_stopped(self) -> None:
+        """At a stop, past the drain: every request left, those not taken in yet too, ends as "stopping"."""
+        self._take_incoming()
+        self._end_all("the server is stopping: retry on another instance", "unavailable")
+
+    def _end_all(self, message: str, code: str = "internal") -> None:
         """Fail every request in flight and free every slot, each on its own: one that raises (its state is what
         failed) must not end the loop with the others unanswered until the next request restarts it."""
         for request in list(self.requests):
             try:
-                self._fail(request, message, "internal")
+                self._fail(request, message, code)
             except Exception:
                 LOG.exception("request %r: ending it failed", request.id)
                 request.done = True
                 if request in self.requests:
                     self.requests.remove(request)
-                self._send(request, "fail", message, "internal")
+                self._send(request, "fail", message, code)
         for job in list(self.decoder.active):
             try:
                 self.decoder.cancel(job)

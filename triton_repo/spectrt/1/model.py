@@ -454,7 +454,12 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"spectrt: could not send the error response ({e!r}): {message}")
 
     def finalize(self):
-        """Drain: refuse new requests, let in-flight ones finish for up to drain_seconds, end the rest UNAVAILABLE."""
-        self.scheduler.stop(self.drain_seconds)
-        self.metrics.close()
+        """Drain: refuse new requests, let in-flight ones finish for up to drain_seconds, end the rest UNAVAILABLE.
+        A loop still inside a step after that ends its requests itself when the step returns, counting into the
+        metrics as it does: they stay open then (closed under it, its counts would raise)."""
+        if self.scheduler.stop(self.drain_seconds):
+            self.metrics.close()
+        else:
+            pb_utils.Logger.log_error(f"spectrt {self.instance}: the decode loop did not stop: its requests end "
+                                      "when its step returns")
         self.scheduler = self.pipe = None
