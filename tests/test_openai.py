@@ -38,7 +38,7 @@ from spectrt.runtime.serving.openai_api import (
     speculative_metrics,
     upstream_error,
 )
-from spectrt.runtime.serving.openai_frontend import Frontend, Triton
+from spectrt.runtime.serving.openai_frontend import HEALTH_PARAMETER, Frontend, Triton
 from spectrt.runtime.serving.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"
@@ -212,10 +212,12 @@ def test_lone_surrogates_and_top_k_past_int32_are_refused():
 
 
 class _FakeGrpc:
-    """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says."""
+    """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says,
+    `health` the model's answer to its health probe (None: "ok"; "hang": none at all)."""
 
     def __init__(self, max_seconds: float = 300.0):
         self.ready, self.asked, self.max_seconds, self.sent = True, 0, max_seconds, None
+        self.health, self.probes, self.cancelled = None, 0, 0
 
     async def is_model_ready(self, model):
         self.asked += 1
@@ -229,21 +231,38 @@ class _FakeGrpc:
         pass
 
     def stream_infer(self, requests):
-        return _RefusingStream(requests, self)
+        return _FakeStream(requests, self)
 
 
-class _RefusingStream:
-    """One upstream stream: records the request sent on it (`fake.sent`), then the model refuses it."""
+class _Error:
+    def __init__(self, message: str):
+        self.text = message
+
+    def message(self) -> str:
+        return self.text
+
+
+class _FakeStream:
+    """One upstream stream: a health probe gets the fake's `health`; any other request is recorded (`fake.sent`),
+    then the model refuses it."""
 
     def __init__(self, requests, fake):
         self.requests, self.fake = requests, fake
 
     async def __anext__(self):
-        self.fake.sent = await self.requests.__anext__()
-        return None, type("Error", (), {"message": lambda self: "invalid request: refused by the fake"})()
+        import asyncio
+
+        request = await self.requests.__anext__()
+        if (request.get("parameters") or {}).get(HEALTH_PARAMETER) is True:
+            self.fake.probes += 1
+            if self.fake.health == "hang":
+                await asyncio.Event().wait()
+            return (object(), None) if self.fake.health is None else (None, _Error(self.fake.health))
+        self.fake.sent = request
+        return None, _Error("invalid request: refused by the fake")
 
     def cancel(self):
-        pass
+        self.fake.cancelled += 1
 
 
 FRONTEND = web.AppKey("frontend", Frontend)
@@ -322,6 +341,44 @@ def test_health_follows_the_model_not_its_first_ready():
 
     statuses, asked, retry, code = _frontend(calls)
     assert statuses == [200, 200, 503, 503, 200] and asked == 1 and retry == "1" and code == "not_ready"
+
+
+@pytest.mark.unit
+def test_health_is_503_naming_a_wedged_decode_loop(monkeypatch):
+    """The model READY in Triton but its decode loop wedged: /health, and every route that needs the model, is 503
+    with the model's own reason (its health probe, sent with each readiness check: at most a second apart), 200 again
+    once the loop advances; a probe the model does not answer at all is 503 too, and cancelled. Triton's readiness
+    alone kept /health 200 while nothing was decoded."""
+    import spectrt.runtime.serving.openai_frontend as frontend
+
+    monkeypatch.setattr(frontend, "PROBE_SECONDS", 0.05)  # the stuck case's wait
+    stall = "the decode loop has not advanced for 75 s (max_stall_seconds=60) with 2 request(s) waiting or decoding"
+
+    async def calls(client, triton, fake):
+        responses = [await client.get("/health")]
+        fake.health = stall
+        triton.checked -= 2  # the cached answer is older than a second (no waiting on the clock)
+        responses += [await client.get("/health"), await client.get("/v1/models"),
+                      await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi"})]
+        probes = fake.probes
+        fake.health = "hang"
+        triton.checked -= 2
+        responses.append(await client.get("/health"))
+        fake.health = None
+        triton.checked -= 2
+        responses.append(await client.get("/health"))
+        bodies = [await r.json() for r in responses]
+        return ([r.status for r in responses], responses[1].headers.get("Retry-After"), bodies, probes,
+                fake.probes, fake.cancelled, fake.sent)
+
+    statuses, retry, bodies, probes, all_probes, cancelled, sent = _frontend(calls)
+    assert statuses == [200, 503, 503, 503, 503, 200] and retry == "1"
+    assert [b.get("error", {}).get("code") for b in bodies[1:5]] == ["unhealthy"] * 4
+    assert bodies[1]["error"]["message"] == bodies[2]["error"]["message"] == bodies[3]["error"]["message"] == stall
+    assert bodies[4]["error"]["message"] == "the model spectrt did not answer a health probe within 0.05 s"
+    assert bodies[0] == bodies[5] == {"status": "ok"}
+    assert probes == 2 and all_probes == 4 and cancelled == 1  # one probe per check; the stuck one cancelled
+    assert sent is None  # the refused completion never reached the model
 
 
 @pytest.mark.unit
@@ -462,6 +519,28 @@ def test_models_endpoint(client):
     assert client.models.retrieve("spectrt").owned_by == "spectrt"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+def test_the_model_answers_its_health_probe_without_decoding(server):
+    """Over the wire: the model answers the frontend's health probe (gRPC) and the same probe on Triton's HTTP
+    generate endpoint with "ok" while its loop advances, and admits nothing for it."""
+    import asyncio
+
+    async def probe():
+        triton = Triton(server.grpc_url, "spectrt")
+        try:
+            return await triton.probe()
+        finally:
+            await triton.client.close()
+
+    admitted = scrape_metrics(server)["spectrt_requests_admitted_total"]
+    assert asyncio.run(probe()) is None
+    body = json.dumps({"text_input": "", "parameters": {HEALTH_PARAMETER: True}}).encode()
+    request = urllib.request.Request(f"{server.http_url}/v2/models/spectrt/generate", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
+        assert json.loads(answer.read())["text_output"] == "ok"
+    assert scrape_metrics(server)["spectrt_requests_admitted_total"] == admitted
 
 
 def test_greedy_chat_streamed_equals_full_equals_grpc(server, client, tokenizer):

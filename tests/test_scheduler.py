@@ -4,6 +4,7 @@ state, never on the clock."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -621,6 +622,32 @@ class Stuck(Scripted):
         self.entered.set()
         assert self.release.wait(60), "never released (a hang guard)"
         return super().step()
+
+
+@pytest.mark.unit
+def test_health_names_a_loop_that_stopped_advancing_with_requests_in_flight(tokenizer):
+    """The loop stamps every round; `health` is None while it advances or has nothing to do, and says why not once
+    requests are in flight and no round came for max_stall_seconds (here a step that does not return: the thread is
+    alive, so nothing else shows it). No waiting on the clock: the stamp is moved back."""
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    decoder = Stuck({0: [[t] for t in ids]}, max_active=1)
+    sched = Scheduler(decoder, tokenizer, CounterMetrics(), max_stall_seconds=30)
+    stalled = (r"the decode loop has not advanced for \d+ s \(max_stall_seconds=30\) with 1 request\(s\) waiting "
+               r"or decoding$")
+    sched.advanced -= 1000
+    assert sched.health() is None  # nothing to do: an old stamp is no stall
+    sink = Sink()
+    _submit(sched, [_scripted_row(0)], sink)
+    assert re.match(stalled, sched.health())  # handed over, and no loop runs to take it
+    sched.start()
+    assert decoder.entered.wait(60)
+    assert sched.health() is None  # its step began a moment ago
+    sched.advanced -= 31  # that step has now run past the bound
+    assert re.match(stalled, sched.health())
+    decoder.release.set()
+    assert sink.done.wait(60) and sink.finals == 1 and sink.result().text == " one two"
+    assert sched.health() is None
+    sched.stop()
 
 
 @pytest.mark.unit

@@ -1,5 +1,5 @@
 """The serving scheduler: one thread owns the decode loop; queue, admission, fairness, cancellation, deadlines,
-overload, drain and metrics live here, testable in process without tritonserver.
+overload, drain, health and metrics live here, testable in process without tritonserver.
 
 A `Request` is what one client sent: one or more `Row`s (requests.py) and a `Sink` that carries responses
 back (the Triton model implements it over its response sender). The scheduler guarantees that every request gets
@@ -126,13 +126,15 @@ class Scheduler:
     """One thread decoding up to the decoder's `max_active` rows together; `submit` from any thread."""
 
     def __init__(self, decoder: Decoder, tokenizer, metrics: Metrics | None = None, max_queue: int = 64,
-                 max_queue_seconds: float = 30.0, stream_interval: int = 1):
+                 max_queue_seconds: float = 30.0, stream_interval: int = 1, max_stall_seconds: float = 60.0):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
         self.decoder, self.tokenizer = decoder, tokenizer
         self.stream_interval = stream_interval
         self.metrics = metrics or CounterMetrics()
         self.max_queue, self.max_queue_seconds = max_queue, max_queue_seconds
+        self.max_stall_seconds = max_stall_seconds
+        self.advanced = time.monotonic()  # the loop's heartbeat: when it last began a round (`health`)
         self.incoming: queue.Queue[Request] = queue.Queue()
         self.requests: list[Request] = []  # taken in, not done; admission order
         self.reserved = 0  # rows accepted (reserve) and not yet admitted or dropped
@@ -170,6 +172,19 @@ class Scheduler:
     @property
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+    def health(self) -> str | None:
+        """None while the decode loop advances (or has nothing to do), else why not, for a health check to report.
+
+        The loop stamps `advanced` at every round: after a step, or after an idle wait of at most IDLE_WAIT_SECONDS.
+        Requests in flight and no round for `max_stall_seconds` mean it is wedged (a forward or a send that never
+        returns): its thread is alive and Triton's readiness stays up, so only this stamp shows it."""
+        stalled = time.monotonic() - self.advanced
+        pending = len(self.requests) + self.incoming.qsize()
+        if stalled <= self.max_stall_seconds or not pending:
+            return None
+        return (f"the decode loop has not advanced for {stalled:.0f} s (max_stall_seconds="
+                f"{self.max_stall_seconds:g}) with {pending} request(s) waiting or decoding")
 
     def start(self) -> None:
         """Start (or restart after a crash: the requests it held end with an error) the scheduler thread."""
@@ -212,6 +227,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
         while True:
+            self.advanced = time.monotonic()
             if self.stopping and (time.monotonic() >= self.drain_until or not self.requests and self.incoming.empty()):
                 self._end_stopped()
                 return
