@@ -95,12 +95,24 @@ def test_chat_fields_become_model_inputs():
 
 
 @pytest.mark.unit
-def test_stop_strings_the_model_would_refuse_are_matched_here_only():
-    """256 characters pass the API's limit but not the model's (32 tokens, 512 bytes): such a stop string is not
-    sent as a stop word (the model used to refuse the request), only matched on the text."""
+def test_every_stop_string_goes_to_the_model_and_its_validator_takes_the_longest(tokenizer):
+    """Every stop string is sent as a stop word, so the model ends the answer there and counts its tokens itself
+    (those past 32 bytes used to be matched here only: the model went on and usage counted tokens past the stop
+    string). The longest the API accepts (16 strings of 256 four-byte characters) pass the model's validator: one past
+    its token limit is kept for the text match only."""
+    from spectrt.runtime.serving.requests import Limits as ModelLimits
+    from spectrt.runtime.serving.requests import make_row
+
     call = _chat(stop=["日" * 256, "\n", "x" * 33])
-    assert call.stop == ["日" * 256, "\n", "x" * 33] and call.fields["stop_words"] == ["\n"]
-    assert "stop_words" not in _chat(stop="y" * 40).fields
+    assert call.stop == ["日" * 256, "\n", "x" * 33] == call.fields["stop_words"]
+    assert _chat(stop="y" * 40).fields["stop_words"] == ["y" * 40]
+    longest = ["😀" * 255 + chr(0x1F600 + i) for i in range(16)]
+    words = _chat(stop=longest).fields["stop_words"]
+    assert [len(w.encode()) for w in words] == [1024] * 16
+    row = make_row({"text_input": b"hi", "stop_words": [w.encode() for w in words + ["\n"]]}, ModelLimits(),
+                   lambda p, chat: tokenizer.encode(p), lambda w: tokenizer.encode(w, add_special_tokens=False))
+    assert row.stop_strings == words + ["\n"]
+    assert row.job.stop_words == [tokenizer.encode("\n", add_special_tokens=False)]  # the token form: "\n" only
 
 
 @pytest.mark.unit
@@ -596,6 +608,26 @@ def test_a_long_stop_string_is_served(client):
     """A 256-character stop string (768 bytes): the model refused it as a stop word, so the request got 400."""
     full = client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=4, stop=["日" * 256])
     assert full.choices[0].message.content and full.choices[0].finish_reason == "length"
+
+
+def test_usage_at_a_stop_string_counts_up_to_the_token_that_completed_it(client, tokenizer, reference):
+    """A 40-character stop string mid-answer (past 32 bytes the frontend matched it alone and cancelled the model,
+    and usage counted every token of the response it arrived in, those after it too): the model stops on it itself,
+    so usage counts exactly the tokens up to and including the one that completed it, streamed and not, and the
+    answer has its metrics (the model's final response came)."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    _, out, text = _uncached(reference, tokenizer, messages, LIMIT)
+    start = len(text) // 4
+    stop = text[start:start + 40]
+    assert len(stop.encode()) > 32 and text.index(stop) == start, text
+    tokens = next(k for k in range(1, len(out) + 1) if stop in tokenizer.decode(out[:k], skip_special_tokens=True))
+    assert tokens < len(out)  # the answer goes on past it: tokens that must not be counted
+    full = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT, stop=[stop])
+    streamed, reasons, last = _stream_chat(client, messages=messages, max_tokens=LIMIT, stop=[stop])
+    assert full.choices[0].message.content == streamed == text[:start]
+    assert full.choices[0].finish_reason == "stop" and reasons == ["stop"]
+    assert full.usage.completion_tokens == last["usage"]["completion_tokens"] == tokens
+    assert full.model_dump()["metrics"]["speculative_decoding"] and last["metrics"]["speculative_decoding"]
 
 
 def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer):

@@ -435,8 +435,11 @@ class Frontend:
                         raise
                     await response.write(Chunks.error(e))
                     return response
-                # after a stop string the model's final response (its counts and metrics) follows at once when it
-                # stopped on the same words itself (stop_words); more text instead means it goes on: cancel it
+                # after a stop string the model's final response (its counts and metrics) follows at once: it got
+                # every stop string as a stop word and ended the answer there itself, its token count with the token
+                # that completed it. More text instead means a model that goes on (one that predates matching stop
+                # words on its text): cancel it; usage then counts every token of the responses read, so those past
+                # the stop string in the response that completed it too
                 if stopped and not piece.final:
                     break
         finally:
