@@ -38,7 +38,7 @@ from spectrt.runtime.serving.openai_api import (
     speculative_metrics,
     upstream_error,
 )
-from spectrt.runtime.serving.openai_frontend import Frontend, Triton
+from spectrt.runtime.serving.openai_frontend import HEALTH_PARAMETER, Frontend, Triton
 from spectrt.runtime.serving.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"
@@ -95,12 +95,24 @@ def test_chat_fields_become_model_inputs():
 
 
 @pytest.mark.unit
-def test_stop_strings_the_model_would_refuse_are_matched_here_only():
-    """256 characters pass the API's limit but not the model's (32 tokens, 512 bytes): such a stop string is not
-    sent as a stop word (the model used to refuse the request), only matched on the text."""
+def test_every_stop_string_goes_to_the_model_and_its_validator_takes_the_longest(tokenizer):
+    """Every stop string is sent as a stop word, so the model ends the answer there and counts its tokens itself
+    (those past 32 bytes used to be matched here only: the model went on and usage counted tokens past the stop
+    string). The longest the API accepts (16 strings of 256 four-byte characters) pass the model's validator: one past
+    its token limit is kept for the text match only."""
+    from spectrt.runtime.serving.requests import Limits as ModelLimits
+    from spectrt.runtime.serving.requests import make_row
+
     call = _chat(stop=["日" * 256, "\n", "x" * 33])
-    assert call.stop == ["日" * 256, "\n", "x" * 33] and call.fields["stop_words"] == ["\n"]
-    assert "stop_words" not in _chat(stop="y" * 40).fields
+    assert call.stop == ["日" * 256, "\n", "x" * 33] == call.fields["stop_words"]
+    assert _chat(stop="y" * 40).fields["stop_words"] == ["y" * 40]
+    longest = ["😀" * 255 + chr(0x1F600 + i) for i in range(16)]
+    words = _chat(stop=longest).fields["stop_words"]
+    assert [len(w.encode()) for w in words] == [1024] * 16
+    row = make_row({"text_input": b"hi", "stop_words": [w.encode() for w in words + ["\n"]]}, ModelLimits(),
+                   lambda p, chat: tokenizer.encode(p), lambda w: tokenizer.encode(w, add_special_tokens=False))
+    assert row.stop_strings == words + ["\n"]
+    assert row.job.stop_words == [tokenizer.encode("\n", add_special_tokens=False)]  # the token form: "\n" only
 
 
 @pytest.mark.unit
@@ -212,10 +224,12 @@ def test_lone_surrogates_and_top_k_past_int32_are_refused():
 
 
 class _FakeGrpc:
-    """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says."""
+    """The tritonclient.grpc.aio calls the frontend makes outside a generation; `ready` is what Triton says,
+    `health` the model's answer to its health probe (None: "ok"; "hang": none at all)."""
 
     def __init__(self, max_seconds: float = 300.0):
         self.ready, self.asked, self.max_seconds, self.sent = True, 0, max_seconds, None
+        self.health, self.probes, self.cancelled = None, 0, 0
 
     async def is_model_ready(self, model):
         self.asked += 1
@@ -229,21 +243,38 @@ class _FakeGrpc:
         pass
 
     def stream_infer(self, requests):
-        return _RefusingStream(requests, self)
+        return _FakeStream(requests, self)
 
 
-class _RefusingStream:
-    """One upstream stream: records the request sent on it (`fake.sent`), then the model refuses it."""
+class _Error:
+    def __init__(self, message: str):
+        self.text = message
+
+    def message(self) -> str:
+        return self.text
+
+
+class _FakeStream:
+    """One upstream stream: a health probe gets the fake's `health`; any other request is recorded (`fake.sent`),
+    then the model refuses it."""
 
     def __init__(self, requests, fake):
         self.requests, self.fake = requests, fake
 
     async def __anext__(self):
-        self.fake.sent = await self.requests.__anext__()
-        return None, type("Error", (), {"message": lambda self: "invalid request: refused by the fake"})()
+        import asyncio
+
+        request = await self.requests.__anext__()
+        if (request.get("parameters") or {}).get(HEALTH_PARAMETER) is True:
+            self.fake.probes += 1
+            if self.fake.health == "hang":
+                await asyncio.Event().wait()
+            return (object(), None) if self.fake.health is None else (None, _Error(self.fake.health))
+        self.fake.sent = request
+        return None, _Error("invalid request: refused by the fake")
 
     def cancel(self):
-        pass
+        self.fake.cancelled += 1
 
 
 FRONTEND = web.AppKey("frontend", Frontend)
@@ -322,6 +353,44 @@ def test_health_follows_the_model_not_its_first_ready():
 
     statuses, asked, retry, code = _frontend(calls)
     assert statuses == [200, 200, 503, 503, 200] and asked == 1 and retry == "1" and code == "not_ready"
+
+
+@pytest.mark.unit
+def test_health_is_503_naming_a_wedged_decode_loop(monkeypatch):
+    """The model READY in Triton but its decode loop wedged: /health, and every route that needs the model, is 503
+    with the model's own reason (its health probe, sent with each readiness check: at most a second apart), 200 again
+    once the loop advances; a probe the model does not answer at all is 503 too, and cancelled. Triton's readiness
+    alone kept /health 200 while nothing was decoded."""
+    import spectrt.runtime.serving.openai_frontend as frontend
+
+    monkeypatch.setattr(frontend, "PROBE_SECONDS", 0.05)  # the stuck case's wait
+    stall = "the decode loop has not advanced for 75 s (max_stall_seconds=60) with 2 request(s) waiting or decoding"
+
+    async def calls(client, triton, fake):
+        responses = [await client.get("/health")]
+        fake.health = stall
+        triton.checked -= 2  # the cached answer is older than a second (no waiting on the clock)
+        responses += [await client.get("/health"), await client.get("/v1/models"),
+                      await client.post("/v1/completions", json={"model": "spectrt", "prompt": "hi"})]
+        probes = fake.probes
+        fake.health = "hang"
+        triton.checked -= 2
+        responses.append(await client.get("/health"))
+        fake.health = None
+        triton.checked -= 2
+        responses.append(await client.get("/health"))
+        bodies = [await r.json() for r in responses]
+        return ([r.status for r in responses], responses[1].headers.get("Retry-After"), bodies, probes,
+                fake.probes, fake.cancelled, fake.sent)
+
+    statuses, retry, bodies, probes, all_probes, cancelled, sent = _frontend(calls)
+    assert statuses == [200, 503, 503, 503, 503, 200] and retry == "1"
+    assert [b.get("error", {}).get("code") for b in bodies[1:5]] == ["unhealthy"] * 4
+    assert bodies[1]["error"]["message"] == bodies[2]["error"]["message"] == bodies[3]["error"]["message"] == stall
+    assert bodies[4]["error"]["message"] == "the model spectrt did not answer a health probe within 0.05 s"
+    assert bodies[0] == bodies[5] == {"status": "ok"}
+    assert probes == 2 and all_probes == 4 and cancelled == 1  # one probe per check; the stuck one cancelled
+    assert sent is None  # the refused completion never reached the model
 
 
 @pytest.mark.unit
@@ -464,6 +533,28 @@ def test_models_endpoint(client):
         client.models.retrieve("gpt-4o")
 
 
+def test_the_model_answers_its_health_probe_without_decoding(server):
+    """Over the wire: the model answers the frontend's health probe (gRPC) and the same probe on Triton's HTTP
+    generate endpoint with "ok" while its loop advances, and admits nothing for it."""
+    import asyncio
+
+    async def probe():
+        triton = Triton(server.grpc_url, "spectrt")
+        try:
+            return await triton.probe()
+        finally:
+            await triton.client.close()
+
+    admitted = scrape_metrics(server)["spectrt_requests_admitted_total"]
+    assert asyncio.run(probe()) is None
+    body = json.dumps({"text_input": "", "parameters": {HEALTH_PARAMETER: True}}).encode()
+    request = urllib.request.Request(f"{server.http_url}/v2/models/spectrt/generate", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
+        assert json.loads(answer.read())["text_output"] == "ok"
+    assert scrape_metrics(server)["spectrt_requests_admitted_total"] == admitted
+
+
 def test_greedy_chat_streamed_equals_full_equals_grpc(server, client, tokenizer):
     messages = [{"role": "user", "content": "Name three colors."}]
     full = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT)
@@ -517,6 +608,26 @@ def test_a_long_stop_string_is_served(client):
     """A 256-character stop string (768 bytes): the model refused it as a stop word, so the request got 400."""
     full = client.chat.completions.create(model="spectrt", messages=CHAT, max_tokens=4, stop=["日" * 256])
     assert full.choices[0].message.content and full.choices[0].finish_reason == "length"
+
+
+def test_usage_at_a_stop_string_counts_up_to_the_token_that_completed_it(client, tokenizer, reference):
+    """A 40-character stop string mid-answer (past 32 bytes the frontend matched it alone and cancelled the model,
+    and usage counted every token of the response it arrived in, those after it too): the model stops on it itself,
+    so usage counts exactly the tokens up to and including the one that completed it, streamed and not, and the
+    answer has its metrics (the model's final response came)."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    _, out, text = _uncached(reference, tokenizer, messages, LIMIT)
+    start = len(text) // 4
+    stop = text[start:start + 40]
+    assert len(stop.encode()) > 32 and text.index(stop) == start, text
+    tokens = next(k for k in range(1, len(out) + 1) if stop in tokenizer.decode(out[:k], skip_special_tokens=True))
+    assert tokens < len(out)  # the answer goes on past it: tokens that must not be counted
+    full = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT, stop=[stop])
+    streamed, reasons, last = _stream_chat(client, messages=messages, max_tokens=LIMIT, stop=[stop])
+    assert full.choices[0].message.content == streamed == text[:start]
+    assert full.choices[0].finish_reason == "stop" and reasons == ["stop"]
+    assert full.usage.completion_tokens == last["usage"]["completion_tokens"] == tokens
+    assert full.model_dump()["metrics"]["speculative_decoding"] and last["metrics"]["speculative_decoding"]
 
 
 def test_completions_streamed_equals_full_equals_grpc(server, client, tokenizer):

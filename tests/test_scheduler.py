@@ -4,6 +4,7 @@ state, never on the clock."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -608,6 +609,77 @@ def test_sixteen_streams_with_failing_sends_lose_no_final_response_and_cross_no_
         else:
             assert sink.events[-1][0] in ("fail", "close")
     assert sched.reserved == 0 and not sched.requests and not sched.decoder.active
+
+
+class Stuck(Scripted):
+    """A scripted decoder whose steps wait for `release` (a forward that takes long); `entered`: a step began."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self):
+        self.entered.set()
+        assert self.release.wait(60), "never released (a hang guard)"
+        return super().step()
+
+
+@pytest.mark.unit
+def test_health_names_a_loop_that_stopped_advancing_with_requests_in_flight(tokenizer):
+    """The loop stamps every round; `health` is None while it advances or has nothing to do, and says why not once
+    requests are in flight and no round came for max_stall_seconds (here a step that does not return: the thread is
+    alive, so nothing else shows it). No waiting on the clock: the stamp is moved back."""
+    ids = tokenizer.encode(" one two", add_special_tokens=False)
+    decoder = Stuck({0: [[t] for t in ids]}, max_active=1)
+    sched = Scheduler(decoder, tokenizer, CounterMetrics(), max_stall_seconds=30)
+    stalled = (r"the decode loop has not advanced for \d+ s \(max_stall_seconds=30\) with 1 request\(s\) waiting "
+               r"or decoding$")
+    sched.advanced -= 1000
+    assert sched.health() is None  # nothing to do: an old stamp is no stall
+    sink = Sink()
+    _submit(sched, [_scripted_row(0)], sink)
+    assert re.match(stalled, sched.health())  # handed over, and no loop runs to take it
+    sched.start()
+    assert decoder.entered.wait(60)
+    assert sched.health() is None  # its step began a moment ago
+    sched.advanced -= 31  # that step has now run past the bound
+    assert re.match(stalled, sched.health())
+    decoder.release.set()
+    assert sink.done.wait(60) and sink.finals == 1 and sink.result().text == " one two"
+    assert sched.health() is None
+    sched.stop()
+
+
+@pytest.mark.unit
+def test_a_stop_whose_loop_is_still_in_a_step_leaves_its_state_to_the_loop(tokenizer):
+    """The loop is inside a step past the drain and the grace: `stop` returns False and touches nothing the loop
+    owns (no response is sent from the stopping thread, the requests and the slot stay as they are: ending them from
+    there raced the step). When the step returns the loop itself ends every request, the one handed over after
+    the stop too, with exactly one "stopping" response each, and exits."""
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    decoder = Stuck({k: [[t] for t in ids] for k in range(3)}, max_active=1)
+    sched = Scheduler(decoder, tokenizer, CounterMetrics())
+    decoding, waiting, late = Sink(), Sink(), Sink()
+    _submit(sched, [_scripted_row(0)], decoding)
+    _submit(sched, [_scripted_row(1)], waiting)  # one slot: it waits
+    sched.reserve(1)  # a request accepted before the stop, handed over after it
+    sched.start()
+    assert decoder.entered.wait(60)
+    assert sched.stop(drain_seconds=0.0, grace_seconds=0.05) is False
+    assert decoding.finals == waiting.finals == 0 and decoding.events == [] == waiting.events
+    assert len(sched.requests) == 2 and [j.prompt_ids[0] for j in decoder.active] == [0] and sched.alive
+    with pytest.raises(Overloaded, match="stopping"):
+        sched.reserve(1)
+    sched.submit(Request([_scripted_row(2)], late))
+    decoder.release.set()
+    sched.thread.join(60)
+    assert not sched.alive
+    assert [s.finals for s in (decoding, waiting, late)] == [1, 1, 1]
+    assert all(s.events[-1][:2] == ("fail", "unavailable") and "stopping" in s.events[-1][2]
+               for s in (decoding, waiting, late))
+    assert decoding.texts[0] == " one"  # the step it was in finished and was streamed first
+    assert not sched.requests and not decoder.active and sched.reserved == 0
+    assert sched.stop() is True  # the loop is gone: a second stop has nothing left to end
 
 
 @pytest.mark.unit

@@ -5,8 +5,8 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
 
 - honoured: `model` (must be the served name), `messages` (system/developer/user/assistant turns, text content),
   `prompt` (one string), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (strings:
-  the text ends before the first one; those of up to 32 bytes also go to the model as `stop_words` so it usually
-  stops at once), `n` (1),
+  the text ends before the first one; each also goes to the model as a stop word, so the model ends the answer
+  there itself and counts its tokens), `n` (1),
   `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens`, `ignore_eos`; the spectrt
   extension `tree` (per-request token tree, e.g. "2,1" or "none").
 - accepted at their no-op values only, refused otherwise: `logit_bias` ({}), `logprobs` (false/null),
@@ -18,9 +18,10 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
 
 Responses carry `usage` (prompt tokens = the model's `num_input_tokens`, chat template included; completion tokens =
-the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted;
+the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted, and at a stop string
+the tokens up to and including the one that completed it, none after it;
 `prompt_tokens_details.cached_tokens` = the model's `num_cached_tokens`, prompt tokens read from its prefix cache,
-0 when the answer ended at a stop string before the model's final response), `finish_reason`
+0 when the frontend ended the answer at a stop string before the model's final response), `finish_reason`
 ("stop": end-of-sequence or a stop string; "length": `max_tokens` or the context) and vLLM's per-request
 `metrics.speculative_decoding` block (non-streaming: in the body; streaming: in the usage chunk).
 """
@@ -44,10 +45,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream
           "min_tokens", "ignore_eos", "tree"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_FIELDS = COMMON | {"prompt"}
-MAX_STOPS, MAX_STOP_CHARS = 16, 256
-# stop strings sent on to the model as stop_words: within its word limits (32 tokens, 512 bytes) whatever the
-# tokenizer (no token has less than a byte); a longer one is matched on the text here only, and the model cancelled
-MODEL_STOP_BYTES = 32
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
 SEED_MODULUS = 1 << 64  # the model's seed input is UINT64
 MAX_TOP_K = (1 << 31) - 1  # the model's top_k input is INT32
 
@@ -216,9 +214,8 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None, max
     if ignore_eos or min_tokens:  # end-of-sequence is masked until min_length tokens: ignore_eos = all of them
         fields["min_length"] = fields["max_tokens"] if ignore_eos else min_tokens
     stops = _stops(body)
-    words = [s for s in stops if len(s.encode("utf-8")) <= MODEL_STOP_BYTES]
-    if words:
-        fields["stop_words"] = words
+    if stops:  # the model stops on them itself: the tokens it counts end with the one that completed the stop string
+        fields["stop_words"] = stops
     return fields, stream, include_usage, stops
 
 

@@ -3,10 +3,11 @@
     client --HTTP/SSE--> this frontend (aiohttp) --gRPC stream (tritonclient.grpc.aio)--> tritonserver: spectrt
 
 Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`, `POST /v1/completions`, `GET /health`
-(200 while the model can serve, else 503). Each request becomes one request on its own Triton gRPC stream,
-always streamed upstream (so a stop string can end it early and streamed and non-streamed answers are assembled
-from the same deltas); the rules that map bodies to model inputs and responses to OpenAI JSON are in
-`openai_api.py`. The frontend holds only the target's tokenizer, to apply its chat template to `messages`.
+(200 while the model can serve, else 503: not ready in Triton, or its decode loop wedged: `Triton.ready`). Each
+request becomes one request on its own Triton gRPC stream, always streamed upstream (so a stop string can end it
+early and streamed and non-streamed answers are assembled from the same deltas); the rules that map bodies to
+model inputs and responses to OpenAI JSON are in `openai_api.py`. The frontend holds only the target's tokenizer,
+to apply its chat template to `messages`.
 
 - A client that disconnects (stream or not) cancels its handler (aiohttp handler_cancellation), which cancels the
   gRPC stream; the model sees the cancellation and frees the slot within a step.
@@ -63,6 +64,8 @@ LOG = logging.getLogger("spectrt.openai")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 8 << 20
 READY_CACHE_SECONDS = 1.0  # how long Triton's answer to "is the model ready?" is reused (health checks come often)
+HEALTH_PARAMETER = "spectrt_health"  # the model's health probe: a request with this parameter (its `_probe`)
+PROBE_SECONDS = 5.0  # a health probe the model has not answered by then: its instance is stuck as a whole
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
@@ -111,31 +114,66 @@ class Triton:
         self.client = grpcaio.InferenceServerClient(url)
         self.model = model
         self.limits: Limits | None = None
-        self.up, self.checked = False, -math.inf  # Triton's last answer and when it was asked
+        self.checked = -math.inf  # when the model was last asked whether it can serve
+        self.trouble: tuple[str, str] | None = ("not asked yet", "not_ready")  # why not: (message, error code)
+        self.asking = asyncio.Lock()  # one check at a time: callers that waited read its answer
 
     async def ready(self) -> bool:
-        """Is the model ready to serve now (unloaded, reloading or its stub dead: no)? Triton is asked at most every
-        READY_CACHE_SECONDS; the first time it is ready, its limits are read from its config."""
-        if time.monotonic() - self.checked < READY_CACHE_SECONDS:
-            return self.up
+        """Can the model serve now? Asked at most every READY_CACHE_SECONDS; the first time it is ready, its limits
+        are read from its config. Two questions: Triton's readiness (unloaded, reloading or its stub dead: no), then
+        the model's health probe (`probe`), since a wedged decode loop leaves the model READY."""
+        async with self.asking:
+            if time.monotonic() - self.checked < READY_CACHE_SECONDS:
+                return self.trouble is None
+            trouble = (f"the model {self.model} is not ready: retry shortly", "not_ready")
+            try:
+                if await self.client.is_model_ready(self.model):
+                    if self.limits is None:
+                        config = (await self.client.get_model_config(self.model, as_json=True))["config"]
+                        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+                        limit = int(params.get("max_tokens_limit") or 1024)
+                        self.limits = Limits(limit, min(int(params.get("default_max_tokens") or 128), limit),
+                                             int(params.get("max_seq_len") or 2048),
+                                             float(params.get("max_request_seconds") or 300.0))
+                    reason = await self.probe()
+                    trouble = None if reason is None else (reason, "unhealthy")
+            except InferenceServerException:
+                pass
+            self.trouble, self.checked = trouble, time.monotonic()
+            return trouble is None
+
+    async def probe(self) -> str | None:
+        """None if the model's decode loop advances, else why not: the model's answer to a health probe (a request
+        with the parameter HEALTH_PARAMETER, answered at once by its `execute`, which runs beside the loop, and never
+        decoded), or that no answer came within PROBE_SECONDS. Why a request: Triton's readiness cannot see the loop
+        (the model's `_probe` says why), and this frontend reaches the model only through Triton's gRPC API."""
+        answered = asyncio.Event()
+        inputs = grpc_inputs({"text_input": ""})
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": "spectrt-health-probe",
+                   "parameters": {HEALTH_PARAMETER: True}}
+            await answered.wait()  # our half of the stream stays open until the answer
+
+        responses = self.client.stream_infer(requests())
         try:
-            up = await self.client.is_model_ready(self.model)
-            if up and self.limits is None:
-                config = (await self.client.get_model_config(self.model, as_json=True))["config"]
-                params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-                limit = int(params.get("max_tokens_limit") or 1024)
-                self.limits = Limits(limit, min(int(params.get("default_max_tokens") or 128), limit),
-                                     int(params.get("max_seq_len") or 2048),
-                                     float(params.get("max_request_seconds") or 300.0))
-        except InferenceServerException:
-            up = False
-        self.up, self.checked = bool(up), time.monotonic()
-        return self.up
+            _, error = await asyncio.wait_for(responses.__anext__(), PROBE_SECONDS)
+        except asyncio.TimeoutError:
+            responses.cancel()
+            return f"the model {self.model} did not answer a health probe within {PROBE_SECONDS:g} s"
+        except StopAsyncIteration:
+            return "Triton is unavailable: the health probe's stream ended without an answer"
+        except grpc.RpcError as e:
+            return f"Triton is unavailable: {e.details() if hasattr(e, 'details') else e}"
+        finally:
+            answered.set()
+        return None if error is None else error.message()
 
     async def require(self) -> Limits:
-        """The model's limits, once it is ready to serve now (else 503)."""
+        """The model's limits, once it can serve now (else 503 saying why not)."""
         if not await self.ready():
-            raise ApiError(503, f"the model {self.model} is not ready: retry shortly", None, "not_ready")
+            message, code = self.trouble
+            raise ApiError(503, message, None, code)
         return self.limits
 
     async def generate(self, fields: dict, request_id: str) -> AsyncIterator[Piece]:
@@ -302,7 +340,8 @@ class Frontend:
         return await handler(request)
 
     async def health(self, _request: web.Request) -> web.Response:
-        """200 only while the model can serve (asked of Triton, at most a second old), else 503."""
+        """200 only while the model can serve (Triton's readiness, then the model's health probe: `Triton.ready`, at
+        most a second old), else 503 saying why not."""
         await self.triton.require()
         return web.json_response({"status": "ok"})
 
@@ -396,8 +435,11 @@ class Frontend:
                         raise
                     await response.write(Chunks.error(e))
                     return response
-                # after a stop string the model's final response (its counts and metrics) follows at once when it
-                # stopped on the same words itself (stop_words); more text instead means it goes on: cancel it
+                # after a stop string the model's final response (its counts and metrics) follows at once: it got
+                # every stop string as a stop word and ended the answer there itself, its token count with the token
+                # that completed it. More text instead means a model that goes on (one that predates matching stop
+                # words on its text): cancel it; usage then counts every token of the responses read, so those past
+                # the stop string in the response that completed it too
                 if stopped and not piece.final:
                     break
         finally:

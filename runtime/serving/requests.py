@@ -44,6 +44,10 @@ class Limits:
     max_request_cost: int = 16384  # tree nodes x max_tokens
     max_words: int = 64  # stop_words / bad_words per row
     max_word_tokens: int = 32
+    # a stop word's bytes: one past max_word_tokens tokens is matched on the text alone (as every stop word also is),
+    # so its length only costs a text search per step; 1024 takes any OpenAI `stop` the frontend accepts (256
+    # characters of up to 4 bytes), which it forwards so the model ends the answer and counts its tokens itself
+    max_stop_bytes: int = 1024
     max_prompt_bytes: int = 1 << 20
     max_request_seconds: float = 300.0  # server-side deadline of one request
     speculation: bool = True  # a draft or suffix candidates exist: a tree may be served
@@ -132,7 +136,9 @@ def parse_words(values, name: str, limits: Limits) -> list[str]:
         raise RequestError(f"{name} has {len(values)} words, more than {limits.max_words}: send fewer")
     words = []
     for value in values:
-        if len(value) > limits.max_word_bytes:
+        if name == "stop_words" and len(value) > limits.max_stop_bytes:
+            raise RequestError(f"a word of {name} is {len(value)} bytes, more than {limits.max_stop_bytes}")
+        if name != "stop_words" and len(value) > limits.max_word_bytes:
             raise RequestError(f"a word of {name} is {len(value)} bytes, longer than {limits.max_word_tokens} tokens")
         word = _text(value, name)
         if word:
@@ -197,6 +203,8 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
         for w in values:
             ids = encode_word(w)
             if len(ids) > limits.max_word_tokens:
+                if name == "stop_words":  # matched on the text alone (Row.stop_strings)
+                    continue
                 raise RequestError(f"a word of {name} is {len(ids)} tokens, more than {limits.max_word_tokens}")
             if ids:
                 token_words[name].append(ids)

@@ -1,5 +1,5 @@
 """The serving scheduler: one thread owns the decode loop; queue, admission, fairness, cancellation, deadlines,
-overload, drain and metrics live here, testable in process without tritonserver.
+overload, drain, health and metrics live here, testable in process without tritonserver.
 
 A `Request` is what one client sent: one or more `Row`s (requests.py) and a `Sink` that carries responses
 back (the Triton model implements it over its response sender). The scheduler guarantees that every request gets
@@ -126,13 +126,15 @@ class Scheduler:
     """One thread decoding up to the decoder's `max_active` rows together; `submit` from any thread."""
 
     def __init__(self, decoder: Decoder, tokenizer, metrics: Metrics | None = None, max_queue: int = 64,
-                 max_queue_seconds: float = 30.0, stream_interval: int = 1):
+                 max_queue_seconds: float = 30.0, stream_interval: int = 1, max_stall_seconds: float = 60.0):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1 token, got {stream_interval}")
         self.decoder, self.tokenizer = decoder, tokenizer
         self.stream_interval = stream_interval
         self.metrics = metrics or CounterMetrics()
         self.max_queue, self.max_queue_seconds = max_queue, max_queue_seconds
+        self.max_stall_seconds = max_stall_seconds
+        self.advanced = time.monotonic()  # the loop's heartbeat: when it last began a round (`health`)
         self.incoming: queue.Queue[Request] = queue.Queue()
         self.requests: list[Request] = []  # taken in, not done; admission order
         self.reserved = 0  # rows accepted (reserve) and not yet admitted or dropped
@@ -171,6 +173,19 @@ class Scheduler:
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
+    def health(self) -> str | None:
+        """None while the decode loop advances (or has nothing to do), else why not, for a health check to report.
+
+        The loop stamps `advanced` at every round: after a step, or after an idle wait of at most IDLE_WAIT_SECONDS.
+        Requests in flight and no round for `max_stall_seconds` mean it is wedged (a forward or a send that never
+        returns): its thread is alive and Triton's readiness stays up, so only this stamp shows it."""
+        stalled = time.monotonic() - self.advanced
+        pending = len(self.requests) + self.incoming.qsize()
+        if stalled <= self.max_stall_seconds or not pending:
+            return None
+        return (f"the decode loop has not advanced for {stalled:.0f} s (max_stall_seconds="
+                f"{self.max_stall_seconds:g}) with {pending} request(s) waiting or decoding")
+
     def start(self) -> None:
         """Start (or restart after a crash: the requests it held end with an error) the scheduler thread."""
         if self.alive:
@@ -190,23 +205,31 @@ class Scheduler:
         self.thread = threading.current_thread()
         self._run()
 
-    def stop(self, drain_seconds: float = 0.0) -> None:
+    def stop(self, drain_seconds: float = 0.0, grace_seconds: float = 10.0) -> bool:
         """Refuse new requests, let the ones in flight finish for up to `drain_seconds`, then end the rest with an
-        UNAVAILABLE final response; returns once the thread is gone."""
+        UNAVAILABLE final response. Returns True once the loop is gone; False if it is still inside a step
+        `grace_seconds` after the drain. Then nothing here touches what the loop owns (its requests, the decoder it
+        may be running this moment: ending them from here raced it): the loop ends every request itself when that
+        step returns, so each still gets exactly one final response."""
         with self.lock:
             self.accepting = False
         self.drain_until = time.monotonic() + drain_seconds
         self.stopping = True
         if self.thread is not None:
-            self.thread.join(timeout=drain_seconds + 10)
-        self._take_incoming()
-        for request in list(self.requests):
-            self._fail(request, "the server is stopping: retry on another instance", "unavailable")
+            self.thread.join(timeout=drain_seconds + grace_seconds)
+        if self.alive:
+            LOG.error("the scheduler thread is still in a step %g s after the drain: it ends its %d request(s) "
+                      "when the step returns", grace_seconds, len(self.requests))
+            return False
+        self._end_stopped()  # no loop (never started, or gone): what is left is ours to end
+        return True
 
     # ------------------------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
         while True:
+            self.advanced = time.monotonic()
             if self.stopping and (time.monotonic() >= self.drain_until or not self.requests and self.incoming.empty()):
+                self._end_stopped()
                 return
             try:
                 self.tick()
@@ -214,18 +237,23 @@ class Scheduler:
                 LOG.exception("scheduler step failed; ending the %d request(s) in flight", len(self.requests))
                 self._end_all(f"spectrt failed: {type(e).__name__}: {e}")
 
-    def _end_all(self, message: str) -> None:
+    def _end_stopped(self) -> None:
+        """At a stop, past the drain: every request left, those not taken in yet too, ends as "stopping"."""
+        self._take_incoming()
+        self._end_all("the server is stopping: retry on another instance", "unavailable")
+
+    def _end_all(self, message: str, code: str = "internal") -> None:
         """Fail every request in flight and free every slot, each on its own: one that raises (its state is what
         failed) must not end the loop with the others unanswered until the next request restarts it."""
         for request in list(self.requests):
             try:
-                self._fail(request, message, "internal")
+                self._fail(request, message, code)
             except Exception:
                 LOG.exception("request %r: ending it failed", request.id)
                 request.done = True
                 if request in self.requests:
                     self.requests.remove(request)
-                self._send(request, "fail", message, "internal")
+                self._send(request, "fail", message, code)
         for job in list(self.decoder.active):
             try:
                 self.decoder.cancel(job)

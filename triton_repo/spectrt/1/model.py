@@ -7,7 +7,8 @@ suffix candidates, the tuned policy, one speculation budget across requests). Re
 `TritonSink`; every request ends with exactly one final response. The request schema is tensorrtllm_backend's plus
 spectrt's extensions (runtime/serving/requests.py). Streaming sends each row's text deltas, then a final response
 per row (empty `text_output`, `finish_reason` and, if asked, the perf metrics), the last one flagged final;
-non-streaming sends one final response with every row.
+non-streaming sends one final response with every row. A request with the parameter `spectrt_health: true` is a
+health probe, answered at once and never decoded (`TritonPythonModel._probe`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "deadline": "UN
 # errors do ("overloaded", "the server is stopping", "deadline exceeded", "spectrt failed"), so a client (the OpenAI
 # frontend) tells the model's errors by origin from Triton's own
 INVALID_PREFIX = "invalid request: "
+HEALTH_PARAMETER = "spectrt_health"  # a request parameter: the request is a health probe (`TritonPythonModel._probe`)
 PERF = (("acceptance_rate", np.float32), ("total_accepted_draft_tokens", np.int32), ("total_draft_tokens", np.int32),
         ("target_passes", np.int32), ("output_tokens", np.int32), ("generation_seconds", np.float32))
 COUNTERS = {  # scheduler metric -> (Prometheus name, help)
@@ -328,7 +330,8 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(model_name)
         self.scheduler = Scheduler(decoder, tokenizer, self.metrics, _number(params, "max_queue_size", 64),
                                    _number(params, "max_queue_seconds", 30.0, float),
-                                   _number(params, "stream_interval", STREAM_INTERVAL))
+                                   _number(params, "stream_interval", STREAM_INTERVAL),
+                                   _number(params, "max_stall_seconds", 60.0, float))
         return Loaded(target, draft, backend, dtype, max_seq_len, time.perf_counter() - load_start)
 
     def _path(self, value: str) -> Path:
@@ -421,6 +424,8 @@ class TritonPythonModel:
                 if request.is_cancelled():  # abandoned before we looked at it: no work at all
                     sender.send(flags=FINAL)
                     continue
+                if self._probe(request, sender):
+                    continue
                 if not self.scheduler.alive:  # it died: restart it (what it held got error responses)
                     pb_utils.Logger.log_error(f"spectrt {self.instance}: scheduler thread died, restarting it")
                     self.scheduler.start()
@@ -446,6 +451,26 @@ class TritonPythonModel:
                 self._error(sender, f"spectrt failed: {e}", "internal")
         return None
 
+    def _probe(self, request, sender) -> bool:
+        """Answer a health probe (request parameter `spectrt_health: true`, any `text_input`; False for any other
+        request): a final "ok" while the decode loop advances, else an UNAVAILABLE error saying why not
+        (`Scheduler.health`: requests in flight and no round of the loop for `max_stall_seconds`).
+
+        Why a request: a wedged loop (a forward or a send that never returns) leaves its thread alive and this model
+        READY, and the python backend of tritonserver 2.51 has no hook for a model's own readiness (a stub is ready
+        while its process answers), so Triton's readiness cannot show it; nor can the Prometheus gauges, which the
+        loop itself sets. `execute` runs on the stub's main thread, not the loop's, so it answers while the loop is
+        stuck. The OpenAI frontend sends one with its readiness check (/health)."""
+        if json.loads(request.parameters() or "{}").get(HEALTH_PARAMETER) is not True:
+            return False
+        reason = self.scheduler.health()
+        if reason is not None:
+            self._error(sender, reason, "unavailable")
+        else:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("text_output", np.array([[b"ok"]], dtype=np.object_))]), flags=FINAL)
+        return True
+
     @staticmethod
     def _error(sender, message: str, code: str) -> None:
         try:
@@ -454,7 +479,12 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"spectrt: could not send the error response ({e!r}): {message}")
 
     def finalize(self):
-        """Drain: refuse new requests, let in-flight ones finish for up to drain_seconds, end the rest UNAVAILABLE."""
-        self.scheduler.stop(self.drain_seconds)
-        self.metrics.close()
+        """Drain: refuse new requests, let in-flight ones finish for up to drain_seconds, end the rest UNAVAILABLE.
+        A loop still inside a step after that ends its requests itself when the step returns, counting into the
+        metrics as it does: they stay open then (closed under it, its counts would raise)."""
+        if self.scheduler.stop(self.drain_seconds):
+            self.metrics.close()
+        else:
+            pb_utils.Logger.log_error(f"spectrt {self.instance}: the decode loop did not stop: its requests end "
+                                      "when its step returns")
         self.scheduler = self.pipe = None
