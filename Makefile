@@ -50,7 +50,7 @@ draft: setup  ## the target's draft: the shipped one for the embedded target (in
 # regenerate; `ship answers --greedy` generates only missing ones, ~80 minutes for all). One run of 95 minutes
 # continues the shipped head on the greedy answers to the written prompts and the 34,000 Magpie prompts steered by
 # them (synth-seed2-8: questions as people type them, the held-out style; run 10 trained on seed 2 alone, runs 11-15
-# added seeds 3 to 8). Its teacher forcing and training state stay in artifacts/ship-greedy.work, so running it again
+# added seeds 3 to 8; seed 9's answers ship too, first trained on by the next run). Its teacher forcing and training state stay in artifacts/ship-greedy.work, so running it again
 # (another session) forces only what is missing and resumes training; run 15 found run 14's 28k answers forced there
 # and forced the 6k new ones in 11 minutes (data share 0.2). A machine without that cache needs ~45 minutes of forcing
 # for all 34k on AMX tiles (more elsewhere): a share of 0.2 then forces a representative ~40% subset, --data-share
@@ -66,14 +66,16 @@ ship-draft: setup  ## train the shipped draft further (95 min on 2 cores, resuma
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 6 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 7 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 8 --openers build/prompts/distill.txt
+	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 9 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship answers --greedy --minutes 30 --work-dir artifacts/ship-greedy.work \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
-		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt
+		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt build/prompts/synth-seed9.txt
 	$(BIN)/spectrt draft --kind eagle3 --train --force --greedy-answers --budget-minutes 95 --data-share 0.2 \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
-		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt --out artifacts/ship-greedy \
+		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt build/prompts/synth-seed9.txt \
+		--out artifacts/ship-greedy \
 		--init-from build/drafts/$(EMBEDDED) --lr 4e-4
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-greedy
 
