@@ -344,20 +344,19 @@ class DiskFeatures:
         # mmap: only the rows read are paged in; the mapping ends with the last view of it
         return torch.load(self.path, weights_only=True, mmap=True)[self.index]["features"][key]
 
-    def __len__(self) -> int:
-        return self.shape[0]
+
+def _on_disk(records: list[dict], path: Path) -> list[dict]:
+    """`records` (the contents of cache file `path`, in order) with their features left in that file."""
+    return [{**r, "features": DiskFeatures(path, j, tuple(r["features"].shape), r["features"].dtype)}
+            if "features" in r else r for j, r in enumerate(records)]
 
 
 def _load_lazily(path: Path) -> list[dict]:
     """A cache file's records, their features left on disk (`DiskFeatures`): the rest (token ids, top-k labels,
     ~0.2 KB an answer token) is copied out of the mapping, so nothing keeps the file mapped."""
-    kept = []
-    for j, r in enumerate(torch.load(path, weights_only=True, mmap=True)):
-        rec = {k: v.clone() if isinstance(v, torch.Tensor) and k != "features" else v for k, v in r.items()}
-        if "features" in r:
-            rec["features"] = DiskFeatures(path, j, tuple(r["features"].shape), r["features"].dtype)
-        kept.append(rec)
-    return kept
+    mapped = torch.load(path, weights_only=True, mmap=True)
+    return _on_disk([{k: v.clone() if isinstance(v, torch.Tensor) and k != "features" else v for k, v in r.items()}
+                     for r in mapped], path)
 
 
 def _steady_heap() -> None:
@@ -507,7 +506,7 @@ def teacher_force(
             if cache_dir is not None:  # then its features are read back from there when trained on
                 path = cache_dir / _group_file(records, groups[k])
                 atomic_save(out[first:], path)
-                out[first:] = _load_lazily(path)
+                out[first:] = _on_disk(out[first:], path)
             bar.update(len(groups[k]))
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - t0):.0f}")
     bar.close()

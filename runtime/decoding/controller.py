@@ -230,7 +230,7 @@ class Controller:
         after a long prefill); ignoring it paid 150-token backlogs for the last two steps of a batch (64-row draft
         calls at ~20 ms, bf16)."""
         lag, steady = self.drafter.lag(job.slot, job.ids), 1 + self.policy.depth
-        left = min(job.max_new_tokens, self.max_seq_len - len(job.prompt_ids)) - len(job.out)
+        left = self._room(job) + 1  # tokens the job may still emit
         steps = max(left / (1 + job.draft_gain), 1.0)
         return min(lag, steady) + max(lag - steady, 0) / steps
 
