@@ -425,6 +425,9 @@ def teacher_force(
     answer tokens takes 35-70 minutes on 2 cores, so a run cut short by its deadline or the session keeps its work and
     the next run, with more data or a longer budget, forces only what is new.
     The records returned then leave their features in those files (`DiskFeatures`), so memory does not bound the data.
+    They come in the seeded prompt order whatever was cached (a prompt's cached answers before its new ones), so a
+    training run resumed on the same data sees the same batches: records read from the cache first and forced ones
+    after made a resumed epoch's position point at other batches (length ties batch in record order).
     """
     from spectrt.runtime.engines.kernels import native_unavailable
     from spectrt.runtime.engines.model import Transformer
@@ -442,30 +445,36 @@ def teacher_force(
     model = target
     groups = _prompt_groups(records)
     groups = [groups[i] for i in torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
-    out: list[dict] = []
+    done: dict[tuple[int, int], list[dict]] = {}  # (prompt's place in the seeded order, part) -> its records
+    places = [(k, 0) for k in range(len(groups))]  # where each group still to force goes
     tokens = rows_run = cached = cached_tokens = 0
     if cache_dir is not None:
         settings = f"{_precision(model)}-k{top_k}-f{'.'.join(map(str, feature_layers))}"
         cache_dir = Path(cache_dir) / settings
         cache_dir.mkdir(parents=True, exist_ok=True)
-        missing = []
-        for g in groups:
+        missing, places = [], []
+        for k, g in enumerate(groups):
             # a prompt's earlier answers may be cached as the group they formed before a round was added (the
             # shipped set's 4th round: 0 of 5,461 groups hit by name): its longest cached prefix, then the rest
             m = next((m for m in range(len(g), 0, -1) if (cache_dir / _group_file(records, g[:m])).is_file()), 0)
-            for part in (g[:m], g[m:]):
+            for part_no, part in enumerate((g[:m], g[m:])):
                 path = cache_dir / _group_file(records, part) if part else None
                 if path is None:
                     continue
                 if not path.is_file():
                     missing.append(part)
+                    places.append((k, part_no))
                     continue
-                kept = _load_lazily(path)
-                out += kept
+                kept = done[k, part_no] = _load_lazily(path)
                 cached += len(kept)
                 cached_tokens += sum(len(r["input_ids"]) for r in kept)
         groups = missing
+
+    def in_order() -> list[dict]:
+        return [rec for place in sorted(done) for rec in done[place]]
+
     if not groups:
+        out = in_order()
         return out, _tf_stats(out, records, cached, cached_tokens, 0, 0, time.monotonic() - t0, model,
                               feature_layers)
     segments = [_group_segment(records, g) for g in groups]
@@ -481,7 +490,7 @@ def teacher_force(
     caches = model.new_caches(max(len(c) for c in calls), longest, longest)
     bar = tqdm(total=len(records), initial=cached, desc=desc, unit="answer", disable=not progress)
     for call in calls:
-        if deadline is not None and out and time.monotonic() > deadline:
+        if deadline is not None and done and time.monotonic() > deadline:
             break
         batch = []
         for k, cache in zip(call, caches, strict=False):
@@ -493,7 +502,7 @@ def teacher_force(
             logits, features = model.forward_many(batch), None
         for j, k in enumerate(call):
             rows_run += len(segments[k][0])
-            first = len(out)
+            out = done[places[k]] = []
             for i, rec_rows in zip(groups[k], segments[k][3], strict=True):
                 rec, p = records[i], records[i]["prompt_len"]
                 values, indices = logits[j][rec_rows[p - 1:-1]].float().log_softmax(-1).topk(top_k, dim=-1)
@@ -505,11 +514,12 @@ def teacher_force(
                 tokens += len(rec["input_ids"])
             if cache_dir is not None:  # then its features are read back from there when trained on
                 path = cache_dir / _group_file(records, groups[k])
-                atomic_save(out[first:], path)
-                out[first:] = _on_disk(out[first:], path)
+                atomic_save(out, path)
+                done[places[k]] = _on_disk(out, path)
             bar.update(len(groups[k]))
         bar.set_postfix(tok_s=f"{tokens / (time.monotonic() - t0):.0f}")
     bar.close()
+    out = in_order()
     return out, _tf_stats(out, records, cached, cached_tokens, tokens, rows_run, time.monotonic() - t0, model,
                           feature_layers)
 

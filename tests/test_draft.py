@@ -204,7 +204,9 @@ def test_teacher_forcing_gives_the_targets_view_of_each_answer(tiny, corpora, tm
 
 
 def _assert_same_records(got: list[dict], fresh: list[dict]) -> None:
-    """Every record's teacher view (top-k ids and log-probs, features) equals a fresh forcing's, bitwise."""
+    """Every record's teacher view (top-k ids and log-probs, features) equals a fresh forcing's, bitwise, and the
+    records come in its order whatever was cached (a resumed training run batches them alike)."""
+    assert [r["input_ids"].tolist() for r in got] == [r["input_ids"].tolist() for r in fresh]
     by_ids = {tuple(r["input_ids"].tolist()): r for r in fresh}
     for rec in got:
         want = by_ids[tuple(rec["input_ids"].tolist())]
