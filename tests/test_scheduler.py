@@ -526,6 +526,32 @@ def test_a_stop_string_inside_a_token_cuts_the_text_and_the_tokens_after_it(toke
     assert sched.metrics.counts["tokens"] == 4
 
 
+@pytest.mark.unit
+def test_the_queue_wait_limit_counts_from_the_last_running_row(tokenizer):
+    """One slot. A two-row request whose first row decoded past `max_queue_seconds` gets its second row admitted
+    when the first ends (its slot is free: it was refused as "overloaded" the round the first row ended), while a
+    request that waits that long behind another's row is refused as before."""
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    sched = Scheduler(Scripted({k: [[t] for t in ids] for k in range(3)}, max_active=1), tokenizer, CounterMetrics(),
+                      max_queue_seconds=30)
+    pair, late = Sink(2), Sink()
+    _submit(sched, [_scripted_row(0), _scripted_row(1)], pair)
+    sched.tick()  # takes the request, admits row 0
+    sched.requests[0].arrived -= 40  # row 0 has decoded for 40 s (no waiting on the clock)
+    _drive(sched, [pair])
+    assert pair.finals == 1 and not any(e[0] == "fail" for e in pair.events)
+    assert [pair.result(i).text for i in (0, 1)] == [" one two three"] * 2
+    first = Sink()
+    _submit(sched, [_scripted_row(0)], first)
+    sched.tick()
+    _submit(sched, [_scripted_row(2)], late)
+    sched.tick()  # `late` waits behind `first`'s row
+    next(r for r in sched.requests if r.sink is late).arrived -= 40
+    _drive(sched, [first, late])
+    assert late.events[-1][:2] == ("fail", "unavailable") and "overloaded" in late.events[-1][2]
+    assert first.finals == late.finals == 1 and sched.metrics.counts["overloaded"] == 1
+
+
 class Flaky(Sink):
     """A sink whose calls named in `raises` raise (the client or the transport failed mid-request)."""
 

@@ -113,6 +113,7 @@ class Request:
     remaining: int = 0
     active: int = 0  # rows holding a slot
     waiting: list[int] = field(default_factory=list)  # rows not admitted yet
+    stalled_since: float = 0.0  # when its last running row ended with rows still waiting (the queue-wait limit)
     first_text: float | None = None
     checked: float = 0.0
     done: bool = False
@@ -340,9 +341,13 @@ class Scheduler:
             limit = min(r.timeout for r in request.rows)
             self._fail(request, f"deadline exceeded: the request ran past its {limit:g} s limit (timeout_seconds)",
                        "deadline")
-        elif request.waiting and not request.active and now - request.arrived > self.max_queue_seconds:
+        elif request.waiting and not request.active and \
+                now - max(request.arrived, request.stalled_since) > self.max_queue_seconds:
+            # waited since it arrived or since its last running row ended: a multi-row request whose first row
+            # decoded past the limit was refused as overloaded the round that row ended, with its slot free
+            waited = now - max(request.arrived, request.stalled_since)
             self.metrics.count("overloaded", len(request.waiting))
-            self._fail(request, f"overloaded: waited {now - request.arrived:.1f}s for a decoding slot "
+            self._fail(request, f"overloaded: waited {waited:.1f}s for a decoding slot "
                        f"(max_queue_seconds={self.max_queue_seconds:g}); retry later", "unavailable")
 
     def _admit(self, now: float) -> None:
@@ -422,6 +427,8 @@ class Scheduler:
             return
         request.active -= 1
         request.remaining -= 1
+        if not request.active and request.waiting:
+            request.stalled_since = time.monotonic()
         stream, stats = request.streams[i], job.stats
         rest = "" if stream.stopped else stream.finish()
         if rest:
