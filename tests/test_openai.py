@@ -302,11 +302,13 @@ def _frontend(calls, host: str = "127.0.0.1", api_key: str | None = None, fake: 
 
 @pytest.mark.unit
 def test_cross_site_pages_call_only_from_allowed_origins():
-    """CORS: a page from an allowed origin gets its preflight answered (before the API key: a preflight has none)
-    and its origin on every response, errors included; any other origin gets neither, and without allowed origins
-    (the default) no page elsewhere can call."""
+    """CORS: a page from an allowed origin gets its preflight answered (before the API key: a preflight has none),
+    with every header it asked for granted (the OpenAI JS SDK in a browser sends X-Stainless-* headers; a malformed
+    name is left out), and its origin on every response, errors included; any other origin gets neither, and
+    without allowed origins (the default) no page elsewhere can call."""
     page, other = "http://localhost:3000", "http://evil.example"
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type,x-stainless-lang,x-stainless-os,a b"}
 
     async def calls(client, triton, fake):
         out = []
@@ -321,7 +323,8 @@ def test_cross_site_pages_call_only_from_allowed_origins():
         return out
 
     allowed, denied = _frontend(calls, api_key="s3cret", allowed_origins=(page + "/",))
-    assert allowed == (204, page, "Authorization, Content-Type", 200, page, 401, page)
+    assert allowed == (204, page, "authorization, content-type, x-stainless-lang, x-stainless-os", 200, page, 401,
+                       page)
     # not a granted preflight: the key check refuses it like any other request without the key
     assert denied[0] == 401 and denied[1] is None and denied[3:] == (200, None, 401, None)
 

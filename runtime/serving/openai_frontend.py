@@ -34,6 +34,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -67,6 +68,7 @@ READY_CACHE_SECONDS = 1.0  # how long Triton's answer to "is the model ready?" i
 HEALTH_PARAMETER = "spectrt_health"  # the model's health probe: a request with this parameter (its `_probe`)
 PROBE_SECONDS = 5.0  # a health probe the model has not answered by then: its instance is stuck as a whole
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
 
 
 # --------------------------------------------------------------------------- the Triton side
@@ -298,10 +300,16 @@ class Frontend:
             return None
         if self._allowed(request) is None:
             return None  # routed as any OPTIONS: 405, and the browser refuses the page's request
+        # the headers the page asks for, granted as asked (an allowed origin still needs the API key): the OpenAI JS
+        # SDK in a browser sends X-Stainless-* headers, and a browser refuses a request with any header not granted
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        names = [h.strip() for h in asked.split(",") if h.strip()]
+        granted = ", ".join(h for h in names if HEADER_NAME.fullmatch(h)) or "Authorization, Content-Type"
         return web.Response(status=204, headers={
             "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-            "Access-Control-Allow-Headers": "Authorization, Content-Type",
-            "Access-Control-Max-Age": "600"})
+            "Access-Control-Allow-Headers": granted,
+            "Access-Control-Max-Age": "600",
+            "Vary": "Origin, Access-Control-Request-Headers"})
 
     async def drain(self, _app=None) -> None:
         """At SIGTERM/SIGINT (aiohttp runs this after it stopped listening, before it closes connections): open
