@@ -317,8 +317,10 @@ def test_a_dead_scheduler_thread_is_restarted_and_its_requests_answered(target, 
     sched.thread = threading.Thread(target=lambda: None)
     sched.thread.start()
     sched.thread.join()
+    assert "thread died" in sched.health()  # at once, not after max_stall_seconds
     sched.start()
     assert sched.alive and sched.restarts == 1 and orphan.finals == 1 and orphan.events[-1][1] == "internal"
+    assert sched.health() is None
     fresh = Sink()
     _submit(sched, [_row(encode, tokenizer, max_tokens=4)], fresh)
     assert fresh.done.wait(60) and fresh.finals == 1

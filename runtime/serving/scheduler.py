@@ -179,7 +179,10 @@ class Scheduler:
 
         The loop stamps `advanced` at every round: after a step, or after an idle wait of at most IDLE_WAIT_SECONDS.
         Requests in flight and no round for `max_stall_seconds` mean it is wedged (a forward or a send that never
-        returns): its thread is alive and Triton's readiness stays up, so only this stamp shows it."""
+        returns): its thread is alive and Triton's readiness stays up, so only this stamp shows it. A thread that
+        died says so at once (the model restarts it at its next request or health probe)."""
+        if self.thread is not None and not self.alive and not self.stopping:
+            return "the decode loop's thread died (it restarts at the next request or health probe)"
         stalled = time.monotonic() - self.advanced
         pending = len(self.requests) + self.incoming.qsize()
         if stalled <= self.max_stall_seconds or not pending:

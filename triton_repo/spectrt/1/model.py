@@ -424,11 +424,13 @@ class TritonPythonModel:
                 if request.is_cancelled():  # abandoned before we looked at it: no work at all
                     sender.send(flags=FINAL)
                     continue
-                if self._probe(request, sender):
-                    continue
+                # a health probe restarts a dead loop too: behind the OpenAI frontend, whose readiness sends one, a
+                # dead loop's 503s kept every request (the only restart before) from reaching the model
                 if not self.scheduler.alive:  # it died: restart it (what it held got error responses)
                     pb_utils.Logger.log_error(f"spectrt {self.instance}: scheduler thread died, restarting it")
                     self.scheduler.start()
+                if self._probe(request, sender):
+                    continue
                 text = pb_utils.get_input_tensor_by_name(request, "text_input")
                 rows = 1 if text is None else max(1, text.as_numpy().reshape(-1).shape[0])
                 self.scheduler.reserve(rows)  # backpressure before any parsing or tokenizing
