@@ -280,3 +280,60 @@ def test_a_plain_request_reuses_the_history_though_a_head_is_loaded(tmp_path_fac
     assert out == want and all(c > 10 for _, c in out[1:])
     drafted = with_head.generate(prompt, 12, Tree.parse("2,2,1"))
     assert drafted.stats.cached_tokens == 0 and drafted.token_ids == without.generate(prompt, 12, None).token_ids
+
+
+def _tiny_head(tmp_path_factory):
+    from spectrt.build import eagle3 as B
+    from spectrt.runtime.engines.eagle3 import Eagle3Head
+    from test_draft import make_tiny_target
+    from test_eagle3 import _random_module
+
+    tiny = make_tiny_target(tmp_path_factory.mktemp("tiny") / "target", layers=4)
+    target = Transformer.load(tiny, measure_kernels=False)
+    return target, Eagle3Head.load(B.save_head(_random_module(target), tiny, tmp_path_factory.mktemp("h") / "head",
+                                               (2, 2, 1)), target)
+
+
+def test_a_plain_turn_between_drafting_ones_keeps_the_heads_prefix(tmp_path_factory):
+    """Turns drafted, plain, drafted in one slot: the plain turn takes the slot over and leaves the head's rows and
+    features of the conversation so far as they were (it never writes them), so the third turn reuses the first
+    turn's prompt at least; it used to start the head empty and re-read the whole conversation (0 cached tokens).
+    Answers equal the decoder's without the cache."""
+    target, head = _tiny_head(tmp_path_factory)
+    runs = []
+    for cache in (True, False):
+        decoder, prompt, out = Decoder(target, head, {2}, max_seq_len=256, max_tree_tokens=8, prefix_cache=cache), \
+            [1] + list(range(10, 40)), []
+        for tree in (TREE, None, TREE):
+            result = decoder.generate(prompt, 12, tree)
+            out.append((result.token_ids, result.stats.cached_tokens))
+            prompt = prompt + result.token_ids + [50, 51, 52]
+        runs.append(out)
+    (mine, theirs) = runs
+    assert [o for o, _ in mine] == [o for o, _ in theirs]
+    assert mine[2][1] >= 31 and all(c == 0 for _, c in theirs)
+
+
+def test_a_seeded_sampled_static_tree_draws_alike_whatever_the_cache_holds(tmp_path_factory):
+    """After a plain turn the slot's sliced draft holds none of the conversation: the target reuses only what the
+    draft holds for a seeded sampled static-tree request, so its draft never lags and its steps (and tokens) are
+    those of a decoder without the cache; before, the draft caught up a window a step while those steps decoded
+    plainly and drew other tokens (20 of 20 seeds). An unseeded or greedy request still reuses the whole match."""
+    from spectrt.runtime.decoding.sampling import SamplingParams
+    from test_draft import make_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = Transformer.load(make_tiny_target(root / "target", layers=4), measure_kernels=False)
+    draft = Transformer.load(make_tiny_target(root / "draft", layers=2), measure_kernels=False)
+    prompt = [1] + list(range(10, 40))
+    for seed in range(3):
+        outs = []
+        for cache in (True, False):
+            decoder = Decoder(target, draft, {2}, max_seq_len=128, max_tree_tokens=8, prefix_cache=cache)
+            answer = decoder.generate(prompt, 8, None).token_ids
+            outs.append(decoder.generate(prompt + answer + [50, 51, 52], 16, TREE,
+                                         params=SamplingParams(temperature=1.0, seed=seed)).token_ids)
+        assert outs[0] == outs[1]
+    decoder = Decoder(target, draft, {2}, max_seq_len=128, max_tree_tokens=8)
+    decoder.generate(prompt, 8, None)
+    assert decoder.generate(prompt + answer + [50, 51, 52], 16, TREE).stats.cached_tokens > 30

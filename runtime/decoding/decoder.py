@@ -322,7 +322,11 @@ class Decoder:
             raise RuntimeError("no free slot: wait for a request to finish")
         if self.draft is None and isinstance(job.tree, Tree):
             job.tree = None  # no draft to fill a static tree: the target alone (suffix candidates stay possible)
-        job.slot, cached = self._take_slot(job.prompt_ids, self.drafter is not None and self.controller.drafts(job))
+        drafts = self.drafter is not None and self.controller.drafts(job)
+        # a seeded sampled static tree draws its tokens alike whatever the cache holds: the target reuses only what
+        # the draft holds too (a draft catching up decodes plain steps, which draw otherwise)
+        seeded = drafts and isinstance(job.tree, Tree) and not job.params.greedy and job.params.seed is not None
+        job.slot, cached = self._take_slot(job.prompt_ids, drafts, seeded)
         self.controller.start(job)
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
@@ -335,12 +339,14 @@ class Decoder:
             self.suffix.start(job.slot, job.ids)
         self.active.append(job)
 
-    def _take_slot(self, prompt_ids: list[int], drafts: bool) -> tuple[int, int]:
+    def _take_slot(self, prompt_ids: list[int], drafts: bool, bounded: bool = False) -> tuple[int, int]:
         """(the free slot a new request decodes in, prompt tokens whose KV it already holds), its caches set up;
-        `drafts`: the request reads the draft, whose rows or features of the prefix then bound what the target reuses
-        (`DraftProposer.reuse`); a request that never drafts starts the slot's draft empty and reuses the whole match.
-        Why: bounded by a draft it never reads, a plain request on a server with a draft reused nothing (0 of 43
-        prompt tokens for a repeated prompt, 42 without the draft).
+        `drafts`: the request reads the draft, whose features of the prefix then bound what the target reuses (an
+        EAGLE-3 head; a sliced draft catches up lazily unless `bounded`: `DraftProposer.reuse`); a request that never
+        drafts reuses the whole match and leaves the slot's draft state of it as it was (a plain turn between two
+        drafting ones wiped it: the third re-read the whole conversation). Why: bounded by a draft it never reads, a
+        plain request on a server with a draft reused nothing (0 of 43 prompt tokens for a repeated prompt, 42 without
+        the draft).
 
         The cached prefix is matched on all prompt tokens but the last (that one is the first decode step's root, its
         KV written by that step). The slot holding it is taken over when it is free and nothing of its sequence
@@ -363,9 +369,9 @@ class Decoder:
         try:
             if self.drafter is not None:
                 if drafts:
-                    length = self.drafter.reuse(src, slot, length)
-                else:
-                    self.drafter.reuse(src, slot, 0)  # the slot's draft starts empty: this request never reads it
+                    length = self.drafter.reuse(src, slot, length, bounded)
+                else:  # never read by this request: a slot taken over keeps its draft's prefix, a copy starts empty
+                    self.drafter.reuse(src, slot, length if src == slot else 0)
             if length and src != slot:
                 cache.copy_prefix(self.target_caches[src], length)
         except BaseException:  # the slot goes back empty: a failed admission must not shrink the decoder for good

@@ -129,16 +129,18 @@ class DraftProposer:
         self.caches = engine.new_caches(slots, capacity, window)
         self.buffers = SegmentBuffers(slots, window)  # every draft segment's tokens and positions
 
-    def reuse(self, src: int, dst: int, length: int) -> int:
+    def reuse(self, src: int, dst: int, length: int, bounded: bool = False) -> int:
         """Start slot `dst`'s draft from the rows slot `src` holds of the first `length` tokens of its sequence (the
-        prefix cache: `dst` may be `src`, length 0 starts empty); returns how many target tokens may be reused. Why
-        reuse rather than re-read: the draft would read the whole history again (a window per step, ~1/4 of the
-        target's cost per token for the 4-layer slice) before it can draft the new turn."""
+        prefix cache: `dst` may be `src`, length 0 starts empty); returns how many target tokens may be reused: all
+        of them (the draft catches up on the rest, a window a step), or with `bounded` only those the draft holds (a
+        request whose steps must not depend on the cache: a catching-up draft decodes plain steps). Why reuse rather
+        than re-read: the draft would read the whole history again (a window per step, ~1/4 of the target's cost per
+        token for the 4-layer slice) before it can draft the new turn."""
         cache, keep = self.caches[dst], min(self.caches[src].length, length)
         if keep and src != dst:
             cache.copy_prefix(self.caches[src], keep)
         cache.length = keep
-        return length
+        return keep if bounded else length
 
     def lag(self, slot: int, ids: list[int]) -> int:
         """Tokens of `ids` the slot's draft cache has not read yet."""
@@ -384,10 +386,11 @@ class Eagle3Proposer(DraftProposer):
         self.node_hidden: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.fed_nodes: dict[int, list[int]] = {}  # id(cache) -> the nodes of the segment fed now
 
-    def reuse(self, src: int, dst: int, length: int) -> int:
+    def reuse(self, src: int, dst: int, length: int, bounded: bool = False) -> int:
         """The head's rows of the prefix (row j reads token j + 1: at most length - 1 rows) and the pending target
         features of the prefix; the target reuses only tokens whose features the head still has or holds rows for,
-        because a reused target row is never recomputed and so never yields its features again."""
+        because a reused target row is never recomputed and so never yields its features again (so always
+        `bounded`)."""
         rows = max(min(self.caches[src].length, length - 1), 0)
         base, pending = self.base[src], self._pending(src)
         if rows >= base:  # features of [base, base + len(pending)) are still to be read: keep those of the prefix
