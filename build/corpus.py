@@ -96,8 +96,13 @@ def conv_key(conv: Conversation) -> str:
 
 
 def _encode(tokenizer, conv: Conversation, max_tokens: int) -> list[int]:
-    text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    """A conversation's prompt ids as the runtime makes them (`Pipeline.encode`): the chat template where the target
+    has one, else the turns' text as plain text (a base model)."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer.encode("\n".join(turn["content"] for turn in conv))
     return ids[-max_tokens:]
 
 

@@ -201,13 +201,16 @@ def make_draft(
                                       cache_dir=forced_dir)
     data_stats["teacher_forcing"] = train_tf
     init = None
-    if init_from is not None:  # the vocabulary the head was trained on
+    if init_from is not None:  # the vocabulary the head was trained on (a full-vocabulary head carries no d2t)
         from spectrt.build.eagle3 import load_head_init
 
         init = load_head_init(Path(init_from), target_config, features)
-        vocab_ids = init["d2t"] + torch.arange(len(init["d2t"]))
+        vocab_ids = init["d2t"] + torch.arange(len(init["d2t"])) if "d2t" in init else None
+    elif subset:
+        vocab_ids = _draft_vocab(records, subset, vocab, work_dir / f"vocab-{out_dir.name}-{kind}.pt", fingerprint,
+                                 resume)
     else:
-        vocab_ids = frequent_ids(records, subset, vocab) if subset else None
+        vocab_ids = None
     if kind == "slice":
         train = _train_slice(target, slice_dir, out_dir, layers, records, eval_records, vocab_ids, cfg, deadline,
                              work_dir, resume, max_steps, progress, fingerprint)
@@ -217,6 +220,7 @@ def make_draft(
     untrained, distilled, train_stats, extra_report = train
     report = {
         "target": str(target),
+        "target_fingerprint": fingerprint,  # `spectrt draft` reuses the draft only for this very target
         "kind": kind,
         **extra_report,
         "budget_minutes": budget_minutes,
@@ -236,6 +240,21 @@ def make_draft(
     }
     (out_dir / REPORT_NAME).write_text(json.dumps(report, indent=2))
     return out_dir
+
+
+def _draft_vocab(records: Sequence[dict], subset: int, vocab: int, path: Path, tag: str, resume: bool
+                 ) -> torch.Tensor:
+    """The draft vocabulary: the `subset` ids most frequent in the answers, chosen once per work dir and kept for a
+    resumed run. Why: a rerun of an interrupted run has more answers (it reaches ones the first did not), so another
+    top-K, and its training state was dropped as another draft's: every rerun of a cut run restarted from step 0."""
+    if resume and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("tag") == tag and saved.get("subset") == subset:
+            return saved["ids"]
+    ids = frequent_ids(records, subset, vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"tag": tag, "subset": subset, "ids": ids}, path)
+    return ids
 
 
 def _train_budget(deadline: float, eval_tokens: int) -> float:

@@ -278,7 +278,7 @@ def train_head(
                           progress) if resume else None
     step, epoch, pos = resumed or (0, 0, 0)
     if init is not None and resumed is None:
-        if not torch.equal(init["d2t"], model.d2t):
+        if not torch.equal(init.get("d2t", torch.zeros_like(model.d2t)), model.d2t):  # none: the full vocabulary
             raise ValueError("the starting head's draft vocabulary differs from this run's: pass its draft_ids")
         with torch.no_grad():  # frozen ones too: a head trained with --train-lm-head keeps its LM head rows
             for n, p in params.items():
@@ -448,6 +448,9 @@ def load_head_init(head_dir: Path, target: ModelConfig, feature_layers: Sequence
     if list(layers or ()) != [int(j) for j in feature_layers]:
         raise ValueError(f"--init-from {head_dir}: reads target layers {layers}, this target's head reads "
                          f"{list(feature_layers)}")
+    if config.get("vocab_size") != target.vocab_size:
+        raise ValueError(f"--init-from {head_dir}: made for a vocabulary of {config.get('vocab_size')} ids, this "
+                         f"target has {target.vocab_size}")
     return load_file(weights)
 
 
@@ -463,6 +466,7 @@ def save_head(model: Eagle3Module, target: Path, out_dir: Path, feature_layers: 
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": raw.get("rope_scaling"),
+        "rope_parameters": raw.get("rope_parameters"),  # transformers 5 writes scaled RoPE here only
         "max_position_embeddings": raw.get("max_position_embeddings", 2048), "vocab_size": c.vocab_size,
         "draft_vocab_size": len(model.d2t), "target_hidden_size": model.fc.weight.shape[1] // 3,
         "tie_word_embeddings": False, "torch_dtype": "float32",

@@ -14,7 +14,7 @@ from spectrt.runtime.engines.checkpoint import DEFAULT_ARTIFACTS, CheckpointErro
 
 def cmd_draft(args: argparse.Namespace) -> int:
     from spectrt.build.corpus import HELDOUT_PROMPTS, read_prompts
-    from spectrt.build.draft import install_shipped, installed_current, make_draft
+    from spectrt.build.draft import install_shipped, make_draft
     from spectrt.runtime.decoding.bench import draft_runtime_report
 
     target = resolve_target(args.target, args.artifacts)
@@ -23,10 +23,11 @@ def cmd_draft(args: argparse.Namespace) -> int:
                                            default.with_name(default.name.removesuffix("-draft") + "-eagle3"))
     report_path = out / "draft_report.json"
     if (out / "config.json").is_file() and report_path.is_file() and not args.force:
-        if installed_current(target, out) is not False:
+        if _made_for(target, out, report_path):
             print(f"reusing the draft in {out} (--force rebuilds it)")
             return 0
-        print(f"{out} holds a shipped draft that is not the one shipped now for this target: replacing it")
+        print(f"{out} holds a draft made for another target, or a shipped draft that is not the one shipped now "
+              "for this target: replacing it")
     if not args.train and args.out is None:  # the draft trained once at scale for this very target, if shipped
         try:
             installed = install_shipped(target, default)
@@ -63,6 +64,22 @@ def cmd_draft(args: argparse.Namespace) -> int:
           f"{r['tree']}, {r['speedup_vs_ar']:.2f}x AR tokens/s, draft step {r['draft_to_target_step_cost']:.0%} of a "
           f"target step; budget: {split['training_data']:.0f} s target answers, {split['training']:.0f} s training")
     return 0
+
+
+def _made_for(target: Path, out: Path, report_path: Path) -> bool:
+    """Whether the draft in `out` is this target's: an installed shipped draft the one shipped now, any other made
+    for these weights (its report's fingerprint; older reports: the same checkpoint path). Why: the default draft
+    directory is named after the target directory, so `--target runB/checkpoint-500` reused runA's."""
+    from spectrt.build.corpus import target_fingerprint
+    from spectrt.build.draft import installed_current
+
+    shipped = installed_current(target, out)
+    if shipped is not None:
+        return shipped
+    report = json.loads(report_path.read_text())
+    if report.get("target_fingerprint"):
+        return report["target_fingerprint"] == target_fingerprint(target)
+    return Path(report.get("target", "")).resolve() == Path(target).resolve()
 
 
 def _report_head(target: Path, out: Path, report_path: Path) -> int:

@@ -684,3 +684,129 @@ def test_generated_answers_end_with_their_end_of_sequence_token(tiny, corpora, t
     for answer, n in ends:
         assert (answer[-1] == 2) or n == 48, answer
         assert 2 not in answer[:-1]
+
+
+# ------------------------------------------------------------------------ a user's own target (review, 2026-12-06)
+
+
+def test_a_target_without_a_chat_template_gets_a_draft(tmp_path, corpora):
+    """A base model (no chat template) is prompted with the turns' text, as `Pipeline.encode` prompts it; the draft
+    builder used to fail on the first held-out prompt."""
+    tiny = make_tiny_target(tmp_path / "plain")
+    cfg = json.loads((tiny / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tiny / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tiny / "chat_template.jinja").unlink(missing_ok=True)
+    out = D.make_draft(tiny, tmp_path / "d", layers=1, prompts=corpora[0], heldout=corpora[1], **FAST)
+    assert json.loads((out / D.REPORT_NAME).read_text())["data"]["answers"] > 0
+
+
+def test_a_head_keeps_its_targets_scaled_rope_in_either_config_layout(tmp_path):
+    """transformers 5 writes scaled RoPE under `rope_parameters` only: the head trained with it must load with it
+    (it was written with `rope_scaling` alone, so served with plain RoPE: exact, but its acceptance lost)."""
+    from spectrt.build import eagle3 as B
+    from spectrt.runtime.engines.eagle3 import Eagle3Config
+    from spectrt.runtime.engines.model import ModelConfig
+
+    tiny = make_tiny_target(tmp_path / "t", layers=4)
+    raw = json.loads((tiny / "config.json").read_text())
+    raw.pop("rope_scaling", None)
+    raw["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    (tiny / "config.json").write_text(json.dumps(raw))
+    target = ModelConfig.from_dir(tiny)
+    module = B.Eagle3Module(target, torch.arange(target.vocab_size))
+    served = Eagle3Config.from_dir(B.save_head(module, tiny, tmp_path / "head", (2, 2, 1)), target).model
+    assert target.rope_scaling and served.rope_scaling == module.config.rope_scaling
+
+
+def test_init_from_a_full_vocabulary_head(tmp_path, corpora):
+    """A SpecForge head without `d2t` (the full vocabulary; the runtime loads it) continues like any other (it
+    failed with a bare KeyError after the whole data phase); a head for another vocabulary size is refused."""
+    from spectrt.build import eagle3 as B
+    from spectrt.runtime.engines.model import ModelConfig
+
+    tiny = make_tiny_target(tmp_path / "t", layers=4)
+    target = ModelConfig.from_dir(tiny)
+    head = B.save_head(B.Eagle3Module(target, torch.arange(target.vocab_size)), tiny, tmp_path / "h", (2, 2, 1))
+    state = load_file(head / "model.safetensors")
+    del state["d2t"], state["t2d"]
+    save_file(state, head / "model.safetensors", metadata={"format": "pt"})
+    out = D.make_draft(tiny, tmp_path / "d", kind="eagle3", prompts=corpora[0], heldout=corpora[1], init_from=head,
+                       **{**FAST, "vocab_subset": 0})
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == target.vocab_size
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "vocab_size": target.vocab_size + 1}))
+    with pytest.raises(ValueError, match="vocabulary of"):
+        B.load_head_init(head, target, (2, 2, 1))
+
+
+def test_an_interrupted_head_run_continues_where_it_stopped(tmp_path, monkeypatch):
+    """The same command after an interruption resumes the training state: the draft vocabulary is the one chosen
+    first (a rerun reaches answers the cut run did not, so its own top-K differed, and the state was dropped as
+    another draft's: every rerun of a cut run started at step 0)."""
+    from spectrt.build import eagle3 as B
+
+    lines = _corpus_lines()
+    train, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    train.write_text("\n".join(lines[:-12]) + "\n")
+    held.write_text("\n".join(lines[-12:]) + "\n")
+    tiny = make_tiny_target(tmp_path / "t", layers=4)
+    real_train, real_gen = B.train_head, D.generate_distill_data
+
+    def interrupted(*a, **k):
+        def stop(step, _model):
+            if step == 3:
+                raise KeyboardInterrupt
+        return real_train(*a, **{**k, "on_step": stop})
+
+    def slow_heldout(*a, **k):  # the first run's held-out answers are not cached yet: less time for training data
+        if k.get("eval_set"):
+            import time
+
+            time.sleep(3)
+        return real_gen(*a, **k)
+
+    kw = dict(kind="eagle3", budget_minutes=0.5, prompts=train, heldout=held, progress=False, max_new_tokens=64,
+              vocab_subset=192, samples_per_prompt=2, head_batch_tokens=512, max_steps=6)
+    monkeypatch.setattr(B, "train_head", interrupted)
+    monkeypatch.setattr(D, "generate_distill_data", slow_heldout)
+    with pytest.raises(KeyboardInterrupt):
+        D.make_draft(tiny, tmp_path / "d", **kw)
+    monkeypatch.setattr(B, "train_head", real_train)
+    monkeypatch.setattr(D, "generate_distill_data", real_gen)
+    D.make_draft(tiny, tmp_path / "d", **kw)
+    assert json.loads((tmp_path / "d" / D.REPORT_NAME).read_text())["train"]["resumed_from_step"] == 3
+
+
+def test_spectrt_draft_reuses_a_draft_only_for_its_own_target(tmp_path, monkeypatch, capsys):
+    """The default draft directory is named after the target's: `--target runB/checkpoint-500` reused the draft made
+    for runA/checkpoint-500 (then served with it). A report's fingerprint (older reports: the target's path) says
+    whose it is."""
+    import argparse
+    import shutil
+
+    from spectrt.cli import offline
+
+    a = make_tiny_target(tmp_path / "runA" / "checkpoint-500")
+    b = tmp_path / "runB" / "checkpoint-500"
+    shutil.copytree(a, b)
+    state = load_file(b / "model.safetensors")
+    state["model.layers.0.mlp.down_proj.weight"] *= 1.5
+    save_file(state, b / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "artifacts" / "checkpoint-500-draft"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    made = []
+    monkeypatch.setattr(D, "make_draft", lambda *args, **kw: made.append(1) or out)
+    parser = argparse.ArgumentParser()
+    offline.add_parsers(parser.add_subparsers())
+    for report, rebuilt in (({"target": str(a)}, True), ({"target_fingerprint": C.target_fingerprint(a)}, True),
+                            ({"target_fingerprint": C.target_fingerprint(b)}, False), ({"target": str(b)}, False)):
+        (out / "draft_report.json").write_text(json.dumps(report))
+        made.clear()
+        args = parser.parse_args(["draft", "--target", str(b), "--artifacts", str(tmp_path / "artifacts"), "--train"])
+        try:
+            args.func(args)
+        except Exception:  # the stubbed draft has no report to read: only whether one was made counts here
+            pass
+        assert bool(made) == rebuilt, (report, capsys.readouterr().out)
