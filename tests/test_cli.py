@@ -138,6 +138,30 @@ def test_one_resolver_reads_target_and_draft(target_dir, tmp_path):
         resolve_models(target_dir, tmp_path / "elsewhere", tmp_path)
 
 
+def test_two_gguf_files_of_one_name_convert_apart(tmp_path):
+    """A GGUF's conversion records its source: another file of the same name (llama.cpp's default `ggml-model-f16`)
+    gets its own directory instead of the first one's conversion (and draft), and a changed file converts again."""
+    from spectrt.runtime.engines.checkpoint import GGUF_SOURCE, _gguf_source, convert_gguf, gguf_checkpoint_dir
+
+    a, b = tmp_path / "a" / "ggml-model-f16.gguf", tmp_path / "b" / "ggml-model-f16.gguf"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF")
+    artifacts = tmp_path / "artifacts"
+    first = gguf_checkpoint_dir(a, artifacts)
+    assert first == artifacts / "ggml-model-f16"
+    first.mkdir(parents=True)  # a's conversion, as convert_gguf leaves it
+    (first / "config.json").write_text("{}")
+    (first / "model.safetensors").write_bytes(b"")
+    (first / GGUF_SOURCE).write_text(json.dumps(_gguf_source(a)))
+    assert gguf_checkpoint_dir(a, artifacts) == first and convert_gguf(a, first) == first  # cached: no conversion
+    other = gguf_checkpoint_dir(b, artifacts)
+    assert other.parent == artifacts and other.name.startswith("ggml-model-f16-") and other != first
+    os.utime(a, ns=(1, 1))  # the file changed since its conversion: converted again (this fake one is refused)
+    with pytest.raises(Exception):  # noqa: B017 - any failure of the conversion itself: it was attempted
+        convert_gguf(a, first)
+
+
 def test_unusable_model_paths(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_target(tmp_path / "missing")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from spectrt.runtime.engines.families import check_supported
@@ -54,9 +55,34 @@ def check_gguf_rope(gguf: Path) -> None:
         )
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a conversion: which GGUF file it was made from (`gguf_checkpoint_dir`)
+
+
+def _gguf_source(gguf: Path) -> dict:
+    stat = Path(gguf).stat()
+    return {"path": str(Path(gguf).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def gguf_checkpoint_dir(gguf: Path, artifacts: Path) -> Path:
+    """Where a GGUF file's conversion lives: `<artifacts>/<stem>`, unless that holds another GGUF's conversion
+    (then `<stem>-<hash of its path>`). Why: a second file with the same name (llama.cpp's default `ggml-model-f16`)
+    resolved to the first one's conversion, and its draft with it. A conversion made before sources were recorded
+    is taken as this file's."""
+    import hashlib
+
+    out = Path(artifacts) / Path(gguf).stem.lower()
+    record = out / GGUF_SOURCE
+    if not record.is_file() or json.loads(record.read_text())["path"] == str(Path(gguf).resolve()):
+        return out
+    return out.with_name(f"{out.name}-{hashlib.sha1(str(Path(gguf).resolve()).encode()).hexdigest()[:8]}")
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF LLaMA-family model into a fp32 Hugging Face checkpoint (done once, then cached)."""
-    if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")):
+    """Dequantize a GGUF LLaMA-family model into a fp32 Hugging Face checkpoint (done once, then cached; again when
+    the file changed since)."""
+    record = out_dir / GGUF_SOURCE
+    if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")) and \
+            (not record.is_file() or json.loads(record.read_text()) == _gguf_source(gguf)):
         return out_dir
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -73,6 +99,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / GGUF_SOURCE).write_text(json.dumps(_gguf_source(gguf)) + "\n")
+    if out_dir.exists():  # an older conversion of this path: the file changed since
+        shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir
 
@@ -105,7 +134,7 @@ def resolve_target(path: str | Path | None = None, artifacts: Path = DEFAULT_ART
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path} is a file but not a .gguf: pass a GGUF file or a checkpoint directory")
-        return convert_gguf(path, artifacts / path.stem.lower())
+        return convert_gguf(path, gguf_checkpoint_dir(path, artifacts))
     config = path / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{path} has no config.json: it is not a Hugging Face checkpoint directory")
