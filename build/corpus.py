@@ -168,9 +168,9 @@ def generate_distill_data(
     representative subset); with sampling (temperature > 0), further rounds draw new answers to the
     same prompts, up to `samples_per_prompt`. Answers shipped for this target and settings (`shipped`) and
     cached ones are used first; the rest are generated, starting no new answer after `deadline`
-    (time.monotonic()) or once this cache's generation seconds, summed over all calls, reach `time_budget_s`
-    (so a rerun whose cache already holds its data budget generates nothing). Generated answers are cached (per
-    target weights checksum, generation settings and conversation). Returns (records, stats).
+    (time.monotonic()) or once the generation seconds spent on these conversations, summed over all calls, reach
+    `time_budget_s` (so a rerun whose cache already holds its data budget generates nothing). Generated answers are
+    cached (per target weights checksum, generation settings and conversation). Returns (records, stats).
     """
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
@@ -185,10 +185,15 @@ def generate_distill_data(
     cache: dict[str, dict] = torch.load(path, weights_only=True) if path.is_file() else {}
     from_ship = load_shipped(fingerprint, key) if shipped else {}
     spent_path = path.with_suffix(".json")  # generation seconds already spent on this cache
-    spent_before = json.loads(spent_path.read_text())["generation_s"] if spent_path.is_file() and cache else 0.0
+    spent_total = json.loads(spent_path.read_text())["generation_s"] if spent_path.is_file() and cache else 0.0
     unique = dict(zip((conv_key(c) for c in conversations), conversations, strict=True))
     rounds = 1 if eval_set or key["temperature"] == 0 else max(1, cfg.samples_per_prompt)
     known = {**cache, **from_ship}
+    # the seconds spent on these conversations' answers (the cache's total, shared by answer count): a rerun whose
+    # answers are cached generates nothing, and a new prompt file keeps its own budget (charged the whole cache's
+    # seconds, a user's prompts after a default run got one batch of answers)
+    mine = {_sample_key(k, r) for r in range(rounds) for k in unique}
+    spent_before = spent_total * sum(k in mine for k in cache) / len(cache) if cache else 0.0
 
     todo: list[tuple[str, str, int]] = []  # (cache key, conversation key, round)
     for r in range(rounds):
@@ -226,7 +231,7 @@ def generate_distill_data(
             nonlocal generation_s, saved
             atomic_save(cache, path)
             generation_s, saved = time.monotonic() - t0, time.monotonic()
-            spent_path.write_text(json.dumps({"generation_s": round(spent_before + generation_s, 3)}))
+            spent_path.write_text(json.dumps({"generation_s": round(spent_total + generation_s, 3)}))
 
         batch = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
         for request, ids, finish in generate(engine, requests, set(eos), batch, admit=lambda: not out_of_time()):
@@ -252,7 +257,7 @@ def generate_distill_data(
         "tokens": int(sum(len(r["input_ids"]) - r["prompt_len"] for r in records)),
         "generated_tokens": generated_tokens,
         "generation_s": round(generation_s, 3),  # ms resolution: the native generator is fast
-        "generation_s_total": round(spent_before + generation_s, 3),
+        "generation_s_total": round(spent_total + generation_s, 3),  # this cache's, every prompt set
         **key,
     }
     if not records:

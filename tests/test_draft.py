@@ -304,6 +304,21 @@ def test_ship_answers_keeps_what_it_shipped_and_adds(tiny, tmp_path):
     assert set(shipped) == {C.conv_key(c) for path in files for c in C.read_prompts(path)}
 
 
+def test_a_new_prompt_set_keeps_its_own_generation_budget(tiny, corpora, tmp_path):
+    """The seconds a cache spent are charged to the prompts they answered: a new prompt file in the same work dir
+    gets its whole budget (it was charged every earlier answer's seconds, so a user's prompts after a default run
+    got one batch of answers), while the first set, asked again, still generates nothing more."""
+    convs = C.read_prompts(corpora[0])
+    cfg = T.DistillConfig(max_new_tokens=8, temperature=0.0, gen_batch_size=4)
+    records, first = C.generate_distill_data(tiny, convs[:8], tmp_path, cfg, progress=False, time_budget_s=1e3)
+    assert len(records) == 8
+    Path(first["cache"]).with_suffix(".json").write_text(json.dumps({"generation_s": 1e6}))  # a long default run
+    again, repeat = C.generate_distill_data(tiny, convs[:12], tmp_path, cfg, progress=False, time_budget_s=1e3)
+    assert len(again) == 8 and repeat["generated_tokens"] == 0  # its own answers spent far more than its budget
+    mine, new = C.generate_distill_data(tiny, convs[20:32], tmp_path, cfg, progress=False, time_budget_s=1e3)
+    assert len(mine) == 12 and new["generated_tokens"] > 0
+
+
 def test_corpus_cache_is_per_target_and_spends_its_time_budget_once(tiny, corpora, tmp_path):
     import shutil
 
