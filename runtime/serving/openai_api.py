@@ -7,8 +7,9 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
   `prompt` (one string), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (strings:
   the text ends before the first one; each also goes to the model as a stop word, so the model ends the answer
   there itself and counts its tokens), `n` (1),
-  `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens`, `ignore_eos`; the spectrt
-  extension `tree` (per-request token tree, e.g. "2,1" or "none").
+  `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens` (end-of-sequence only, as
+  TensorRT-LLM's `min_length`: stop strings still apply), `ignore_eos`; the spectrt extension `tree` (per-request
+  token tree, e.g. "2,1" or "none").
 - accepted at their no-op values only, refused otherwise: `logit_bias` ({}), `logprobs` (false/null),
   `top_logprobs` (0), `presence_penalty` / `frequency_penalty` (0), `repetition_penalty` (1), `tools` / `functions`
   ([]), `tool_choice` / `function_call` ("none", "auto"), `response_format` ({"type": "text"}), `best_of` (1),
