@@ -128,7 +128,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--temperatures", type=temperatures, default=(0.0,),
                    help="comma-separated, e.g. 0,0.7,1.0 (0 = greedy)")
     b.add_argument("--out", type=Path, default=Path("bench/results"),
-                   help="results go to OUT/<cpu class>/ (scripts/bench_tables.py renders them into docs/benchmarks.md)")
+                   help="results go to OUT/<cpu class>/ (scripts/bench_tables.py renders the full greedy runs into "
+                        "docs/benchmarks.md; a --prompts, --limit or sampled run gets a tagged file of its own)")
     b.add_argument("--multi-turn", action="store_true",
                    help="chat conversations with and without the prefix cache: time to first token by turn, "
                    "throughput at --concurrency (--prompts: one user turn a line, a blank line between conversations; "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def load(results: Path) -> dict[str, list[dict]]:
     """Every class's results (files that name their CPU class), precisions in a fixed order."""
     classes: dict[str, list[dict]] = {}
     for path in sorted(results.glob("*/bench_*.json")):
+        if not re.fullmatch(r"bench_[a-z0-9]+_[a-z0-9]+", path.stem):  # a partial or sampled run (bench.py's tag)
+            continue
         report = json.loads(path.read_text(encoding="utf-8"))
         if "cpu" in report:
             report["path"] = path.relative_to(results.parent.parent).as_posix()

@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens, seconds, passes, emitted = ({c: 0.0 for c in configs} for _ in range(4))
         per_prompt, same = {c: [] for c in configs}, {c: 0 for c in configs}
         for prompt in prompts:
-            summed, outputs = {c: [0, 0.0] for c in configs}, {}
+            summed, outputs = {c: [0, 0.0] for c in configs}, {c: [] for c in configs}
             for rnd in range(2):
                 for c in configs if rnd == 0 else configs[::-1]:
                     result = run(c, prompt, args.tokens)
-                    outputs[c] = result.token_ids
+                    outputs[c].append(result.token_ids)  # both rounds' outputs are checked, not the last one's
                     summed[c][0] += result.stats.new_tokens
                     summed[c][1] += result.stats.decode_seconds
                     if rnd == 0:

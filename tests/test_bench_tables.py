@@ -79,3 +79,67 @@ def test_a_prompts_speedup_sums_its_rounds_run_in_alternating_order():
     assert policy["min_prompt_speedup"] == pytest.approx(2.0)  # 20 tokens in 0.5 + 1 s vs in 1 + 2 s
     assert policy["speedup_vs_ar"] == pytest.approx(2.0)
     assert policy["tau"] == pytest.approx(2.0) and policy["outputs_equal_to_ar"] == "1/1"
+
+
+# ------------------------------------------------------------------ how `spectrt bench` records runs (review)
+
+
+class _FakePipe:
+    """A pipeline whose every generation is n tokens in one second: what the bench writes, not what it measures."""
+
+    def __init__(self, *args, **kw):
+        from spectrt.runtime.decoding.policy import Policy
+
+        self.policy, self.dtype, self.kwargs = Policy(), "bf16", kw
+
+    def generate(self, prompt, n, tree=None, params=None, **kw):
+        from spectrt.runtime.decoding.decoder import DecodeStats
+        from spectrt.runtime.decoding.pipeline import Generation
+
+        stats = DecodeStats(new_tokens=n, emitted_tokens=n, target_passes=n, seconds=1.0, prefill_seconds=0.1)
+        return Generation("x", [1] * n, "length", stats)
+
+
+def test_a_partial_or_sampled_bench_run_keeps_the_published_result(tmp_path, monkeypatch):
+    """Only the full greedy run writes `bench_<backend>_<dtype>.json` (what the page renders): a sampled run, a
+    `--limit` run or another prompt file gets a tagged file of its own, which the page leaves out. Every run wrote
+    the one file, so a sampled run emptied the class's table."""
+    from spectrt.runtime.decoding import bench
+
+    monkeypatch.setattr(bench, "Pipeline", _FakePipe)
+    monkeypatch.setattr(bench, "plot", lambda report, path: None)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n")
+    for extra in ({}, {"temperatures": (0.7,)}, {"limit": 1}):
+        bench.run_bench(Path("t"), None, bench.BenchSettings(prompts=prompts, dtype="bf16", out=tmp_path / "out",
+                                                             max_new_tokens=4, **extra))
+    names = sorted(p.name for p in (tmp_path / "out").glob("*/*.json"))
+    assert names == ["bench_torch_bf16_p.json", "bench_torch_bf16_p_limit1.json", "bench_torch_bf16_p_t0.7.json"]
+    assert bench_tables.load(tmp_path / "out") == {}  # none of them is a full run of the default sets
+    bench.run_bench(Path("t"), None, bench.BenchSettings(dtype="bf16", out=tmp_path / "out", max_new_tokens=4,
+                                                         limit=1, temperatures=(0.0, 0.7)))
+    assert "bench_torch_bf16_limit1_t0-0.7.json" in {p.name for p in (tmp_path / "out").glob("*/*.json")}
+
+
+def test_the_draft_report_compares_alternately_without_the_prefix_cache(monkeypatch):
+    """`spectrt draft`'s speedup: no prefix cache (the tree's run reused the AR run's prompt, and its draft read the
+    prompt inside the timed decode), AR and the tree alternate which runs first, outputs checked."""
+    from spectrt.runtime.decoding import bench
+
+    made, order = [], []
+
+    class Pipe(_FakePipe):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(kw)
+            self.decoder = type("D", (), {"target": None, "draft": None})()
+
+        def generate(self, prompt, n, tree=None, **kw):
+            order.append(tree is not None)
+            return super().generate(prompt, n, tree, **kw)
+
+    monkeypatch.setattr(bench, "Pipeline", Pipe)
+    monkeypatch.setattr(bench, "step_cost_ms", lambda engine: 1.0)
+    report = bench.draft_runtime_report(Path("t"), Path("d"), ["a", "b"])
+    assert made[0].get("prefix_cache") is False and report["outputs_equal_to_ar"] == "2/2"
+    assert order[1:] == [False, True, True, False]  # after the warm-up

@@ -134,7 +134,7 @@ def run_bench(target: Path, draft: Path | None, args: BenchSettings) -> dict:
     }
     out = results_dir(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{args.backend}_{args.dtype}"
+    stem = f"bench_{args.backend}_{args.dtype}{_partial_tag(args)}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     table = markdown_table(report)
     (out / f"{stem}.md").write_text(table)
@@ -275,7 +275,8 @@ def _serve_conversations(pipe: Pipeline, decoder: Decoder, turns: list[list[str]
 def run_multi_turn(target: Path, draft: Path | None, args: BenchSettings) -> dict:
     """Time to first token by turn of one conversation (a decoder of one slot), then throughput of all
     conversations at `args.concurrency`, each with and without the prefix cache, on the same engines; greedy, the
-    default policy. The runs alternate (cache on, off) so machine noise hits both alike."""
+    default policy. The single-slot runs take the cache on first, the batched ones the cache off first, so a
+    later-run advantage (warmer caches and allocator) falls on each setting once."""
     conversations = read_conversations(args.prompts)[: args.limit]
     pipe = Pipeline(target, draft, args.backend, args.dtype, args.max_seq_len, artifacts=args.artifacts)
     engines = (pipe.decoder.target, pipe.decoder.draft, pipe.decoder.eos_ids)
@@ -288,7 +289,7 @@ def run_multi_turn(target: Path, draft: Path | None, args: BenchSettings) -> dic
     single = {c: _serve_conversations(pipe, decoder(c, 1), conversations[:1], args.max_new_tokens)
               for c in (True, False)}
     batched = {c: _serve_conversations(pipe, decoder(c, args.concurrency), conversations, args.max_new_tokens)
-               for c in (True, False)}
+               for c in (False, True)}
     ttft = {c: single[c]["ttft"][0] for c in single}
     report = {
         "target": str(target), "draft": str(draft), "dtype": pipe.dtype, "backend": args.backend,
@@ -382,16 +383,31 @@ def step_cost_ms(engine, tokens: int = 1, context: int = 128, repeats: int = 20)
     return forward_ms(engine, tokens, prefilled_cache(engine, context), repeats)
 
 
+def _partial_tag(args: BenchSettings) -> str:
+    """A results file name's tag for a run that is not the full greedy bench (another prompt file, a limit, sampled
+    temperatures): such a run gets its own file, which `scripts/bench_tables.py` does not render. Why: every run
+    wrote `bench_<backend>_<dtype>.json`, so a sampled or a 2-prompt run replaced the class's published result."""
+    parts = ([Path(args.prompts).stem] if args.prompts else []) + ([f"limit{args.limit}"] if args.limit else [])
+    if tuple(args.temperatures) != (0.0,):
+        parts.append("t" + "-".join(f"{t:g}" for t in args.temperatures))
+    return "".join(f"_{part}" for part in parts)
+
+
 def draft_runtime_report(target: Path, draft: Path, prompts: list[str], tree: str = DEFAULT_TREE,
                          max_new_tokens: int = 96) -> dict:
-    """What a draft buys at run time: τ with the default tree, tok/s vs AR, draft/target step cost."""
-    pipe = Pipeline(target, draft)
+    """What a draft buys at run time: τ with the default tree, tok/s vs AR, draft/target step cost; AR and the tree
+    alternate which runs first, on a decoder without the prefix cache (with it the tree's run reused the AR run's
+    prompt and its draft read the prompt inside the timed decode), and the outputs are checked equal."""
+    pipe = Pipeline(target, draft, prefix_cache=False)
     pipe.generate(prompts[0], 8, tree)
     totals = {"ar": [0, 0.0], "tree": [0, 0.0]}
-    passes = emitted = 0
-    for prompt in tqdm(prompts, desc="draft report", unit="prompt"):
-        ar = pipe.generate(prompt, max_new_tokens, None)
-        spec = pipe.generate(prompt, max_new_tokens, tree)
+    passes = emitted = exact = 0
+    for i, prompt in enumerate(tqdm(prompts, desc="draft report", unit="prompt")):
+        if i % 2:
+            spec, ar = pipe.generate(prompt, max_new_tokens, tree), pipe.generate(prompt, max_new_tokens, None)
+        else:
+            ar, spec = pipe.generate(prompt, max_new_tokens, None), pipe.generate(prompt, max_new_tokens, tree)
+        exact += spec.token_ids == ar.token_ids
         totals["ar"][0] += ar.stats.new_tokens
         totals["ar"][1] += ar.stats.decode_seconds
         totals["tree"][0] += spec.stats.new_tokens
@@ -403,7 +419,7 @@ def draft_runtime_report(target: Path, draft: Path, prompts: list[str], tree: st
     ar_tps, tree_tps = (n / s for n, s in totals.values())
     return {
         "tree": tree, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-        "tau": emitted / max(passes, 1),
+        "tau": emitted / max(passes, 1), "outputs_equal_to_ar": f"{exact}/{len(prompts)}",
         "ar_tokens_per_second": ar_tps, "tree_tokens_per_second": tree_tps, "speedup_vs_ar": tree_tps / ar_tps,
         "target_step_ms": target_ms, "draft_step_ms": draft_ms, "draft_to_target_step_cost": draft_ms / target_ms,
     }
