@@ -7,7 +7,8 @@ Under the CPU lock, with nothing else running:
 
 Decodes the bench prompts `--batch` at a time (greedy), the default (dynamic trees under the tuned policy) and the
 target alone, interleaved round by round, and prints each mode's tokens/s, tokens and verified decode rows a step and
-the decoder's per-step breakdown (`Decoder.clock`: forwards and host work), then default over plain. Closed batches
+the decoder's per-step breakdown (`Decoder.clock`: forwards and host work), then default over plain and how many
+outputs equal plain's (greedy: all must). Both modes are warmed up at the full batch first. Closed batches
 (the default) end in a ragged tail where speculation's requests finish at different steps; `--continuous` submits
 every prompt at once through `--batch` slots, a finished request's slot taken by the next one, as a server under
 steady load runs. `--alt-policy` adds a third mode, dynamic trees under another saved policy (a `spectrt tune` file),
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                     max_active=args.batch, prefix_cache=False)
     decoder = pipe.decoder
     ids = [pipe.encode(text) for text in read_prompts(args.prompt_file or DEFAULT_PROMPTS)[:args.prompts]]
-    decoder.run([Job(ids[0], 8, AUTO)])  # warm up
+    for tree in (None, AUTO):  # warm up both modes at the full batch: the first run to touch every slot's KV and
+        # scratch paid for it, and round 0 ran plain first (a bias for speculation)
+        decoder.run([Job(list(x), 8, tree) for x in ids[:args.batch]])
     tuned = decoder.controller.policy
     policies = {"plain": tuned, "default": tuned}
     if args.alt_policy:
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if policies["alt"] is None:
             p.error(f"--alt-policy {args.alt_policy}: no such file")
     totals = {name: [0, 0.0, 0] for name in policies}
+    outputs: dict[str, list[list[int]]] = {}  # each mode's greedy outputs in its first round: all must be plain's
     rates: dict[str, list[float]] = {name: [] for name in policies}  # tok/s per round: the paired ratios' spread
     for rnd in range(args.rounds):
         modes = tuple((name, None if name == "plain" else AUTO) for name in policies)
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 jobs = [Job(list(x), args.tokens, tree, min_length=args.tokens if args.min_length else 0)
                         for x in ids[start:start + group]]
                 done = decoder.run(jobs)
+                if rnd == 0:
+                    outputs.setdefault(name, []).extend(j.out for j in done)
                 tokens += sum(len(j.out) for j in done)
                 rows += sum(sum(j.stats.verified) for j in done)  # decode rows the target verified (roots included)
             clock = decoder.clock
@@ -83,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in policies:
         if name != "plain":
             dt, ds, dn = totals[name]
+            same = sum(a == b for a, b in zip(outputs[name], outputs["plain"], strict=True))
             print(f"{mode}, min_length {args.min_length}: {name} / plain {dt / ds / (pt / ps):.3f} "
                   f"({dt / dn:.2f} against {pt / pn:.2f} tokens a step); rounds "
-                  f"{', '.join(f'{d / q:.3f}' for d, q in zip(rates[name], rates['plain'], strict=True))}")
+                  f"{', '.join(f'{d / q:.3f}' for d, q in zip(rates[name], rates['plain'], strict=True))}; "
+                  f"outputs = plain {same}/{len(outputs['plain'])}")
     return 0
 
 
