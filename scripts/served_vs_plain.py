@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REQUESTS_PER_WORKER = 4  # c8: 32 requests a round, c1: 8 (the figures in docs/serving.md)
+REQUESTS_PER_WORKER = 4  # c8: 32 requests a round, c1: 4
 
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
