@@ -576,6 +576,27 @@ def test_tune_without_a_cost_profile_times_a_head_draft(tiny, trained, tmp_path)
     assert draft is not None and 0 < draft(1) <= draft(16) and 0 < verify(1) <= verify(64)
 
 
+def test_tune_prices_a_draft_with_a_profile_only_of_its_shape(tiny, trained, tmp_path):
+    """A cost profile records the shape of the draft it timed: `spectrt tune` with another draft (a head after a
+    profile of the sliced draft) keeps the profile's target costs and times the draft itself, and leaves the
+    profile's batched draft table out; with the same shape it reads both from the profile."""
+    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.profile import cost_profile_path, draft_shape
+    from spectrt.runtime.decoding.tune import batched_tables, cost_curves
+
+    pipe = Pipeline(tiny, trained, dtype="fp32", measure_kernels=False, max_seq_len=256, artifacts=tmp_path)
+    table = {"1": {"1": 1.0, "2": 1.5}, "2": {"2": 2.0, "4": 2.5}}
+    profile = {"target": {"128": {"1": 10.0, "8": 20.0, "64": 90.0}}, "draft": {"128": {"1": 77.0, "16": 99.0}},
+               "target_batched": {"128": table}, "draft_batched": {"128": table}}
+    path = cost_profile_path(tiny, "fp32", tmp_path)
+    for shape, profiled in (({**draft_shape(trained), "hidden_size": 1}, False), (draft_shape(trained), True)):
+        path.write_text(json.dumps({**profile, "draft_shape": shape}))
+        verify, draft, source = cost_curves(pipe.decoder, tmp_path, tiny.name, "fp32", trained)
+        assert verify(8) == 20.0 and (draft(1) == 77.0) == profiled and str(path) in source
+        tables = batched_tables(tmp_path, tiny.name, "fp32", True, trained)
+        assert "verify_batched" in tables and ("draft_batched" in tables) == profiled
+
+
 def test_tune_measures_a_further_drafted_requests_host_work_at_batch(tiny, trained, tmp_path):
     """`further_host_ms` decodes batches with every request drafting (the gate told the draft is sure and free) and
     the same batches plainly, then restores the decoder's policy; below a batch of 2 it measures nothing."""

@@ -214,6 +214,17 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+DRAFT_SHAPE_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size", "draft_vocab_size")
+
+
+def draft_shape(draft: Path) -> dict:
+    """What a draft's forward costs depend on (its config.json's sizes), recorded in a cost profile: `spectrt tune`
+    prices a draft with the profile's draft tables only when they were measured on a draft of this shape."""
+    config = json.loads((Path(draft) / "config.json").read_text(encoding="utf-8"))
+    return {k: config.get(k) for k in DRAFT_SHAPE_KEYS}
+
+
 def cost_profile_path(target: Path, dtype: str, artifacts: Path) -> Path:
     """Where the tree tuner finds this machine's cost profile for a target and dtype."""
     return Path(artifacts) / f"cost_profile-{Path(target).name}-{dtype}.json"
@@ -288,6 +299,7 @@ def run_profile(target: Path, draft: Path | None, dtype: str, artifacts: Path, o
         else:
             engines["draft"] = Transformer.load(draft, DTYPES[draft_dtype("torch", dtype)])
         report["draft_dtype"] = draft_dtype("torch", dtype)
+        report["draft_shape"] = draft_shape(Path(draft))
     report["native"] = engines["target"].native is not None
     report["breakdown"] = {}
     others = {"target": engines.get("draft"), "draft": engines["target"]}

@@ -67,35 +67,52 @@ def measure_curve(engine, tokens: tuple[int, ...] = PROFILE_TOKENS, context: int
     return CostCurve(ms)
 
 
-def cost_curves(decoder: Decoder, artifacts: Path, target: str, dtype: str) -> tuple[CostCurve, CostCurve | None,
-                                                                                            str]:
-    """(target curve, draft curve or None, where they came from): the profile file wins when present."""
+def _profiled_draft(profile: dict, draft: Path | None) -> bool:
+    """Whether the profile's draft tables were measured on a draft of `draft`'s shape (a profile from before shapes
+    were recorded: taken as such). Why: profiled with the sliced draft, a head was tuned on the slice's costs."""
+    from spectrt.runtime.decoding.profile import draft_shape
+
+    return draft is None or "draft_shape" not in profile or profile["draft_shape"] == draft_shape(draft)
+
+
+def cost_curves(decoder: Decoder, artifacts: Path, target: str, dtype: str, draft_dir: Path | None = None
+                ) -> tuple[CostCurve, CostCurve | None, str]:
+    """(target curve, draft curve or None, where they came from): the profile file wins when present (its draft
+    curve only when measured on a draft of `draft_dir`'s shape; else the draft is timed here)."""
     path = cost_profile_path(Path(target), dtype, artifacts)
     if path.is_file():
         profile = json.loads(path.read_text(encoding="utf-8"))
         verify = curve_from_profile(profile, "target")
-        draft = curve_from_profile(profile, "draft") if decoder.draft is not None else None
+        draft = curve_from_profile(profile, "draft") if decoder.draft is not None and \
+            _profiled_draft(profile, draft_dir) else None
         if verify is not None and (draft is not None or decoder.draft is None):
             return verify, draft, str(path)
-    verify = measure_curve(decoder.target)
-    draft = None
-    if decoder.draft is not None:  # an EAGLE-3 head also reads hidden rows: timed as `spectrt profile` times it
-        from spectrt.runtime.decoding.profile import HeadRows
-
-        engine = HeadRows(decoder.draft) if decoder.drafter.feature_layers is not None else decoder.draft
-        draft = measure_curve(engine, tuple(t for t in PROFILE_TOKENS if t <= 16))
-    return verify, draft, "measured by spectrt tune (no cost profile file)"
+        if verify is not None:  # the profile's target curve, the draft timed here
+            return verify, _draft_curve(decoder), f"{path} (the draft timed by spectrt tune: profiled on another)"
+    return measure_curve(decoder.target), _draft_curve(decoder), "measured by spectrt tune (no cost profile file)"
 
 
-def batched_tables(artifacts: Path, target: str, dtype: str, with_draft: bool) -> dict[str, BatchedCost]:
+def _draft_curve(decoder: Decoder) -> CostCurve | None:
+    if decoder.draft is None:
+        return None
+    from spectrt.runtime.decoding.profile import HeadRows
+
+    # an EAGLE-3 head also reads hidden rows: timed as `spectrt profile` times it
+    engine = HeadRows(decoder.draft) if decoder.drafter.feature_layers is not None else decoder.draft
+    return measure_curve(engine, tuple(t for t in PROFILE_TOKENS if t <= 16))
+
+
+def batched_tables(artifacts: Path, target: str, dtype: str, with_draft: bool, draft_dir: Path | None = None
+                   ) -> dict[str, BatchedCost]:
     """The profile's batched cost tables as policy fields (`verify_batched`, `draft_batched`), {} without them: what
-    each decode step weighs (its own segment count and context) instead of the single-request curve."""
+    each decode step weighs (its own segment count and context) instead of the single-request curve; the draft's
+    only when measured on a draft of `draft_dir`'s shape."""
     path = cost_profile_path(Path(target), dtype, artifacts)
     profile = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     tables = {}
     if profile.get("target_batched"):
         tables["verify_batched"] = BatchedCost.from_json(profile["target_batched"])
-    if with_draft and profile.get("draft_batched"):
+    if with_draft and profile.get("draft_batched") and _profiled_draft(profile, draft_dir):
         tables["draft_batched"] = BatchedCost.from_json(profile["draft_batched"])
     return tables
 
@@ -254,13 +271,13 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
     """Measure, choose, save; returns the saved report."""
     decoder = pipe.decoder
     start = time.perf_counter()
-    verify, draft_curve, source = cost_curves(decoder, artifacts, Path(target).name, dtype)
+    verify, draft_curve, source = cost_curves(decoder, artifacts, Path(target).name, dtype, draft)
     trace = measure_acceptance(decoder, [pipe.encode(p) for p in prompts], max_new_tokens, depth, width)
     acceptance, calibration, counts = acceptance_tables(trace, depth, width)
     budgets = [b for b in BUDGETS if b <= decoder.max_tree_tokens]
     ranked = rank_policies(verify, draft_curve, acceptance, budgets, list(range(1, depth + 1)),
                            list(range(1, width + 1)), calibration)
-    tables = batched_tables(artifacts, Path(target).name, dtype, decoder.draft is not None)
+    tables = batched_tables(artifacts, Path(target).name, dtype, decoder.draft is not None, draft)
     finalists = [(replace(p, draft_gain=expected_tokens(acceptance, p.budget, p.depth, p.width) - 1
                           if p.draft else None,
                           first_level_gain=expected_tokens(acceptance, p.budget, 1, p.width) - 1 if p.draft else None,
