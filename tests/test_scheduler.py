@@ -337,11 +337,11 @@ def test_an_empty_request_or_a_failed_admission_ends_that_request_alone(target, 
     _submit(sched, [], empty)
     real, calls = sched.decoder.drafter.reuse, []
 
-    def reuse(src, dst, length):
+    def reuse(src, dst, length, *bounded):
         calls.append(dst)
         if len(calls) == 1:
             raise RuntimeError("a broken prefix copy")
-        return real(src, dst, length)
+        return real(src, dst, length, *bounded)
 
     monkeypatch.setattr(sched.decoder.drafter, "reuse", reuse)
     _submit(sched, [_row(encode, tokenizer, max_tokens=8)], bad)
