@@ -67,15 +67,17 @@ ship-draft: setup  ## train the shipped draft further (95 min on 2 cores, resuma
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 7 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 8 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 9 --openers build/prompts/distill.txt
+	$(BIN)/python -m spectrt.cli.ship prompts --count 6000 --seed 10 --openers build/prompts/distill.txt
 	$(BIN)/python -m spectrt.cli.ship answers --greedy --minutes 30 --work-dir artifacts/ship-greedy.work \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
-		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt build/prompts/synth-seed9.txt
+		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt build/prompts/synth-seed9.txt \
+		build/prompts/synth-seed10.txt
 	$(BIN)/spectrt draft --kind eagle3 --train --force --greedy-answers --budget-minutes 95 --data-share 0.2 \
 		--prompts build/prompts/distill.txt build/prompts/synth-seed2.txt build/prompts/synth-seed3.txt \
 		build/prompts/synth-seed4.txt build/prompts/synth-seed5.txt build/prompts/synth-seed6.txt \
 		build/prompts/synth-seed7.txt build/prompts/synth-seed8.txt build/prompts/synth-seed9.txt \
-		--out artifacts/ship-greedy \
+		build/prompts/synth-seed10.txt --out artifacts/ship-greedy \
 		--init-from build/drafts/$(EMBEDDED) --lr 4e-4
 	$(BIN)/python -m spectrt.cli.ship draft artifacts/ship-greedy
 

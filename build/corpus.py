@@ -45,7 +45,7 @@ HELDOUT_PROMPTS = PROMPTS_DIR / "heldout.txt"
 # the target's own user turns (build/synth.py), one file per seed, each deduplicated against the held-out prompts and
 # the files of the seeds before it
 SYNTH_SEEDS = (0, 1)
-STEERED_SEEDS = (2, 3, 4, 5, 6, 7, 8, 9)  # steered by written openers: the greedy answers' files (make ship-draft)
+STEERED_SEEDS = (2, 3, 4, 5, 6, 7, 8, 9, 10)  # steered by written openers: the greedy answers' files (make ship-draft)
 def synth_prompts_path(seed: int) -> Path:
     """The file of the prompts the target synthesized with `seed` (`python -m spectrt.cli.ship prompts`)."""
     return PROMPTS_DIR / f"synth-seed{seed}.txt"
