@@ -50,7 +50,15 @@ from spectrt.build.corpus import (
     target_fingerprint,
     teacher_force,
 )
-from spectrt.build.distill import DistillConfig, evaluate, frozen_names, load_draft, train_draft, trainable_names
+from spectrt.build.distill import (
+    DistillConfig,
+    atomic_save,
+    evaluate,
+    frozen_names,
+    load_draft,
+    train_draft,
+    trainable_names,
+)
 from spectrt.build.slice import TOKENIZER_FILES, slice_target
 from spectrt.runtime.engines.model import SUBSET_HEAD, SUBSET_IDS, ModelConfig
 from spectrt.runtime.resources import package_path
@@ -253,7 +261,7 @@ def _draft_vocab(records: Sequence[dict], subset: int, vocab: int, path: Path, t
             return saved["ids"]
     ids = frequent_ids(records, subset, vocab)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"tag": tag, "subset": subset, "ids": ids}, path)
+    atomic_save({"tag": tag, "subset": subset, "ids": ids}, path)  # a run cut mid-write leaves no torn file
     return ids
 
 

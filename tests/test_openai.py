@@ -27,7 +27,7 @@ import torch
 from aiohttp import web
 from conftest import launch_serve, scrape_metrics
 from spectrt.runtime.decoding.text import StopText
-from spectrt.runtime.serving.client import GrpcSession
+from spectrt.runtime.serving.client import HEALTH_PARAMETER, GrpcSession
 from spectrt.runtime.serving.openai_api import (
     Limits,
     bad,
@@ -38,7 +38,7 @@ from spectrt.runtime.serving.openai_api import (
     speculative_metrics,
     upstream_error,
 )
-from spectrt.runtime.serving.openai_frontend import HEALTH_PARAMETER, Frontend, Triton
+from spectrt.runtime.serving.openai_frontend import Frontend, Triton
 from spectrt.runtime.serving.serve import SHM_DIR, TritonServer, free_port
 
 TREE = "2,1"

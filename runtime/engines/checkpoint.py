@@ -7,6 +7,7 @@ Nothing here ever contacts a model hub.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -68,8 +69,6 @@ def gguf_checkpoint_dir(gguf: Path, artifacts: Path) -> Path:
     (then `<stem>-<hash of its path>`). Why: a second file with the same name (llama.cpp's default `ggml-model-f16`)
     resolved to the first one's conversion, and its draft with it. A conversion made before sources were recorded
     is taken as this file's."""
-    import hashlib
-
     out = Path(artifacts) / Path(gguf).stem.lower()
     record = out / GGUF_SOURCE
     if not record.is_file() or json.loads(record.read_text())["path"] == str(Path(gguf).resolve()):

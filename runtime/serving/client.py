@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from spectrt.runtime.resources import package_path
 
 DEFAULT_MODEL = "spectrt"
+HEALTH_PARAMETER = "spectrt_health"  # a request parameter: the model answers it as a health probe, never decoded
 PERF_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "target_passes",
                 "output_tokens", "generation_seconds")
 DEFAULT_PROMPTS = package_path("bench/prompts.txt")

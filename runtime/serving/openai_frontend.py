@@ -45,7 +45,7 @@ import grpc
 import tritonclient.grpc.aio as grpcaio
 from aiohttp import web
 from spectrt.runtime.decoding.text import StopText
-from spectrt.runtime.serving.client import PERF_OUTPUTS, grpc_inputs
+from spectrt.runtime.serving.client import HEALTH_PARAMETER, PERF_OUTPUTS, grpc_inputs
 from spectrt.runtime.serving.openai_api import (
     ApiError,
     Call,
@@ -65,7 +65,6 @@ LOG = logging.getLogger("spectrt.openai")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 8 << 20
 READY_CACHE_SECONDS = 1.0  # how long Triton's answer to "is the model ready?" is reused (health checks come often)
-HEALTH_PARAMETER = "spectrt_health"  # the model's health probe: a request with this parameter (its `_probe`)
 PROBE_SECONDS = 5.0  # a health probe the model has not answered by then: its instance is stuck as a whole
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)

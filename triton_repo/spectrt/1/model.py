@@ -40,7 +40,6 @@ CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "deadline": "UN
 # errors do ("overloaded", "the server is stopping", "deadline exceeded", "spectrt failed"), so a client (the OpenAI
 # frontend) tells the model's errors by origin from Triton's own
 INVALID_PREFIX = "invalid request: "
-HEALTH_PARAMETER = "spectrt_health"  # a request parameter: the request is a health probe (`TritonPythonModel._probe`)
 PERF = (("acceptance_rate", np.float32), ("total_accepted_draft_tokens", np.int32), ("total_draft_tokens", np.int32),
         ("target_passes", np.int32), ("output_tokens", np.int32), ("generation_seconds", np.float32))
 COUNTERS = {  # scheduler metric -> (Prometheus name, help)
@@ -288,10 +287,12 @@ class TritonPythonModel:
         the thread that will decode: `initialize`); returns what the load log line names."""
         from spectrt.runtime.decoding.pipeline import Pipeline
         from spectrt.runtime.serving import requests as validator
+        from spectrt.runtime.serving.client import HEALTH_PARAMETER
         from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler, warm_up
         from spectrt.runtime.serving.serve import STREAM_INTERVAL
 
         self.validator, self.Overloaded, self.Request = validator, Overloaded, Request
+        self.health_parameter = HEALTH_PARAMETER  # the request parameter of a health probe (`_probe`)
         max_seq_len, max_tree_tokens = _number(params, "max_seq_len", 2048), _number(params, "max_tree_tokens", 64)
         target, draft, backend, dtype, max_seq_len, max_tree_tokens, tree = self._models(params, max_seq_len,
                                                                                           max_tree_tokens)
@@ -463,7 +464,7 @@ class TritonPythonModel:
         while its process answers), so Triton's readiness cannot show it; nor can the Prometheus gauges, which the
         loop itself sets. `execute` runs on the stub's main thread, not the loop's, so it answers while the loop is
         stuck. The OpenAI frontend sends one with its readiness check (/health)."""
-        if json.loads(request.parameters() or "{}").get(HEALTH_PARAMETER) is not True:
+        if json.loads(request.parameters() or "{}").get(self.health_parameter) is not True:
             return False
         reason = self.scheduler.health()
         if reason is not None:
