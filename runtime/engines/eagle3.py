@@ -287,7 +287,8 @@ class Eagle3Head:
         """One static one-layer cache per concurrent request, allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
             self.native.reserve(max_window, capacity)
-            return KVCache.pool(self.config.model, slots, capacity, max_window, torch.float32, huge_pages=True)
+            return KVCache.pool(self.config.model, slots, capacity, max_window, torch.float32, huge_pages=True,
+                                kernels=self.native.kernels)
         return KVCache.pool(self.config.model, slots, capacity, max_window, self.dtype)
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:

@@ -108,8 +108,9 @@ class KVCache:
     `attention` is a static bool buffer for the attention mask of one forward (torch reference path).
     """
 
-    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slot: int, max_window: int):
+    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slot: int, max_window: int, kernels=None):
         self.pool_k, self.pool_v, self.slot = pool_k, pool_v, slot
+        self.kernels = kernels  # the native module whose `compact_cache` moves rows (a native engine's fp32 pool)
         self.k, self.v = pool_k[slot], pool_v[slot]
         self.capacity = self.k.shape[2]
         self.attention = torch.zeros(max_window, self.capacity, dtype=torch.bool, device=self.k.device)
@@ -118,11 +119,12 @@ class KVCache:
 
     @classmethod
     def pool(cls, config: ModelConfig, slots: int, capacity: int, max_window: int,
-             dtype: torch.dtype, huge_pages: bool = False) -> list[KVCache]:
+             dtype: torch.dtype, huge_pages: bool = False, kernels=None) -> list[KVCache]:
         """`slots` caches backed by one [slots, layers, kv_heads, capacity, head_dim] K and V tensor each
         (`huge_pages`: host memory on 2 MB pages, kernels.huge_page_zeros, for the native forward, every page faulted
         in here: a 2 MB page's first fault compacts memory, and left to the first request in each slot it cost that
-        request 55-80 ms (measured copying a 40-token prefix into a fresh slot; 0.1 ms once faulted))."""
+        request 55-80 ms (measured copying a 40-token prefix into a fresh slot; 0.1 ms once faulted)); `kernels`: the
+        native module of a native engine (fp32 K/V), whose `compact_cache` then compacts."""
         if slots < 1 or capacity < 1 or not 1 <= max_window <= capacity:
             raise ValueError(f"a KV pool needs slots >= 1 and 1 <= max_window <= capacity, got slots={slots}, "
                              f"capacity={capacity}, max_window={max_window}")
@@ -131,7 +133,7 @@ class KVCache:
         k, v = zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)
         if huge_pages:
             k.zero_(), v.zero_()  # static allocation: the pages now, not inside a request
-        return [cls(k, v, s, max_window) for s in range(slots)]
+        return [cls(k, v, s, max_window, kernels) for s in range(slots)]
 
     def reset(self) -> None:
         self.length = 0
@@ -158,12 +160,16 @@ class KVCache:
     def compact(self, window_indices: list[int]) -> None:
         """Keep the given window slots (ascending) as the next committed tokens; the rest are dropped.
 
-        Only slots after the leading run already in place (0, 1, ...) move, with numpy's indexed copy where the
-        buffers are fp32 (the native forward's): torch's took ~2.5x as long (measured 266 vs 109 us for two moved
-        slots right after a cache flush, 79 vs 27 us warm), a cost of nearly every accepted tree step."""
+        Only slots after the leading run already in place (0, 1, ...) move: natively for a native engine's pool
+        (`cpu_kernels.cpp` compact_cache), else with numpy's indexed copy where the buffers are fp32 and torch's where
+        not. Why: torch's took ~2.5x numpy's (266 vs 109 us for two moved slots right after a cache flush, 79 vs 27 us
+        warm), and numpy's 74 us right after a target forward against the native copy's ~10, a cost of nearly every
+        accepted tree step."""
         n, keep = self.length, len(window_indices)
         first = next((i for i, w in enumerate(window_indices) if w != i), keep)
-        if first < keep:
+        if first < keep and self.kernels is not None:
+            self.kernels.compact_cache(self.k, self.v, n, window_indices)
+        elif first < keep:
             src = [n + w for w in window_indices[first:]]
             for buf in (self.k, self.v):
                 a = buf.numpy() if buf.dtype == torch.float32 else buf
@@ -337,7 +343,8 @@ class Transformer:
         """`slots` static caches (one per concurrent request), allocated once as one pool."""
         if self.native is not None:  # fp32 K/V whatever the weights' dtype; tables sized once, here
             self.native.reserve(max_window, capacity)
-            return KVCache.pool(self.config, slots, capacity, max_window, torch.float32, huge_pages=True)
+            return KVCache.pool(self.config, slots, capacity, max_window, torch.float32, huge_pages=True,
+                                kernels=self.native.kernels)
         return KVCache.pool(self.config, slots, capacity, max_window, self.dtype)
 
     def new_cache(self, capacity: int, max_window: int) -> KVCache:
