@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain
-from spectrt.runtime.decoding.sampling import draw_children, sampling_probs, top_tokens
-from spectrt.runtime.decoding.suffix import SuffixIndex
+from spectrt.runtime.decoding.sampling import draw_children, host_kernels, sampling_probs, top_tokens
+from spectrt.runtime.decoding.suffix import SuffixIndex, new_index
 from spectrt.runtime.decoding.tree import TokenTrie, Tree
 from spectrt.runtime.engines.engine import Engine, HeadSegment, Segment, SegmentBuffers
 
@@ -75,9 +75,10 @@ class SuffixProposer:
 
     def __init__(self, slots: int):
         self.index: list[SuffixIndex | None] = [None] * slots
+        self.native = host_kernels()  # its native index where the module builds here (`suffix.new_index`)
 
     def start(self, slot: int, ids: list[int]) -> None:
-        self.index[slot] = SuffixIndex(ids)
+        self.index[slot] = new_index(ids, self.native)
 
     def stop(self, slot: int) -> None:
         self.index[slot] = None
@@ -91,14 +92,14 @@ class SuffixProposer:
         index = self.index[cand.job.slot]
         if index is None:
             return
-        for found in index.propose(policy.suffix_depth):
-            tokens = found.tokens[:room]
+        for tokens, match, share in index.propose(policy.suffix_depth):
+            tokens = tokens[:room]
             if not tokens:
                 break
             room -= len(tokens)
-            scores = policy.calibration.suffix_path(found.match, found.share)
+            scores = policy.calibration.suffix_path(match, share)
             for k, node in enumerate(cand.trie.add_path(tokens, scores[:len(tokens)])):
-                cand.keys.setdefault(node, []).append(("suffix", (found.match, k)))
+                cand.keys.setdefault(node, []).append(("suffix", (match, k)))
 
 
 @dataclass(eq=False)  # identity: compared and looked up as objects

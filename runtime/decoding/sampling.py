@@ -58,9 +58,10 @@ class SamplingParams:
 
 
 @cache
-def _host_kernels():
-    """The native module (its host helper `top_tokens`) where it builds here, else None (numpy's reference). Resolved
-    once a process: `load_kernels` re-reads the environment and the CPU's flags (~7 us warm), once per draft level."""
+def host_kernels():
+    """The native module (its host helpers: `top_tokens`, the suffix index) where it builds here, else None (the
+    Python references). Resolved once a process: `load_kernels` re-reads the environment and the CPU's flags (~7 us
+    warm), once per draft level."""
     from spectrt.runtime.engines.kernels import load_kernels
 
     return load_kernels()
@@ -86,7 +87,7 @@ def top_tokens(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list
     helper where it builds (the same ids, probabilities within ~1e-6), else `top_tokens_reference`. Why native: in
     the loop, on the caches a forward has just flushed, the numpy reference took ~0.18 ms a draft level at batch 1
     (bf16, one 8,192-wide row of the EAGLE-3 head; 0.03 ms warm)."""
-    native = _host_kernels()
+    native = host_kernels()
     if native is not None:
         rows = logits if logits.dtype == torch.float32 and not logits.requires_grad and logits.is_contiguous() \
             else logits.detach().float().contiguous()

@@ -10,11 +10,13 @@ without a match of at least `min_match` tokens (no speculation without a confide
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
+
+# a request's index (`new_index`): n-grams of 2-4 tokens, the 16 most recent occurrences, matches up to 32 tokens
+MAX_NGRAM, MIN_MATCH, MAX_OCCURRENCES, MAX_MATCH = 4, 2, 16, 32
 
 
-@dataclass(frozen=True)
-class SuffixCandidate:
+class SuffixCandidate(NamedTuple):
     """One continuation path: `tokens` after the current sequence, `match` tokens of context matched,
     `share` the fraction of the earlier occurrences that continue with exactly this path (per token)."""
 
@@ -23,11 +25,19 @@ class SuffixCandidate:
     share: tuple[float, ...]
 
 
+def new_index(tokens: list[int], native=None):
+    """A request's suffix index: `native`'s (the kernels module's `SuffixIndex`, cpu_kernels.cpp: the same matches and
+    proposals, as plain tuples) where given, else `SuffixIndex`."""
+    if native is not None:
+        return native.SuffixIndex(tokens, MAX_NGRAM, MIN_MATCH, MAX_OCCURRENCES, MAX_MATCH)
+    return SuffixIndex(tokens)
+
+
 class SuffixIndex:
     """n-gram -> end positions over one request's tokens; `extend` as tokens are accepted, `propose` to speculate."""
 
-    def __init__(self, tokens: list[int] | None = None, max_ngram: int = 4, min_match: int = 2,
-                 max_occurrences: int = 16, max_match: int = 32):
+    def __init__(self, tokens: list[int] | None = None, max_ngram: int = MAX_NGRAM, min_match: int = MIN_MATCH,
+                 max_occurrences: int = MAX_OCCURRENCES, max_match: int = MAX_MATCH):
         if not 1 <= min_match <= max_ngram:
             raise ValueError(f"min_match={min_match} must be in [1, max_ngram={max_ngram}]")
         self.max_ngram, self.min_match = max_ngram, min_match

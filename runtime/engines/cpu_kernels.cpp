@@ -18,11 +18,15 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -1484,6 +1488,94 @@ void compact_cache(torch::Tensor k, torch::Tensor v, int64_t length, std::vector
     }
 }
 
+// A request's suffix index: runtime/decoding/suffix.py `SuffixIndex` (its docstrings say what each method does), the
+// same matches and proposals (tests/test_suffix.py compares them). Why native: at batch 8 the Python index's n-gram
+// tuples, dict lookups and continuation trie cost ~12 us a request a step (~0.1 ms of a step's host work).
+class SuffixIndex {
+ public:
+  SuffixIndex(const std::vector<int64_t>& tokens, int64_t max_ngram, int64_t min_match, int64_t max_occurrences,
+              int64_t max_match)
+      : max_ngram_(max_ngram), min_match_(min_match), max_occurrences_(max_occurrences), max_match_(max_match) {
+    TORCH_CHECK_VALUE(1 <= min_match && min_match <= max_ngram, "min_match=", min_match,
+                      " must be in [1, max_ngram=", max_ngram, "]");
+    extend(tokens);
+  }
+  void extend(const std::vector<int64_t>& tokens) { seq_.insert(seq_.end(), tokens.begin(), tokens.end()); }
+  void catch_up() {
+    const int64_t len = static_cast<int64_t>(seq_.size());
+    for (int64_t end = indexed_; end < len; ++end)
+      for (int64_t n = min_match_; n <= std::min(max_ngram_, end + 1); ++n) ends_[key(end, n)].push_back(end);
+    indexed_ = len;
+  }
+  std::pair<int64_t, std::vector<int64_t>> longest_match() {
+    catch_up();
+    const int64_t last = static_cast<int64_t>(seq_.size()) - 1;
+    for (int64_t n = std::min(max_ngram_, last); n >= min_match_; --n) {
+      auto found = ends_.find(key(last, n));
+      if (found == ends_.end()) continue;
+      std::vector<int64_t> ends;
+      for (int64_t e : found->second)
+        if (e < last) ends.push_back(e);
+      if (ends.empty()) continue;
+      if (static_cast<int64_t>(ends.size()) > max_occurrences_) ends.erase(ends.begin(), ends.end() - max_occurrences_);
+      int64_t match = 0;
+      for (int64_t e : ends) {
+        int64_t m = n;
+        while (m < max_match_ && e - m >= 0 && seq_[e - m] == seq_[last - m]) ++m;
+        match = std::max(match, m);
+      }
+      return {match, ends};
+    }
+    return {0, {}};
+  }
+  std::vector<std::tuple<std::vector<int64_t>, int64_t, std::vector<double>>> propose(int64_t max_tokens) {
+    const auto [match, ends] = longest_match();
+    if (!match || max_tokens <= 0) return {};
+    using Path = std::vector<int64_t>;
+    std::vector<Path> conts;
+    for (int64_t e : ends) {
+      const int64_t stop = std::min(e + 1 + max_tokens, static_cast<int64_t>(seq_.size()));
+      if (e + 1 < stop) conts.emplace_back(seq_.begin() + e + 1, seq_.begin() + stop);
+    }
+    const double total = static_cast<double>(conts.size());
+    auto starts = [](const Path& c, const Path& p, size_t n) {  // c begins with p's first n tokens
+      return c.size() >= n && std::equal(p.begin(), p.begin() + n, c.begin());
+    };
+    auto count = [&](const Path& p, size_t n) {  // continuations through p's first n tokens
+      int64_t k = 0;
+      for (const Path& c : conts) k += starts(c, p, n);
+      return k;
+    };
+    std::vector<Path> leaves;  // distinct continuations no longer one extends
+    for (const Path& c : conts) {
+      bool leaf = std::find(leaves.begin(), leaves.end(), c) == leaves.end();
+      for (const Path& o : conts) leaf = leaf && !(o.size() > c.size() && starts(o, c, c.size()));
+      if (leaf) leaves.push_back(c);
+    }
+    std::sort(leaves.begin(), leaves.end(), [&](const Path& a, const Path& b) {
+      const int64_t fa = count(a, 1), fb = count(b, 1), ca = count(a, a.size()), cb = count(b, b.size());
+      return fa != fb ? fa > fb : ca != cb ? ca > cb : a < b;
+    });
+    std::vector<std::tuple<Path, int64_t, std::vector<double>>> out;
+    for (const Path& c : leaves) {
+      std::vector<double> share;
+      for (size_t d = 1; d <= c.size(); ++d) share.push_back(static_cast<double>(count(c, d)) / total);
+      out.emplace_back(c, match, share);
+    }
+    return out;
+  }
+  const std::vector<int64_t>& tokens() const { return seq_; }
+  int64_t indexed() const { return indexed_; }
+
+ private:
+  std::string key(int64_t end, int64_t n) const {  // the n-gram ending at `end`, as bytes
+    return std::string(reinterpret_cast<const char*>(seq_.data() + end - n + 1), n * sizeof(int64_t));
+  }
+  int64_t max_ngram_, min_match_, max_occurrences_, max_match_, indexed_ = 0;
+  std::vector<int64_t> seq_;
+  std::unordered_map<std::string, std::vector<int64_t>> ends_;
+};
+
 // Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
 // and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1511,6 +1603,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "each row's argmax by the LM head's rule (tests)");
   m.def("top_tokens", &top_tokens, "each row's k best ids and softmax probabilities (sampling.top_tokens)");
+  py::class_<SuffixIndex>(m, "SuffixIndex", py::module_local(), "a request's suffix index (suffix.py SuffixIndex)")
+      .def(py::init<const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t>(), py::arg("tokens"),
+           py::arg("max_ngram"), py::arg("min_match"), py::arg("max_occurrences"), py::arg("max_match"))
+      .def("extend", &SuffixIndex::extend)
+      .def("catch_up", &SuffixIndex::catch_up)
+      .def("longest_match", &SuffixIndex::longest_match)
+      .def("propose", &SuffixIndex::propose)
+      .def_property_readonly("tokens", &SuffixIndex::tokens)
+      .def_property_readonly("indexed", &SuffixIndex::indexed);
   m.def("compact_cache", &compact_cache, "move a cache's kept window rows behind its prefix (KVCache.compact)");
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
   m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for
