@@ -18,6 +18,7 @@ from spectrt.runtime.decoding.policy import (
     pick_measured,
     rank_policies,
 )
+from spectrt.runtime.engines.kernels import runnable_isas
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
 
@@ -363,21 +364,18 @@ def test_the_gate_charges_a_tuned_trees_level_passes():
     def controller(policy):
         return Controller(policy, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16, tree_budget=16)
 
-    calls = []
-
-    def draft(rows, requests):
-        calls.append((rows, requests))
-        return 0.5
-
-    tuned = controller(Policy(budget=6, depth=3, width=2, draft_gain=1.2))
-    assert tuned._drafting_ms(draft)(5, 2) == 0.5 * 3
-    assert calls == [(5, 2), (4, 2)]  # the first pass, and a level's shape (2 nodes for each of 2 requests), twice
-    assert controller(Policy(budget=6, depth=3, width=2))._drafting_ms(draft)(5, 2) == 0.5
+    per_row = dict(draft_ms=((1, 0.1), (9, 0.9)))  # a draft pass costs 0.1 ms a row
+    tuned = controller(Policy(budget=6, depth=3, width=2, draft_gain=1.2, **per_row))
+    # the first pass over 5 rows, and a level's shape (2 nodes for each of 2 requests) twice
+    assert tuned._drafting_cost(128, 2)(5, 2) == pytest.approx(0.5 + 2 * 0.4)
+    assert controller(Policy(budget=6, depth=3, width=2, **per_row))._drafting_cost(128, 2)(5, 2) == \
+        pytest.approx(0.5)
     # batch 8 at 0.2 ms an extra verified row: one request's tuned gain of 1.2 tokens on 3 rows pays 0.5 ms of
     # draft (9.2 tokens in 9.1 ms against 8 in 8), not the 1.5 ms its tree's three passes cost (9.2 in 10.1)
     verify = CostCurve({1: 8.0, 8: 8.0, 16: 9.6})
+    flat = controller(Policy(budget=6, depth=3, width=2, draft_gain=1.2, draft_ms=((1, 0.5),)))
     assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, lambda rows, k: 0.5) == [0]
-    assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, tuned._drafting_ms(lambda rows, k: 0.5)) == []
+    assert choose_drafted([1.2], [3.0], [3.0], 8.0, 8, verify, flat._drafting_cost(128, 1)) == []
 
 
 def test_the_gate_charges_each_drafted_requests_host_work():
@@ -388,9 +386,9 @@ def test_the_gate_charges_each_drafted_requests_host_work():
     from spectrt.runtime.decoding.propose import SuffixProposer
 
     def gate(host_ms):
-        policy = Policy(budget=4, depth=1, width=1, draft_gain=0.8, host_ms=host_ms)
+        policy = Policy(budget=4, depth=1, width=1, draft_gain=0.8, host_ms=host_ms, draft_ms=((1, 0.4),))
         ms = Controller(policy, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16,
-                        tree_budget=16)._drafting_ms(lambda rows, k: 0.4)
+                        tree_budget=16)._drafting_cost(128, 3)
         return ms, choose_drafted([0.8], [1.0], [2.0], 8.0, 8, CostCurve({1: 8.0, 8: 8.0, 16: 9.6}), ms)
 
     (free, chosen_free), (dear, chosen_dear) = gate(0.0), gate(0.5)
@@ -406,7 +404,8 @@ def test_a_batch_is_charged_the_first_drafted_requests_host_work_and_less_for_ea
     from spectrt.runtime.decoding.controller import Controller
     from spectrt.runtime.decoding.propose import SuffixProposer
 
-    shared = Policy(budget=4, depth=2, width=1, draft_gain=0.8, first_level_gain=0.5, host_ms=2.0, host_more_ms=0.05)
+    shared = Policy(budget=4, depth=2, width=1, draft_gain=0.8, first_level_gain=0.5, host_ms=2.0, host_more_ms=0.05,
+                    draft_ms=((1, 0.4),))
     alone = replace(shared, host_more_ms=None)
     assert [shared.host_charge(k) for k in (0, 1, 3)] == [0.0, 2.0, 2.1] and alone.host_charge(3) == 6.0
     assert Policy.from_json(shared.to_json()).host_more_ms == 0.05
@@ -414,7 +413,7 @@ def test_a_batch_is_charged_the_first_drafted_requests_host_work_and_less_for_ea
 
     def gate(policy):
         controller = Controller(policy, None, SuffixProposer(8), max_seq_len=64, max_tree_tokens=16, tree_budget=64)
-        ms = controller._drafting_ms(lambda rows, k: 0.4)
+        ms = controller._drafting_cost(128, 8)
         return controller, choose_drafted([0.8] * 8, [1.0] * 8, [2.0] * 8, 8.0, 8,
                                           CostCurve({1: 8.0, 8: 8.0, 16: 9.6}), ms)
 
@@ -444,3 +443,73 @@ def test_the_gate_may_draft_the_first_level_alone():
     assert with_first._first_level() is short  # one per policy, so `learn` can tell its steps
     assert not controller(replace(tuned, first_level_gain=None)).draft_may_pay(8, 128)
     assert controller(replace(tuned, first_level_gain=None)).draft_may_pay(1, 128)  # alone, the whole tree pays
+
+
+def test_a_drafting_cost_is_the_draft_passes_and_host_work_it_stands_for():
+    """`Policy.drafting_cost(context, n)` at every (rows, requests) a step of up to n requests weighs: its first pass
+    (`draft_at`), `depth - 1` level passes of `width` rows a request, `host_charge`, on the batched table and on the
+    single curve, and it survives a policy's JSON (no native object in it)."""
+    for policy in (Policy(depth=3, width=2, draft_gain=1.1, host_ms=0.3, host_more_ms=0.05),
+                   Policy(depth=2, width=3, draft_gain=0.9, host_ms=0.2, draft_batched=BatchedCost.from_json(
+                       synthetic_table()), verify_batched=BatchedCost.from_json(synthetic_table()))):
+        for context in (100, 700):
+            cost, first = policy.drafting_cost(context, 8), policy.draft_at(context)
+            for rows in (1, 2.5, 3, 7.25, 16, 40):
+                for k in range(1, 9):
+                    want = first(rows, k) + (policy.depth - 1) * first(policy.width * k, k) + policy.host_charge(k)
+                    assert cost(rows, k) == pytest.approx(want, rel=1e-12), (rows, k)
+            assert cost.native() is None or cost.native()(7.25, 3) == cost(7.25, 3)
+        assert Policy.from_json(json.loads(json.dumps(policy.to_json()))) == policy
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_the_budgets_native_arithmetic_chooses_what_the_reference_chooses(isa, monkeypatch):
+    """Property: over random score lists, budgets, caps, gains, catch-ups and cost curves (flat, steep, batched by
+    segments), `allocate`, `choose_drafted` and `drafted_rate` as the loop runs them (native, on every ISA build) give
+    the Python references' sizes, choices and rates bitwise: the same trees."""
+    import random
+
+    from spectrt.runtime.decoding.policy import (
+        DraftingCost,
+        allocate_reference,
+        choose_drafted_reference,
+        drafted_rate,
+        drafted_rate_reference,
+    )
+    from spectrt.runtime.engines.kernels import load_kernels
+
+    monkeypatch.setenv("SPECTRT_ISA", isa)
+    native = load_kernels()
+    if native is None:
+        pytest.skip("no native module builds here")
+    monkeypatch.setattr("spectrt.runtime.decoding.policy._kernels", lambda: native)
+    rng = random.Random(3)
+
+    def curve() -> CostCurve:
+        points = sorted({1, *rng.sample(range(2, 80), rng.randrange(0, 6))})
+        ms, total = {}, rng.uniform(0.5, 10)
+        for t in points:
+            total += rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 0.1)])
+            ms[t] = total
+        return CostCurve(ms)
+
+    for trial in range(300):
+        verify = curve()
+        n = rng.randrange(1, 9)
+        scores = [sorted((rng.choice([rng.random(), 0.5, 0.25]) for _ in range(rng.randrange(0, 9))), reverse=True)
+                  for _ in range(n)]
+        budgets = [rng.randrange(1, 10) for _ in range(n)]
+        args = (scores, budgets, rng.choice([0.0, rng.uniform(0, 3)]), verify, rng.randrange(0, 20),
+                rng.randrange(0, 3), rng.choice([None, 0, rng.randrange(1, 12)]))
+        assert allocate(*args) == allocate_reference(*args), trial
+        draft = DraftingCost(tuple(curve() for _ in range(rng.randrange(1, n + 1))), rng.randrange(0, 3),
+                             rng.randrange(1, 4), rng.uniform(0, 0.5), rng.uniform(0, 0.2))
+        gains = [rng.choice([rng.uniform(0, 2), 0.5, 1.0]) for _ in range(n)]
+        gain_rows = [rng.choice([rng.uniform(0, 4), 1.0, 3.0, 0.0]) for _ in range(n)]
+        catch_up = [rng.choice([rng.uniform(1, 8), 2.0, 4]) for _ in range(n)]
+        gate = (gains, gain_rows, catch_up, rng.uniform(1, 10), rng.randrange(1, 40), verify, draft)
+        picked = choose_drafted(*gate)
+        assert picked == choose_drafted_reference(*gate), trial
+        assert drafted_rate(picked, *gate) == drafted_rate_reference(picked, *gate), trial
+        some = sorted(rng.sample(range(n), rng.randrange(0, n + 1)))
+        assert drafted_rate(some, *gate) == drafted_rate_reference(some, *gate), trial

@@ -17,7 +17,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from spectrt.runtime.decoding.policy import Policy, allocate, allocation_gain, choose_drafted, drafted_rate
+from spectrt.runtime.decoding.policy import (
+    CONTEXT_BUCKET,
+    DraftingCost,
+    Policy,
+    allocate,
+    allocation_gain,
+    choose_drafted,
+    drafted_rate,
+)
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, SuffixProposer
 from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, cut_tree, shaped
 from spectrt.runtime.engines.engine import Segment
@@ -43,6 +51,7 @@ class Controller:
         self.policy, self.drafter, self.suffix = policy, drafter, suffix
         self.max_seq_len, self.max_tree_tokens, self.tree_budget = max_seq_len, max_tree_tokens, tree_budget
         self._short: tuple[Policy, Policy] | None = None  # (policy, its first level alone): `_first_level`
+        self._costs: dict[tuple, tuple[Policy, DraftingCost]] = {}  # `_drafting_cost`'s, once per policy and shape
 
     def start(self, job: Job) -> None:
         """A new job's speculation state: suffix candidates (the policy's choice for AUTO) and fresh estimates."""
@@ -112,7 +121,7 @@ class Controller:
         sunk = 0.0
         if self.drafter is not None:
             drafting = [c for c in cands if self.drafts(c.job) and (c.static is None or len(c.static) > 1)]
-            drafting = self._gate(drafting, dynamic, static_rows, plain, verify, draft_cost)
+            drafting = self._gate(drafting, dynamic, static_rows, plain, verify, context, len(decode))
             if drafting or draft_prefill:
                 sunk = self.drafter.propose(drafting, draft_prefill, verify, draft_cost, static_rows, plain)
         for cand in cands:  # static trees: suffix candidates merged after the shape (trie node i = tree node i)
@@ -174,13 +183,13 @@ class Controller:
         is not fed to the draft while it is prefilled (at batch 8 the draft never ran, but reading the prompts cost
         1.4 ms a step, 5%); a request that later drafts catches up then, a window per step."""
         policy = self.policy
-        verify, cost = policy.verify_at(active, context), policy.draft_at(context)
+        verify = policy.verify_at(active, context)
         if choose_drafted([policy.expected_draft_gain], [self._prior_rows()], [1 + policy.depth], float(active),
-                          active, verify, self._drafting_ms(cost)):
+                          active, verify, self._drafting_cost(context, 1)):
             return True
         short = self._first_level()
         return short is not None and bool(choose_drafted([short.expected_draft_gain], [1.0], [2.0], float(active),
-                                                         active, verify, self._drafting_ms(cost, short)))
+                                                         active, verify, self._drafting_cost(context, 1, short)))
 
     def _first_level(self) -> Policy | None:
         """The policy cut to its draft's first level (its tuned gain `first_level_gain`, a level's share of the host
@@ -195,24 +204,15 @@ class Controller:
                                            host_ms=policy.host_ms / policy.depth, host_more_ms=more))
         return self._short[1]
 
-    def _drafting_ms(self, draft_cost: Callable[[int, int], float],
-                     policy: Policy | None = None) -> Callable[[int, int], float]:
-        """ms of a drafting step's passes by (first-pass rows, requests): the pass over the requests' accepted tokens,
-        and for a tuned policy the `depth - 1` level passes of `width` nodes each that earn the tree's gain it weighs
-        (untuned, the gain is one sure token, as `_prior_rows` says: the first pass's). Why the level passes:
-        charged the first pass only, once `spectrt profile` priced the draft truthfully (its subnormal slowdown
-        fixed: 0.8 ms a pass over 8 rows at batch 8, not 1.6), batch 8 drafted as its requests finished and ran
-        0.93x plain batched decoding; with the level passes 0.97-1.00x (`scripts/batch_vs_plain.py --rounds 6`, bf16,
-        Intel Xeon, four runs; `--min-length` 1.004x), batch 4 0.98-1.00x (1.02-1.04x before), batch 1 the same
-        1.90 tokens a step.
-        And the host work each drafted request adds (`Policy.host_ms`, tuned): where verify rows are cheap (bf16dot on
-        AMX tiles, Intel Xeon, batch 8) the gate drafted every request and the step's Python grew 0.5 -> 2.3 ms,
-        which the cheaper rows did not pay back: 0.93x plain batched decoding. A batch's requests share part of it
-        (`Policy.host_charge`)."""
+    def _drafting_cost(self, context: int, segments: int, policy: Policy | None = None) -> DraftingCost:
+        """`Policy.drafting_cost` (the gate's price of a drafting step, and why), made once per policy, context bucket
+        and batch: building its curves and native twins each step cost more than the arithmetic they serve."""
         policy = policy or self.policy
-        levels = max(policy.depth - 1, 0) if policy.draft_gain is not None else 0
-        width, host = policy.width, policy.host_charge
-        return lambda rows, k: draft_cost(rows, k) + levels * draft_cost(width * k, k) + host(k)
+        key = (id(policy), -(-context // CONTEXT_BUCKET), segments)
+        found = self._costs.get(key)
+        if found is None or found[0] is not policy:
+            found = self._costs[key] = (policy, policy.drafting_cost(context, segments))
+        return found[1]
 
     def _prior_rows(self) -> float:
         """Verified rows the policy's expected draft gain comes with, before a job's own steps say: a tuned gain
@@ -235,7 +235,7 @@ class Controller:
         return min(lag, steady) + max(lag - steady, 0) / steps
 
     def _gate(self, drafting: list[Candidates], dynamic: list[Candidates], base_rows: int, plain: int,
-              verify: Callable[[int], float], draft_cost: Callable[[int, int], float]) -> list[Candidates]:
+              verify: Callable[[int], float], context: int, batch: int) -> list[Candidates]:
         """The dynamic jobs whose draft pays this step for its pass and the rows it adds (`policy.choose_drafted`);
         static trees always draft (their shape is the caller's explicit choice).
 
@@ -261,13 +261,13 @@ class Controller:
         catch_up = [self._catch_up(c.job) for c in grow]
         gains, gain_rows, rows = [c.job.draft_gain for c in grow], [c.job.draft_rows for c in grow], \
             base_rows + sum(sizes) + plain
-        full_ms = self._drafting_ms(draft_cost)
+        full_ms = self._drafting_cost(context, batch)
         picked = choose_drafted(gains, gain_rows, catch_up, gain, rows, verify, full_ms)
         short = self._first_level()
         if short is not None:  # the first level alone: its share of each gain, on a level's row, no level pass
             share, depth = short.draft_gain / self.policy.draft_gain, self.policy.depth
             short_gains, short_rows = [g * share for g in gains], [r / depth for r in gain_rows]
-            short_ms = self._drafting_ms(draft_cost, short)
+            short_ms = self._drafting_cost(context, batch, short)
             short_picked = choose_drafted(short_gains, short_rows, catch_up, gain, rows, verify, short_ms)
             if (drafted_rate(short_picked, short_gains, short_rows, catch_up, gain, rows, verify, short_ms)
                     > drafted_rate(picked, gains, gain_rows, catch_up, gain, rows, verify, full_ms)):

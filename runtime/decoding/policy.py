@@ -29,6 +29,17 @@ class CostCurve:
         if not self.ms or 1 not in self.ms or any(v <= 0 for v in self.ms.values()):
             raise ValueError(f"a cost curve needs positive milliseconds for T=1 at least, got {self.ms}")
         self._ts.extend(sorted(self.ms))
+        # `native`, once resolved: not a field (`asdict` of a policy would deep-copy the native object)
+        object.__setattr__(self, "_native", [])
+
+    def native(self):
+        """This curve in the native module (cpu_kernels.cpp `Curve`: the same values), made once; None where the
+        module does not build (`allocate` and the gate's arithmetic then run in Python)."""
+        if not self._native:
+            kernels = _kernels()
+            self._native.append(kernels.Curve([float(t) for t in self._ts], [self.ms[t] for t in self._ts])
+                                if kernels is not None else None)
+        return self._native[0]
 
     def __call__(self, tokens: int) -> float:
         ts, ms = self._ts, self.ms
@@ -135,6 +146,47 @@ class BatchedCost:
         return self._curves[key]
 
 
+@dataclass(frozen=True)
+class DraftingCost:
+    """ms of a drafting step's draft passes by (first-pass rows, requests drafting): the pass over the requests'
+    accepted tokens, `levels` level passes of `width` rows a request, and the host work the drafted requests add
+    (`host_ms` for the first, `host_more_ms` each further one: `Policy.host_charge`). `curves[s - 1]` is one draft
+    forward over s segments (`Policy.draft_at`), up to the most requests a step drafts (the last curve for more).
+    Made by `drafting_cost`; a plain callable for the budget's functions, and data for their native twins."""
+
+    curves: tuple[CostCurve, ...]
+    levels: int
+    width: int
+    host_ms: float
+    host_more_ms: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_native", [])  # `native`, once resolved
+
+    def pass_ms(self, rows: float, segments: int) -> float:
+        return self.curves[min(int(max(min(segments, rows), 1)), len(self.curves)) - 1](rows)
+
+    def __call__(self, rows: float, requests: int) -> float:
+        host = 0.0 if requests <= 0 else self.host_ms + self.host_more_ms * (requests - 1)
+        return self.pass_ms(rows, requests) + self.levels * self.pass_ms(self.width * requests, requests) + host
+
+    def native(self):
+        """This cost in the native module (cpu_kernels.cpp `DraftCost`), made once; None where it does not build."""
+        if not self._native:
+            curves = [c.native() for c in self.curves]
+            kernels = _kernels()
+            self._native.append(kernels.DraftCost(curves, self.levels, self.width, self.host_ms, self.host_more_ms)
+                                if kernels is not None and None not in curves else None)
+        return self._native[0]
+
+
+def _kernels():
+    """The native module of the budget's arithmetic (`sampling.host_kernels`: once a process), None if none builds."""
+    from spectrt.runtime.decoding.sampling import host_kernels
+
+    return host_kernels()
+
+
 # Untuned fallback (relative units): verify cost vs T of the fp32 torch engine measured on a 2-core CPU,
 # a 4-layer draft pass ~20% of a target step. `spectrt tune` replaces both with this machine's curves.
 DEFAULT_VERIFY = ((1, 1.0), (2, 1.13), (4, 1.48), (8, 2.23), (16, 3.11), (32, 4.8), (64, 8.0))
@@ -210,6 +262,28 @@ class Policy:
         table = self.draft_batched
         return lambda rows, segments: table.curve(int(max(min(segments, rows), 1)), context)(rows)
 
+    def drafting_cost(self, context: int, segments: int) -> DraftingCost:
+        """ms of a drafting step's passes at `context` by (first-pass rows, requests), for steps of at most `segments`
+        requests: the pass over the requests' accepted tokens, and for a tuned policy the `depth - 1` level passes of
+        `width` nodes each that earn the tree's gain it weighs (untuned, the gain is one sure token, as
+        `Controller._prior_rows` says: the first pass's), and the host work each drafted request adds (`host_ms`,
+        tuned; a batch's requests share part of it: `host_charge`).
+
+        Why the level passes: charged the first pass only, once `spectrt profile` priced the draft truthfully (its
+        subnormal slowdown fixed: 0.8 ms a pass over 8 rows at batch 8, not 1.6), batch 8 drafted as its requests
+        finished and ran 0.93x plain batched decoding; with the level passes 0.97-1.00x (`scripts/batch_vs_plain.py
+        --rounds 6`, bf16, Intel Xeon, four runs; `--min-length` 1.004x), batch 4 0.98-1.00x (1.02-1.04x before),
+        batch 1 the same 1.90 tokens a step. Why the host work: where verify rows are cheap (bf16dot on AMX tiles,
+        Intel Xeon, batch 8) the gate drafted every request and the step's Python grew 0.5 -> 2.3 ms, which the
+        cheaper rows did not pay back: 0.93x plain batched decoding."""
+        levels = max(self.depth - 1, 0) if self.draft_gain is not None else 0
+        if self.draft_batched is None:
+            curves = (self.draft_cost,)
+        else:
+            curves = tuple(self.draft_batched.curve(s, context) for s in range(1, max(segments, 1) + 1))
+        more = self.host_ms if self.host_more_ms is None else self.host_more_ms
+        return DraftingCost(curves, levels, self.width, self.host_ms, more)
+
     def to_json(self) -> dict:
         data = asdict(self)
         for key in ("verify_batched", "draft_batched"):
@@ -242,6 +316,16 @@ def allocation_gain(scores: list[list[float]], sizes: list[int], plain: int = 0)
 
 def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
              base_rows: int = 0, plain: int = 0, cap: int | None = None) -> tuple[list[int], float]:
+    """`allocate_reference`, natively where `verify` is a `CostCurve` and the module builds (the same sizes and rate,
+    bitwise: cpu_kernels.cpp says why)."""
+    curve = verify.native() if isinstance(verify, CostCurve) else None
+    if curve is None:
+        return allocate_reference(scores, budgets, sunk_ms, verify, base_rows, plain, cap)
+    return _kernels().allocate(scores, budgets, float(sunk_ms), curve, base_rows, plain, -1 if cap is None else cap)
+
+
+def allocate_reference(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
+                       base_rows: int = 0, plain: int = 0, cap: int | None = None) -> tuple[list[int], float]:
     """One speculation budget across a batch: nodes to verify per request (root included, >= 1 each), maximising
     expected tokens per millisecond of the ONE batched forward, and that rate.
 
@@ -272,8 +356,36 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     return [1 + c for c in counts], best_rate
 
 
+def _native_costs(verify: Callable, draft: Callable) -> tuple:
+    """(verify, draft) as native twins where both are the policy's own cost objects and the module builds, else None."""
+    if isinstance(verify, CostCurve) and isinstance(draft, DraftingCost):
+        curve, cost = verify.native(), draft.native()
+        if curve is not None and cost is not None:
+            return curve, cost
+    return None
+
+
 def drafted_rate(chosen: list[int], gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float,
                  rows: int, verify: Callable[[int], float], draft: Callable[[int, int], float]) -> float:
+    """`drafted_rate_reference`, natively where the costs have native twins (`_native_costs`)."""
+    native = _native_costs(verify, draft)
+    if native is None:
+        return drafted_rate_reference(chosen, gains, gain_rows, catch_up, gain, rows, verify, draft)
+    return _kernels().drafted_rate(chosen, gains, gain_rows, catch_up, float(gain), float(rows), *native)
+
+
+def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float, rows: int,
+                   verify: Callable[[int], float], draft: Callable[[int, int], float]) -> list[int]:
+    """`choose_drafted_reference`, natively where the costs have native twins (`_native_costs`)."""
+    native = _native_costs(verify, draft)
+    if native is None:
+        return choose_drafted_reference(gains, gain_rows, catch_up, gain, rows, verify, draft)
+    return _kernels().choose_drafted(gains, gain_rows, catch_up, float(gain), float(rows), *native)
+
+
+def drafted_rate_reference(chosen: list[int], gains: list[float], gain_rows: list[float], catch_up: list[float],
+                           gain: float, rows: int, verify: Callable[[int], float],
+                           draft: Callable[[int, int], float]) -> float:
     """Expected tokens per ms of a step in which the `chosen` requests draft (`choose_drafted`'s terms)."""
     if not chosen:
         return gain / verify(rows)
@@ -281,8 +393,9 @@ def drafted_rate(chosen: list[int], gains: list[float], gain_rows: list[float], 
                                                      + verify(rows + sum(gain_rows[j] for j in chosen)))
 
 
-def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float, rows: int,
-                   verify: Callable[[int], float], draft: Callable[[int, int], float]) -> list[int]:
+def choose_drafted_reference(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float,
+                             rows: int, verify: Callable[[int], float],
+                             draft: Callable[[int, int], float]) -> list[int]:
     """Which requests run the draft this step (indices, ascending), by expected tokens per millisecond.
 
     Without the draft the step expects `gain` tokens from a verify of `rows` rows. Drafting request j adds its

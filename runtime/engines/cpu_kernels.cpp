@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -1576,6 +1577,109 @@ class SuffixIndex {
   std::unordered_map<std::string, std::vector<int64_t>> ends_;
 };
 
+// ---- the speculation budget's arithmetic: runtime/decoding/policy.py's `allocate`, `choose_drafted`,
+// `drafted_rate` over its `CostCurve` and `DraftingCost`, operation for operation (the same doubles in the same order,
+// so bitwise the same choices: tests/test_policy.py compares them). Why native: each step weighs its candidates with
+// these ~5 times, ~30 Python calls each on the caches a forward had flushed (~0.1 ms a step at batch 8, bf16dot). ----
+
+// ms vs rows, piecewise linear through (xs, ys), xs ascending; flat below, the last slope above (`CostCurve`).
+struct Curve {
+  std::vector<double> xs, ys;
+  double operator()(double t) const {
+    const size_t n = xs.size();
+    if (t <= xs[0]) return ys[0];
+    if (t >= xs[n - 1]) {
+      if (n == 1) return ys[0];
+      const double a = xs[n - 2], b = xs[n - 1];
+      return ys[n - 1] + (ys[n - 1] - ys[n - 2]) / (b - a) * (t - b);
+    }
+    const size_t i = std::lower_bound(xs.begin(), xs.end(), t) - xs.begin();
+    const double a = xs[i - 1], b = xs[i];
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (t - a) / (b - a);
+  }
+};
+
+// ms of a drafting step's passes by (first-pass rows, requests) (`DraftingCost`): curves[s - 1] is a draft forward
+// over s segments (the last for more).
+struct DraftCost {
+  std::vector<std::shared_ptr<Curve>> curves;
+  int64_t levels = 0;
+  int64_t width = 1;
+  double host_ms = 0.0, host_more_ms = 0.0;
+  double pass(double rows, int64_t segments) const {
+    const int64_t s = static_cast<int64_t>(std::max(std::min(static_cast<double>(segments), rows), 1.0));
+    return (*curves[std::min<int64_t>(s, curves.size()) - 1])(rows);
+  }
+  double operator()(double rows, int64_t k) const {
+    const double host = k <= 0 ? 0.0 : host_ms + host_more_ms * static_cast<double>(k - 1);
+    return pass(rows, k) + static_cast<double>(levels) * pass(static_cast<double>(width * k), k) + host;
+  }
+};
+
+std::pair<std::vector<int64_t>, double> allocate(const std::vector<std::vector<double>>& scores,
+                                                 const std::vector<int64_t>& budgets, double sunk_ms,
+                                                 const Curve& verify, int64_t base_rows, int64_t plain, int64_t cap) {
+  TORCH_CHECK_VALUE(scores.size() == budgets.size(), "allocate needs one budget per request");
+  const int64_t n = static_cast<int64_t>(scores.size()) + plain;
+  std::vector<std::pair<double, int64_t>> merged;
+  for (size_t j = 0; j < scores.size(); ++j)
+    for (int64_t i = 0; i < std::min<int64_t>(std::max<int64_t>(budgets[j] - 1, 0), scores[j].size()); ++i)
+      merged.emplace_back(scores[j][i], static_cast<int64_t>(j));
+  std::stable_sort(merged.begin(), merged.end(), [](const auto& x, const auto& y) {
+    return -x.first != -y.first ? -x.first < -y.first : x.second < y.second;
+  });
+  if (cap >= 0 && static_cast<int64_t>(merged.size()) > cap) merged.resize(cap);
+  int64_t best_k = 0;
+  double gain = static_cast<double>(n);
+  double best_rate = gain / (sunk_ms + verify(static_cast<double>(base_rows + n)));
+  for (size_t k = 1; k <= merged.size(); ++k) {
+    gain += merged[k - 1].first;
+    const double rate = gain / (sunk_ms + verify(static_cast<double>(base_rows + n + static_cast<int64_t>(k))));
+    if (rate > best_rate) best_k = static_cast<int64_t>(k), best_rate = rate;
+  }
+  std::vector<int64_t> sizes(scores.size(), 1);
+  for (int64_t k = 0; k < best_k; ++k) ++sizes[merged[k].second];
+  return {sizes, best_rate};
+}
+
+double drafted_rate(const std::vector<int64_t>& chosen, const std::vector<double>& gains,
+                    const std::vector<double>& gain_rows, const std::vector<double>& catch_up, double gain, double rows,
+                    const Curve& verify, const DraftCost& draft) {
+  if (chosen.empty()) return gain / verify(rows);
+  double gained = 0.0, draft_rows = 0.0, verified = 0.0;
+  for (int64_t j : chosen) gained += gains[j];
+  for (int64_t j : chosen) draft_rows += catch_up[j];
+  for (int64_t j : chosen) verified += gain_rows[j];
+  return (gain + gained) / (draft(draft_rows, static_cast<int64_t>(chosen.size())) + verify(rows + verified));
+}
+
+std::vector<int64_t> choose_drafted(const std::vector<double>& gains, const std::vector<double>& gain_rows,
+                                    const std::vector<double>& catch_up, double gain, double rows, const Curve& verify,
+                                    const DraftCost& draft) {
+  TORCH_CHECK_VALUE(gains.size() == gain_rows.size() && gains.size() == catch_up.size(),
+                    "choose_drafted needs a gain, its rows and a catch-up per request");
+  std::vector<int64_t> order(gains.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int64_t>(j);
+  auto per_row = [&](int64_t j) { return -gains[j] / std::max(gain_rows[j], 1e-9); };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const double pa = per_row(a), pb = per_row(b);
+    return pa != pb ? pa < pb : catch_up[a] != catch_up[b] ? catch_up[a] < catch_up[b] : a < b;
+  });
+  size_t best = 0;
+  double best_rate = gain / verify(rows), total = gain, draft_rows = 0.0, verified = rows;
+  for (size_t k = 1; k <= order.size(); ++k) {
+    const int64_t j = order[k - 1];
+    total += gains[j];
+    draft_rows += catch_up[j];
+    verified += gain_rows[j];
+    const double rate = total / (draft(draft_rows, static_cast<int64_t>(k)) + verify(verified));
+    if (rate > best_rate) best = k, best_rate = rate;
+  }
+  std::vector<int64_t> picked(order.begin(), order.begin() + best);
+  std::sort(picked.begin(), picked.end());
+  return picked;
+}
+
 // Both calls release the GIL once their arguments are converted: they touch no Python object (only tensors' data
 // and ATen's allocator), so a server's other threads (a Triton stub sending responses) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1603,6 +1707,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "each row's argmax by the LM head's rule (tests)");
   m.def("top_tokens", &top_tokens, "each row's k best ids and softmax probabilities (sampling.top_tokens)");
+  py::class_<Curve, std::shared_ptr<Curve>>(m, "Curve", py::module_local(), "a cost curve (policy.py CostCurve)")
+      .def(py::init([](std::vector<double> xs, std::vector<double> ys) {
+        TORCH_CHECK_VALUE(!xs.empty() && xs.size() == ys.size() && std::is_sorted(xs.begin(), xs.end()),
+                          "a curve needs ascending points, one value each");
+        return std::make_shared<Curve>(Curve{std::move(xs), std::move(ys)});
+      }))
+      .def("__call__", &Curve::operator());
+  py::class_<DraftCost>(m, "DraftCost", py::module_local(), "a drafting step's cost (policy.py DraftingCost)")
+      .def(py::init([](std::vector<std::shared_ptr<Curve>> curves, int64_t levels, int64_t width, double host_ms,
+                       double host_more_ms) {
+        TORCH_CHECK_VALUE(!curves.empty(), "a drafting cost needs a curve");
+        return DraftCost{std::move(curves), levels, width, host_ms, host_more_ms};
+      }))
+      .def("__call__", &DraftCost::operator());
+  m.def("allocate", &allocate, "policy.allocate");
+  m.def("choose_drafted", &choose_drafted, "policy.choose_drafted");
+  m.def("drafted_rate", &drafted_rate, "policy.drafted_rate");
   py::class_<SuffixIndex>(m, "SuffixIndex", py::module_local(), "a request's suffix index (suffix.py SuffixIndex)")
       .def(py::init<const std::vector<int64_t>&, int64_t, int64_t, int64_t, int64_t>(), py::arg("tokens"),
            py::arg("max_ngram"), py::arg("min_match"), py::arg("max_occurrences"), py::arg("max_match"))
