@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,6 +58,7 @@ class Candidates:
     expected: float = 0.0  # expected accepted tokens of the chosen nodes (their scores' sum)
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: dict[int, list] = field(default_factory=dict)
+    suffixed: set[int] = field(default_factory=set)  # nodes the suffix index proposed (the others: the draft's)
 
     @property
     def scores(self) -> list[float]:
@@ -98,7 +100,9 @@ class SuffixProposer:
                 break
             room -= len(tokens)
             scores = policy.calibration.suffix_path(match, share)
-            for k, node in enumerate(cand.trie.add_path(tokens, scores[:len(tokens)])):
+            nodes = cand.trie.add_path(tokens, scores[:len(tokens)])
+            cand.suffixed.update(nodes)
+            for k, node in enumerate(nodes):
                 cand.keys.setdefault(node, []).append(("suffix", (match, k)))
 
 
@@ -344,9 +348,7 @@ class DraftProposer:
                 rows.append(row)
                 cols.append(trie.draft_slot[anc])
                 anc = trie.parents[anc]
-        mask = np.zeros((len(nodes), fed + len(nodes)), dtype=bool)
-        mask[rows, cols] = True
-        mask = torch.from_numpy(mask)
+        mask = level_mask(len(nodes), fed + len(nodes), tuple(rows), tuple(cols))
         for node in nodes:
             trie.draft_slot[node] = len(d.fed)
             d.fed.append(node)
@@ -473,6 +475,16 @@ class Eagle3Proposer(DraftProposer):
         rows = self.node_hidden[id(cache)]
         self.fed_nodes[id(cache)] = nodes
         return HeadSegment(tokens, positions, mask, cache, gather_rows([rows[d.cand.trie.parents[i]] for i in nodes]))
+
+
+@lru_cache(maxsize=4096)
+def level_mask(nodes: int, window: int, rows: tuple[int, ...], cols: tuple[int, ...]) -> torch.Tensor:
+    """Bool [nodes, window], True at (rows[i], cols[i]): a draft level's mask, made once per pattern (read only, by
+    the forwards). Why: a level's mask is one of few patterns, and making it each time (numpy's zeros, indexed write
+    and from_numpy) cost ~20 us a level on the caches a draft pass had flushed (line_profiler, batch 1)."""
+    mask = np.zeros((nodes, window), dtype=bool)
+    mask[list(rows), list(cols)] = True
+    return torch.from_numpy(mask)
 
 
 def gather_rows(rows: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
