@@ -258,7 +258,10 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
     """{batch: ms per step by part} of the decode loop itself under its default policy (`Decoder.clock`): the target
     and draft forwards and the host work around them (proposing, acceptance, the rest), greedy, `prompts` chat
     prompts of the bench set, `tokens` each; batch 1 decodes them one at a time, batch B together. Past batch 1 also
-    "B plain": the same requests without speculation (the target alone), the step speculation must not lose to."""
+    "B plain": the same requests without speculation (the target alone), the step speculation must not lose to.
+    Each setting runs a round unmeasured first: the policy's cost curves are made once per batch and 64-token context
+    bucket (~50 us each, `BatchedCost.curve`), ~25 us a step at batch 8 in a first round (line_profiler), which a
+    long-running loop does not pay."""
     from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
     from spectrt.runtime.decoding.decoder import Job, StepClock
     from spectrt.runtime.decoding.pipeline import Pipeline
@@ -269,14 +272,14 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
                     prefix_cache=False)
     decoder = pipe.decoder
     ids = [pipe.encode(p) for p in read_prompts(DEFAULT_PROMPTS)[:prompts]]
-    decoder.run([Job(ids[0], 8, AUTO)])  # warm-up
     report = {}
     for batch in batches:
         modes = [(str(batch), AUTO)] + ([(f"{batch} plain", None)] if batch > 1 else [])
         for name, tree in modes:
-            decoder.clock = StepClock()
-            for start in range(0, len(ids), batch):
-                decoder.run([Job(list(p), tokens, tree, min_length=tokens) for p in ids[start:start + batch]])
+            for _ in range(2):  # the second round measured
+                decoder.clock = StepClock()
+                for start in range(0, len(ids), batch):
+                    decoder.run([Job(list(p), tokens, tree, min_length=tokens) for p in ids[start:start + batch]])
             report[name] = decoder.clock.per_step_ms()
     return report
 
