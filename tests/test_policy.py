@@ -513,3 +513,19 @@ def test_the_budgets_native_arithmetic_chooses_what_the_reference_chooses(isa, m
         assert drafted_rate(picked, *gate) == drafted_rate_reference(picked, *gate), trial
         some = sorted(rng.sample(range(n), rng.randrange(0, n + 1)))
         assert drafted_rate(some, *gate) == drafted_rate_reference(some, *gate), trial
+
+
+def test_a_step_curve_is_the_batched_table_at_every_measured_row_count():
+    """`BatchedCost.curve` (the rows' and segments' interpolation made once per segment count, then each context
+    bucket's) holds exactly `BatchedCost.__call__`'s values at the bucket's context, for every segment count (measured
+    or between) and bucket; T=1 is the segments' own row count."""
+    from spectrt.runtime.decoding.policy import CONTEXT_BUCKET
+
+    cost = BatchedCost.from_json(synthetic_table())
+    for segments in range(1, 11):
+        for context in (1, 64, 65, 300, 1024, 2000):
+            bucket = -(-context // CONTEXT_BUCKET) * CONTEXT_BUCKET
+            curve = cost.curve(segments, context)
+            assert curve.ms[1] == cost(segments, segments, bucket)
+            assert all(ms == cost(r, segments, bucket) for r, ms in curve.ms.items() if r > 1 or segments == 1)
+            assert curve is cost.curve(segments, bucket)  # one per bucket
