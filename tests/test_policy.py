@@ -1,9 +1,11 @@
 """The policy's cost model and the tuner's choice on synthetic cost curves and acceptance tables."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
+import torch
 from spectrt.runtime.decoding.policy import (
     BatchedCost,
     Calibration,
@@ -529,3 +531,52 @@ def test_a_step_curve_is_the_batched_table_at_every_measured_row_count():
             assert curve.ms[1] == cost(segments, segments, bucket)
             assert all(ms == cost(r, segments, bucket) for r, ms in curve.ms.items() if r > 1 or segments == 1)
             assert curve is cost.curve(segments, bucket)  # one per bucket
+
+
+def test_bad_inputs_to_the_budgets_arithmetic_are_refused_not_read():
+    """A hand-edited policy with a NaN or negative tuned field is refused naming the fields and the fix; the native
+    twins refuse what they cannot read (an out-of-range request, a missing curve) instead of reading out of bounds,
+    return NaN for a NaN row count as Python does, and a drafted rate's sums add in order (as the native twin)."""
+    from spectrt.runtime.decoding.policy import DraftingCost, drafted_rate_reference
+    from spectrt.runtime.engines.kernels import load_kernels
+
+    for field in ("draft_gain", "host_ms", "host_more_ms", "first_level_gain"):
+        with pytest.raises(ValueError, match=f"{field}.*spectrt tune"):
+            Policy(**{field: float("nan")})
+        with pytest.raises(ValueError, match=field):
+            Policy(**{field: -1.0})
+    flat = DraftingCost((CostCurve({1: 1.0}),), 0, 1, 0.0, 0.0)
+    # in order: 0.1 + 0.2 + 0.3 is 0.6000000000000001 (a compensated sum, Python 3.12's `sum`, gives 0.6)
+    assert drafted_rate_reference([0, 1, 2], [0.1, 0.2, 0.3], [0.0] * 3, [1.0] * 3, 0.0, 1, lambda t: 1.0,
+                                  lambda rows, k: 0.0) == 0.6000000000000001
+    native = load_kernels()
+    if native is None:
+        return
+    curve = native.Curve([1.0, 8.0], [1.0, 2.0])
+    assert math.isnan(curve(float("nan"))) and curve(4.5) == 1.5
+    cost = native.DraftCost([curve], 0, 1, 0.0, 0.0)
+    with pytest.raises(ValueError, match="chosen request"):
+        native.drafted_rate([3], [1.0], [1.0], [1.0], 1.0, 8.0, curve, cost)
+    with pytest.raises(ValueError, match="per request"):
+        native.drafted_rate([0], [1.0, 2.0], [1.0], [1.0], 1.0, 8.0, curve, cost)
+    with pytest.raises(ValueError, match="no None"):
+        native.DraftCost([None], 0, 1, 0.0, 0.0)
+    with pytest.raises(ValueError, match="max_occurrences"):
+        native.SuffixIndex([1, 2], 4, 2, 0, 32)
+    k = torch.zeros(2, 2, 16, 8)
+    with pytest.raises(ValueError, match="outside the capacity"):
+        native.compact_cache(k, k.clone(), -1, [1])
+    assert flat(3, 1) == 1.0
+
+
+def test_the_gates_costs_follow_the_loops_policy():
+    """A loop that swaps its policy (`Decoder.run(policy=...)`, the tuner) keeps no drafting costs of the old one."""
+    from spectrt.runtime.decoding.controller import Controller
+    from spectrt.runtime.decoding.propose import SuffixProposer
+
+    first, second = Policy(depth=2, draft_gain=1.0), Policy(depth=3, draft_gain=1.2)
+    controller = Controller(first, None, SuffixProposer(1), max_seq_len=64, max_tree_tokens=16, tree_budget=16)
+    controller._drafting_cost(128, 2)
+    controller.policy = second
+    cost = controller._drafting_cost(300, 4)
+    assert [owner for owner, _ in controller._costs.values()] == [second] and cost.levels == 2

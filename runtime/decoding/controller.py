@@ -52,6 +52,7 @@ class Controller:
         self.max_seq_len, self.max_tree_tokens, self.tree_budget = max_seq_len, max_tree_tokens, tree_budget
         self._short: tuple[Policy, Policy] | None = None  # (policy, its first level alone): `_first_level`
         self._costs: dict[tuple, tuple[Policy, DraftingCost]] = {}  # `_drafting_cost`'s, once per policy and shape
+        self._costs_of: Policy | None = None  # the policy `_costs` were made under (its first level's too)
 
     def start(self, job: Job) -> None:
         """A new job's speculation state: suffix candidates (the policy's choice for AUTO) and fresh estimates."""
@@ -207,6 +208,9 @@ class Controller:
     def _drafting_cost(self, context: int, segments: int, policy: Policy | None = None) -> DraftingCost:
         """`Policy.drafting_cost` (the gate's price of a drafting step, and why), made once per policy, context bucket
         and batch: building its curves and native twins each step cost more than the arithmetic they serve."""
+        if self._costs_of is not self.policy:  # the loop's policy changed (`Decoder.run(policy=...)`, the tuner)
+            self._costs.clear()
+            self._costs_of = self.policy
         policy = policy or self.policy
         key = (id(policy), -(-context // CONTEXT_BUCKET), segments)
         found = self._costs.get(key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -227,6 +228,12 @@ class Policy:
     def __post_init__(self) -> None:
         if self.budget < 1 or self.depth < 0 or self.width < 1 or self.suffix_depth < 0:
             raise ValueError(f"policy {self} needs budget >= 1, depth >= 0, width >= 1, suffix_depth >= 0")
+        tuned = {"draft_gain": self.draft_gain, "host_ms": self.host_ms, "host_more_ms": self.host_more_ms,
+                 "first_level_gain": self.first_level_gain}
+        bad = [name for name, value in tuned.items() if value is not None and not 0 <= value < math.inf]
+        if bad:  # a hand-edited policy file: NaN or a negative would order the gate's choices arbitrarily
+            raise ValueError(f"policy fields {', '.join(bad)} must be finite and >= 0 (got "
+                             f"{', '.join(repr(tuned[b]) for b in bad)}): run `spectrt tune` again or fix the file")
 
     @property
     def expected_draft_gain(self) -> float:
@@ -395,11 +402,18 @@ def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[fl
 def drafted_rate_reference(chosen: list[int], gains: list[float], gain_rows: list[float], catch_up: list[float],
                            gain: float, rows: int, verify: Callable[[int], float],
                            draft: Callable[[int, int], float]) -> float:
-    """Expected tokens per ms of a step in which the `chosen` requests draft (`choose_drafted`'s terms)."""
+    """Expected tokens per ms of a step in which the `chosen` requests draft (`choose_drafted`'s terms). Sums added
+    one term at a time, in order (not `sum`: Python 3.12's compensates, and the native twin must match bitwise)."""
     if not chosen:
         return gain / verify(rows)
-    return (gain + sum(gains[j] for j in chosen)) / (draft(sum(catch_up[j] for j in chosen), len(chosen))
-                                                     + verify(rows + sum(gain_rows[j] for j in chosen)))
+    gained = draft_rows = verified = 0.0
+    for j in chosen:
+        gained += gains[j]
+    for j in chosen:
+        draft_rows += catch_up[j]
+    for j in chosen:
+        verified += gain_rows[j]
+    return (gain + gained) / (draft(draft_rows, len(chosen)) + verify(rows + verified))
 
 
 def choose_drafted_reference(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float,

@@ -1412,7 +1412,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // LM head's GEMM takes it while the rows are still in cache (`PanelMax`).
 
 // The k largest entries of one row [V] (ties to the lower index, largest first) into ids[k], and their softmax
-// probabilities into probs[k] (`best`: k floats of scratch). Rows are finite or -inf, with at least k finite entries.
+// probabilities into probs[k] (`best`: k floats of scratch). Rows are finite or -inf, with at least k finite entries
+// (a NaN may hide a block's larger entries from the skip below: outside that contract).
 // Once k entries are held, a block of 64 whose maximum does not beat the k-th is skipped whole. Why: the scalar scan
 // of every entry made a call over three 8,192-wide rows (the EAGLE-3 head's draft vocabulary) 18.8 us warm, this 7.9.
 static void row_top_tokens(const float* row, int64_t V, int64_t k, int64_t* top, double* probs, float* best) {
@@ -1471,12 +1472,13 @@ std::pair<std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>> t
 // then scatter) cost 74 us right after a target forward (26 warm), a cost of most accepted tree steps at batch 1.
 void compact_cache(torch::Tensor k, torch::Tensor v, int64_t length, std::vector<int64_t> keep) {
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == at::kFloat &&
-              v.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous(),
-              "compact_cache takes contiguous fp32 K and V of one shape [layers, kv_heads, capacity, head_dim]");
+              v.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.is_cpu() && v.is_cpu(),
+              "compact_cache takes contiguous CPU fp32 K and V of one shape [layers, kv_heads, capacity, head_dim]");
   const int64_t blocks = k.size(0) * k.size(1), capacity = k.size(2), D = k.size(3);
   const int64_t n = static_cast<int64_t>(keep.size());
+  TORCH_CHECK_VALUE(0 <= length && length <= capacity, "compact_cache: length ", length, " outside the capacity");
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(keep[i] >= i && (i == 0 || keep[i] > keep[i - 1]) && length + keep[i] < capacity,
+    TORCH_CHECK_VALUE(keep[i] >= i && (i == 0 || keep[i] > keep[i - 1]) && keep[i] < capacity - length,
                       "compact_cache needs ascending window slots within the capacity: got ", keep[i], " at ", i);
   int64_t first = 0;
   while (first < n && keep[first] == first) ++first;
@@ -1499,6 +1501,7 @@ class SuffixIndex {
       : max_ngram_(max_ngram), min_match_(min_match), max_occurrences_(max_occurrences), max_match_(max_match) {
     TORCH_CHECK_VALUE(1 <= min_match && min_match <= max_ngram, "min_match=", min_match,
                       " must be in [1, max_ngram=", max_ngram, "]");
+    TORCH_CHECK_VALUE(max_occurrences >= 1 && max_match >= 1, "max_occurrences and max_match must be >= 1");
     extend(tokens);
   }
   void extend(const std::vector<int64_t>& tokens) { seq_.insert(seq_.end(), tokens.begin(), tokens.end()); }
@@ -1535,7 +1538,7 @@ class SuffixIndex {
     using Path = std::vector<int64_t>;
     std::vector<Path> conts;
     for (int64_t e : ends) {
-      const int64_t stop = std::min(e + 1 + max_tokens, static_cast<int64_t>(seq_.size()));
+      const int64_t stop = e + 1 + std::min(max_tokens, static_cast<int64_t>(seq_.size()) - e - 1);
       if (e + 1 < stop) conts.emplace_back(seq_.begin() + e + 1, seq_.begin() + stop);
     }
     const double total = static_cast<double>(conts.size());
@@ -1587,6 +1590,7 @@ struct Curve {
   std::vector<double> xs, ys;
   double operator()(double t) const {
     const size_t n = xs.size();
+    if (std::isnan(t)) return t;  // as Python's: no boundary test holds, and no segment may be read
     if (t <= xs[0]) return ys[0];
     if (t >= xs[n - 1]) {
       if (n == 1) return ys[0];
@@ -1645,6 +1649,10 @@ std::pair<std::vector<int64_t>, double> allocate(const std::vector<std::vector<d
 double drafted_rate(const std::vector<int64_t>& chosen, const std::vector<double>& gains,
                     const std::vector<double>& gain_rows, const std::vector<double>& catch_up, double gain, double rows,
                     const Curve& verify, const DraftCost& draft) {
+  const int64_t n = static_cast<int64_t>(gains.size());
+  TORCH_CHECK_VALUE(gain_rows.size() == gains.size() && catch_up.size() == gains.size(),
+                    "drafted_rate needs a gain, its rows and a catch-up per request");
+  for (int64_t j : chosen) TORCH_CHECK_VALUE(0 <= j && j < n, "drafted_rate: chosen request ", j, " of ", n);
   if (chosen.empty()) return gain / verify(rows);
   double gained = 0.0, draft_rows = 0.0, verified = 0.0;
   for (int64_t j : chosen) gained += gains[j];
@@ -1661,7 +1669,7 @@ std::vector<int64_t> choose_drafted(const std::vector<double>& gains, const std:
   std::vector<int64_t> order(gains.size());
   for (size_t j = 0; j < order.size(); ++j) order[j] = static_cast<int64_t>(j);
   auto per_row = [&](int64_t j) { return -gains[j] / std::max(gain_rows[j], 1e-9); };
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {  // never out of bounds, whatever values
     const double pa = per_row(a), pb = per_row(b);
     return pa != pb ? pa < pb : catch_up[a] != catch_up[b] ? catch_up[a] < catch_up[b] : a < b;
   });
@@ -1717,7 +1725,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DraftCost>(m, "DraftCost", py::module_local(), "a drafting step's cost (policy.py DraftingCost)")
       .def(py::init([](std::vector<std::shared_ptr<Curve>> curves, int64_t levels, int64_t width, double host_ms,
                        double host_more_ms) {
-        TORCH_CHECK_VALUE(!curves.empty(), "a drafting cost needs a curve");
+        TORCH_CHECK_VALUE(!curves.empty() && std::find(curves.begin(), curves.end(), nullptr) == curves.end(),
+                          "a drafting cost needs curves (no None)");
         return DraftCost{std::move(curves), levels, width, host_ms, host_more_ms};
       }))
       .def("__call__", &DraftCost::operator());
