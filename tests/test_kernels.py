@@ -13,7 +13,7 @@ from spectrt.runtime.decoding.decoder import Decoder
 from spectrt.runtime.decoding.profile import prefilled_cache
 from spectrt.runtime.decoding.tree import Tree
 from spectrt.runtime.engines import kernels
-from spectrt.runtime.engines.model import KVCache, Transformer
+from spectrt.runtime.engines.model import Transformer
 
 ISAS = kernels.runnable_isas()  # every build this CPU can execute, best first: the tests below run on each
 
@@ -514,40 +514,6 @@ def test_native_kv_pools_are_zeroed_and_huge_page_aligned(target):
         assert pool.data_ptr() % kernels.HUGE_PAGE == 0
     assert caches[1].k.data_ptr() == pool[1].data_ptr()
     assert all(cache.kernels is target.native.kernels for cache in caches)  # they compact natively
-
-
-@pytest.mark.parametrize("isa", ISAS)
-def test_native_compaction_moves_the_rows_numpy_moves(isa, monkeypatch):
-    """Property: over random pool shapes, prefix lengths and accepted window slots (ascending; a leading run in place
-    or not, none at all), the native `compact_cache` leaves K and V bitwise as the numpy path does (every other row
-    untouched) and commits as many rows; slots out of order or past the capacity are refused."""
-    monkeypatch.setenv("SPECTRT_ISA", isa)
-    native = kernels.load_kernels()
-    gen = torch.Generator().manual_seed(5)
-
-    def draw(high: int) -> int:
-        return int(torch.randint(0, high, (1,), generator=gen))
-
-    for trial in range(150):
-        layers, heads, window, dim = 1 + draw(3), 1 + draw(3), 1 + draw(12), (8, 64, 5)[trial % 3]
-        capacity = window + draw(40)
-        pool_k, pool_v = torch.randn(2, layers, heads, capacity, dim), torch.randn(2, layers, heads, capacity, dim)
-        keep = sorted(torch.randperm(window, generator=gen)[:draw(window + 1)].tolist())
-        if trial % 4 == 0 and keep:  # a path that starts with rows in place
-            keep = sorted(set(range(draw(len(keep)) + 1)) | set(keep))
-        caches = [KVCache(k, v, 1, window, kernels=module)
-                  for k, v, module in ((pool_k, pool_v, native), (pool_k.clone(), pool_v.clone(), None))]
-        length = draw(capacity - window + 1)
-        for cache in caches:
-            cache.length = length
-            cache.compact(keep)
-        assert caches[0].length == caches[1].length == length + len(keep)
-        assert torch.equal(caches[0].pool_k, caches[1].pool_k), trial
-        assert torch.equal(caches[0].pool_v, caches[1].pool_v), trial
-    k, v = torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, 16, 8)
-    for bad in ([2, 1], [0, 0], [0, 16]):
-        with pytest.raises(ValueError, match="ascending window slots"):
-            native.compact_cache(k, v, 0, bad)
 
 
 def test_native_refuses_bad_token_ids(target):

@@ -20,7 +20,6 @@ from spectrt.runtime.decoding.policy import (
     pick_measured,
     rank_policies,
 )
-from spectrt.runtime.engines.kernels import runnable_isas
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
 
@@ -462,59 +461,6 @@ def test_a_drafting_cost_is_the_draft_passes_and_host_work_it_stands_for():
                     assert cost(rows, k) == pytest.approx(want, rel=1e-12), (rows, k)
             assert cost.native() is None or cost.native()(7.25, 3) == cost(7.25, 3)
         assert Policy.from_json(json.loads(json.dumps(policy.to_json()))) == policy
-
-
-@pytest.mark.parametrize("isa", runnable_isas())
-def test_the_budgets_native_arithmetic_chooses_what_the_reference_chooses(isa, monkeypatch):
-    """Property: over random score lists, budgets, caps, gains, catch-ups and cost curves (flat, steep, batched by
-    segments), `allocate`, `choose_drafted` and `drafted_rate` as the loop runs them (native, on every ISA build) give
-    the Python references' sizes, choices and rates bitwise: the same trees."""
-    import random
-
-    from spectrt.runtime.decoding.policy import (
-        DraftingCost,
-        allocate_reference,
-        choose_drafted_reference,
-        drafted_rate,
-        drafted_rate_reference,
-    )
-    from spectrt.runtime.engines.kernels import load_kernels
-
-    monkeypatch.setenv("SPECTRT_ISA", isa)
-    native = load_kernels()
-    if native is None:
-        pytest.skip("no native module builds here")
-    monkeypatch.setattr("spectrt.runtime.decoding.policy._kernels", lambda: native)
-    rng = random.Random(3)
-
-    def curve() -> CostCurve:
-        points = sorted({1, *rng.sample(range(2, 80), rng.randrange(0, 6))})
-        ms, total = {}, rng.uniform(0.5, 10)
-        for t in points:
-            total += rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 0.1)])
-            ms[t] = total
-        return CostCurve(ms)
-
-    for trial in range(300):
-        verify = curve()
-        n = rng.randrange(1, 9)
-        scores = [sorted((rng.choice([rng.random(), 0.5, 0.25]) for _ in range(rng.randrange(0, 9))), reverse=True)
-                  for _ in range(n)]
-        budgets = [rng.randrange(1, 10) for _ in range(n)]
-        args = (scores, budgets, rng.choice([0.0, rng.uniform(0, 3)]), verify, rng.randrange(0, 20),
-                rng.randrange(0, 3), rng.choice([None, 0, rng.randrange(1, 12)]))
-        assert allocate(*args) == allocate_reference(*args), trial
-        draft = DraftingCost(tuple(curve() for _ in range(rng.randrange(1, n + 1))), rng.randrange(0, 3),
-                             rng.randrange(1, 4), rng.uniform(0, 0.5), rng.uniform(0, 0.2))
-        gains = [rng.choice([rng.uniform(0, 2), 0.5, 1.0]) for _ in range(n)]
-        gain_rows = [rng.choice([rng.uniform(0, 4), 1.0, 3.0, 0.0]) for _ in range(n)]
-        catch_up = [rng.choice([rng.uniform(1, 8), 2.0, 4]) for _ in range(n)]
-        gate = (gains, gain_rows, catch_up, rng.uniform(1, 10), rng.randrange(1, 40), verify, draft)
-        picked = choose_drafted(*gate)
-        assert picked == choose_drafted_reference(*gate), trial
-        assert drafted_rate(picked, *gate) == drafted_rate_reference(picked, *gate), trial
-        some = sorted(rng.sample(range(n), rng.randrange(0, n + 1)))
-        assert drafted_rate(some, *gate) == drafted_rate_reference(some, *gate), trial
 
 
 def test_a_step_curve_is_the_batched_table_at_every_measured_row_count():

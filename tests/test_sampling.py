@@ -24,7 +24,7 @@ from spectrt.runtime.decoding.sampling import (
     verify_sampled_batch,
 )
 from spectrt.runtime.decoding.tree import Tree, greedy_accept
-from spectrt.runtime.engines.kernels import last_rows, load_kernels, runnable_isas
+from spectrt.runtime.engines.kernels import last_rows
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -429,13 +429,10 @@ def test_top_tokens_are_torch_topk_and_softmax(top_tokens):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("isa", runnable_isas())
-def test_native_top_tokens_match_the_numpy_reference(isa, monkeypatch):
+def test_native_top_tokens_match_the_numpy_reference():
     """Property: over random widths, row counts, k, ties (rounded logits) and -inf columns, the native helper the loop
-    calls gives numpy's ids exactly and its probabilities to 1e-5 (so the same trees), on every ISA build (blocks whose
-    maximum cannot enter the top k are skipped); where no native module builds both calls are the reference."""
-    monkeypatch.setenv("SPECTRT_ISA", isa)
-    native = load_kernels()  # this ISA's build (the loop's `top_tokens` resolves the best one once a process)
+    calls gives numpy's ids exactly and its probabilities to 1e-5 (so the same trees); where no native module builds
+    both calls are the reference."""
     gen = torch.Generator().manual_seed(1)
     for trial in range(120):
         m, v = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(3, 9000, (1,), generator=gen))
@@ -445,10 +442,9 @@ def test_native_top_tokens_match_the_numpy_reference(isa, monkeypatch):
             logits = logits.round()
         if trial % 5 == 0:
             logits[:, ::7] = float("-inf")
-        want_ids, want_probs = sampling.top_tokens_reference(logits, k)
-        for ids, probs in [sampling.top_tokens(logits, k)] + ([native.top_tokens(logits, k)] if native else []):
-            assert ids == want_ids, trial
-            assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial
+        (ids, probs), (want_ids, want_probs) = sampling.top_tokens(logits, k), sampling.top_tokens_reference(logits, k)
+        assert ids == want_ids, trial
+        assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial
 
 
 @pytest.mark.unit
@@ -765,4 +761,3 @@ def test_decoder_seeded_sampling_is_reproducible(tiny_pair):
     assert run(7) == first  # the same seed: the same tokens, after other generations in between too
     others = [run(seed) for seed in (8, 9, 10)]
     assert all(o != first for o in others) and run(7) == first
-

@@ -1,8 +1,7 @@
 """The per-request suffix index: longest repeated suffix, continuations proposed, incremental updates."""
 
 import pytest
-from spectrt.runtime.decoding.suffix import SuffixIndex, new_index
-from spectrt.runtime.engines.kernels import load_kernels, native_unavailable, runnable_isas
+from spectrt.runtime.decoding.suffix import SuffixIndex
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
 
@@ -94,32 +93,3 @@ def test_lazy_index_matches_brute_force_whatever_the_reads(seed):
         if rng.random() < 0.4:
             assert index.longest_match() == _reference_match(seq, 4, 2, 3, 32)
             assert index.indexed == len(seq) == len(index.tokens)
-
-
-@pytest.mark.parametrize("isa", runnable_isas())
-def test_the_native_index_finds_and_proposes_what_the_python_one_does(isa, monkeypatch):
-    """Property: over random sequences (small alphabets: many repeats), chunked extends and reads at random points,
-    the native index the loop uses (`new_index`) returns the same longest matches and the same proposals, in the
-    same order with the same shares, as `SuffixIndex`, on every ISA build; bad settings are refused alike."""
-    import random
-
-    monkeypatch.setenv("SPECTRT_ISA", isa)
-    native = load_kernels()
-    if native is None:
-        pytest.skip(f"no native module builds here: {native_unavailable()}")
-    rng = random.Random(7)
-    for trial in range(40):
-        alphabet = rng.choice([3, 6, 50])
-        seq = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 40))]
-        ours, theirs = new_index(list(seq), native), SuffixIndex(list(seq))
-        for _ in range(40):
-            chunk = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 5))]
-            ours.extend(chunk), theirs.extend(chunk)
-            if rng.random() < 0.5:
-                depth = rng.randrange(0, 10)
-                got = [(tuple(tokens), match, tuple(share)) for tokens, match, share in ours.propose(depth)]
-                assert got == [tuple(c) for c in theirs.propose(depth)], trial
-                assert ours.longest_match() == theirs.longest_match(), trial
-        assert ours.tokens == theirs.tokens and ours.indexed == theirs.indexed
-    with pytest.raises(ValueError, match="min_match"):
-        native.SuffixIndex([], 2, 3, 16, 32)
