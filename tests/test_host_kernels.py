@@ -22,6 +22,7 @@ from spectrt.runtime.decoding.policy import (
 from spectrt.runtime.decoding.suffix import SuffixIndex, new_index
 from spectrt.runtime.engines.kernels import load_kernels, native_unavailable, runnable_isas
 from spectrt.runtime.engines.model import KVCache
+from test_sampling import top_k_cases
 
 ISAS = runnable_isas()
 
@@ -64,24 +65,17 @@ def test_native_compaction_moves_the_rows_numpy_moves(isa, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_native_top_tokens_on_every_isa_match_the_numpy_reference(isa, monkeypatch):
-    """Property: over random widths, row counts, k, ties (rounded logits) and -inf columns, the native helper the loop
-    calls gives numpy's ids exactly and its probabilities to 1e-5 (so the same trees), on every ISA build (blocks whose
-    maximum cannot enter the top k are skipped); where no native module builds both calls are the reference."""
+    """Property: over `test_sampling.top_k_cases`, each ISA build's native top-k gives numpy's ids exactly and its
+    probabilities to 1e-5 (so the same trees; blocks whose maximum cannot enter the top k are skipped). The loop's own
+    call (the best build, resolved once a process) is `test_sampling`'s."""
     monkeypatch.setenv("SPECTRT_ISA", isa)
-    native = load_kernels()  # this ISA's build (the loop's `top_tokens` resolves the best one once a process)
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(120):
-        m, v = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(3, 9000, (1,), generator=gen))
-        k = int(torch.randint(1, 4, (1,), generator=gen))
-        logits = torch.randn(m, v, generator=gen) * 5
-        if trial % 3 == 0:
-            logits = logits.round()
-        if trial % 5 == 0:
-            logits[:, ::7] = float("-inf")
-        want_ids, want_probs = sampling.top_tokens_reference(logits, k)
-        for ids, probs in [sampling.top_tokens(logits, k)] + ([native.top_tokens(logits, k)] if native else []):
-            assert ids == want_ids, trial
-            assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial
+    native = load_kernels()
+    if native is None:
+        pytest.skip(f"no native module builds here: {native_unavailable()}")
+    for trial, logits, k in top_k_cases():
+        (ids, probs), (want_ids, want_probs) = native.top_tokens(logits, k), sampling.top_tokens_reference(logits, k)
+        assert ids == want_ids, trial
+        assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -121,7 +115,7 @@ def test_the_budgets_native_arithmetic_chooses_what_the_reference_chooses(isa, m
     native = load_kernels()
     if native is None:
         pytest.skip("no native module builds here")
-    monkeypatch.setattr("spectrt.runtime.decoding.policy._kernels", lambda: native)
+    monkeypatch.setattr("spectrt.runtime.decoding.policy.host_kernels", lambda: native)
     rng = random.Random(3)
 
     def curve() -> CostCurve:

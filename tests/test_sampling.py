@@ -428,11 +428,8 @@ def test_top_tokens_are_torch_topk_and_softmax(top_tokens):
         assert torch.allclose(torch.tensor(row_probs, dtype=torch.float64), want[row, row_ids], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.unit
-def test_native_top_tokens_match_the_numpy_reference():
-    """Property: over random widths, row counts, k, ties (rounded logits) and -inf columns, the native helper the loop
-    calls gives numpy's ids exactly and its probabilities to 1e-5 (so the same trees); where no native module builds
-    both calls are the reference."""
+def top_k_cases():
+    """(trial, logits, k): random widths, row counts and k, ties (rounded logits) and -inf columns."""
     gen = torch.Generator().manual_seed(1)
     for trial in range(120):
         m, v = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(3, 9000, (1,), generator=gen))
@@ -442,6 +439,14 @@ def test_native_top_tokens_match_the_numpy_reference():
             logits = logits.round()
         if trial % 5 == 0:
             logits[:, ::7] = float("-inf")
+        yield trial, logits, k
+
+
+@pytest.mark.unit
+def test_native_top_tokens_match_the_numpy_reference():
+    """Property: over `top_k_cases`, the native helper the loop calls gives numpy's ids exactly and its probabilities
+    to 1e-5 (so the same trees); where no native module builds both calls are the reference."""
+    for trial, logits, k in top_k_cases():
         (ids, probs), (want_ids, want_probs) = sampling.top_tokens(logits, k), sampling.top_tokens_reference(logits, k)
         assert ids == want_ids, trial
         assert torch.allclose(torch.tensor(probs), torch.tensor(want_probs), rtol=1e-5, atol=1e-7), trial

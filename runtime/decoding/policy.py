@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from spectrt.runtime.decoding.sampling import host_kernels
+
 
 @dataclass(frozen=True)
 class CostCurve:
@@ -37,7 +39,7 @@ class CostCurve:
         """This curve in the native module (cpu_kernels.cpp `Curve`: the same values), made once; None where the
         module does not build (`allocate` and the gate's arithmetic then run in Python)."""
         if not self._native:
-            kernels = _kernels()
+            kernels = host_kernels()
             self._native.append(kernels.Curve([float(t) for t in self._ts], [self.ms[t] for t in self._ts])
                                 if kernels is not None else None)
         return self._native[0]
@@ -177,24 +179,23 @@ class DraftingCost:
         return self.curves[min(int(max(min(segments, rows), 1)), len(self.curves)) - 1](rows)
 
     def __call__(self, rows: float, requests: int) -> float:
-        host = 0.0 if requests <= 0 else self.host_ms + self.host_more_ms * (requests - 1)
-        return self.pass_ms(rows, requests) + self.levels * self.pass_ms(self.width * requests, requests) + host
+        return self.pass_ms(rows, requests) + self.levels * self.pass_ms(self.width * requests, requests) + \
+            charged_host_ms(self.host_ms, self.host_more_ms, requests)
 
     def native(self):
         """This cost in the native module (cpu_kernels.cpp `DraftCost`), made once; None where it does not build."""
         if not self._native:
             curves = [c.native() for c in self.curves]
-            kernels = _kernels()
+            kernels = host_kernels()
             self._native.append(kernels.DraftCost(curves, self.levels, self.width, self.host_ms, self.host_more_ms)
                                 if kernels is not None and None not in curves else None)
         return self._native[0]
 
 
-def _kernels():
-    """The native module of the budget's arithmetic (`sampling.host_kernels`: once a process), None if none builds."""
-    from spectrt.runtime.decoding.sampling import host_kernels
-
-    return host_kernels()
+def charged_host_ms(first_ms: float, more_ms: float, drafted: int) -> float:
+    """Host ms `drafted` requests drafting in one step add to it: `first_ms` for the first, `more_ms` each further one
+    (`Policy.host_charge` says why; `DraftingCost` and its native twin charge the same)."""
+    return 0.0 if drafted <= 0 else first_ms + more_ms * (drafted - 1)
 
 
 # Untuned fallback (relative units): verify cost vs T of the fp32 torch engine measured on a 2-core CPU,
@@ -258,10 +259,7 @@ class Policy:
         (`scripts/batch_vs_plain.py --rounds 10 --alt-policy` the previous policy, one process): closed batches of 8
         1.149x plain batched decoding against 1.038x (10.11 against 7.40 tokens a step), every prompt through 8
         slots 1.090x against 1.050x; batch 1 unchanged (1.82x against 1.80x its AR)."""
-        if drafted <= 0:
-            return 0.0
-        more = self.host_ms if self.host_more_ms is None else self.host_more_ms
-        return self.host_ms + more * (drafted - 1)
+        return charged_host_ms(self.host_ms, self.host_ms if self.host_more_ms is None else self.host_more_ms, drafted)
 
     def verify_at(self, segments: int, context: int) -> CostCurve:
         """Target ms vs total rows for one step's forward over `segments` requests at `context` committed tokens:
@@ -337,7 +335,7 @@ def allocate(scores: list[list[float]], budgets: list[int], sunk_ms: float, veri
     curve = verify.native() if isinstance(verify, CostCurve) else None
     if curve is None:
         return allocate_reference(scores, budgets, sunk_ms, verify, base_rows, plain, cap)
-    return _kernels().allocate(scores, budgets, float(sunk_ms), curve, base_rows, plain, -1 if cap is None else cap)
+    return host_kernels().allocate(scores, budgets, float(sunk_ms), curve, base_rows, plain, -1 if cap is None else cap)
 
 
 def allocate_reference(scores: list[list[float]], budgets: list[int], sunk_ms: float, verify: Callable[[int], float],
@@ -387,7 +385,7 @@ def drafted_rate(chosen: list[int], gains: list[float], gain_rows: list[float], 
     native = _native_costs(verify, draft)
     if native is None:
         return drafted_rate_reference(chosen, gains, gain_rows, catch_up, gain, rows, verify, draft)
-    return _kernels().drafted_rate(chosen, gains, gain_rows, catch_up, float(gain), float(rows), *native)
+    return host_kernels().drafted_rate(chosen, gains, gain_rows, catch_up, float(gain), float(rows), *native)
 
 
 def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[float], gain: float, rows: int,
@@ -396,7 +394,7 @@ def choose_drafted(gains: list[float], gain_rows: list[float], catch_up: list[fl
     native = _native_costs(verify, draft)
     if native is None:
         return choose_drafted_reference(gains, gain_rows, catch_up, gain, rows, verify, draft)
-    return _kernels().choose_drafted(gains, gain_rows, catch_up, float(gain), float(rows), *native)
+    return host_kernels().choose_drafted(gains, gain_rows, catch_up, float(gain), float(rows), *native)
 
 
 def drafted_rate_reference(chosen: list[int], gains: list[float], gain_rows: list[float], catch_up: list[float],

@@ -59,9 +59,9 @@ class SamplingParams:
 
 @cache
 def host_kernels():
-    """The native module (its host helpers: `top_tokens`, the suffix index) where it builds here, else None (the
-    Python references). Resolved once a process: `load_kernels` re-reads the environment and the CPU's flags (~7 us
-    warm), once per draft level."""
+    """The native module (its host helpers: `top_tokens`, the suffix index, the budget's arithmetic) where it builds
+    here, else None (the Python references). Resolved once a process: `load_kernels` re-reads the environment and the
+    CPU's flags (~7 us warm)."""
     from spectrt.runtime.engines.kernels import load_kernels
 
     return load_kernels()
