@@ -835,11 +835,14 @@ def test_profile_measures_a_head_draft_and_the_loop(tiny, trained, tmp_path):
 
 
 def test_gather_rows_stacks_the_named_rows():
-    """A draft level's parent hiddens: one numpy gather over rows of one fp32 tensor, a stack otherwise (rows of two
+    """A draft level's parent hiddens: a view of consecutive rows or one numpy gather over rows of one fp32 tensor, a
+    stack otherwise (rows of two
     passes, or another dtype), the same rows in the given order either way."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(3, 5, generator=g), torch.randn(2, 5, generator=g)
     assert torch.equal(gather_rows([(a, 2), (a, 0), (a, 2)]), a[[2, 0, 2]])
+    run = gather_rows([(a, 1), (a, 2)])  # consecutive rows: a view of them, no copy
+    assert torch.equal(run, a[1:3]) and run.data_ptr() == a[1].data_ptr() and run.is_contiguous()
     assert torch.equal(gather_rows([(a, 1), (b, 0)]), torch.stack([a[1], b[0]]))
     half = a.bfloat16()
     assert torch.equal(gather_rows([(half, 1), (half, 0)]), half[[1, 0]])

@@ -93,8 +93,7 @@ def test_trie_merges_proposers_with_shared_prefixes_once():
     assert trie.scores[a] == 0.9  # the better estimate of the merged node
     assert trie.add_path([10, 21], [0.1, 0.1]) == path[:2] and len(trie) == 6  # a repeated candidate adds nothing
 
-    tree, order = trie.subtree(list(range(len(trie))))
-    tokens = [trie.tokens[i] for i in order]
+    tree, order, tokens = trie.subtree(list(range(len(trie))))
     assert tokens == [7, 10, 11, 20, 21, 30]  # breadth-first; siblings in creation (draw) order
     assert tree.parents == (-1, 0, 0, 1, 1, 4)
     assert order[3] == c
@@ -113,10 +112,31 @@ def test_trie_scores_stay_monotone_and_best_nodes_connected():
     y = trie.add(0, 4, 0.5)
     assert trie.best(3) == [0, x[0], y]  # ties go to the shallower node
     for budget in range(1, len(trie) + 1):
-        tree, order = trie.subtree(trie.best(budget))  # any top-B is a connected tree
+        tree, order, _ = trie.subtree(trie.best(budget))  # any top-B is a connected tree
         assert len(tree) == budget and order[0] == 0
     with pytest.raises(TreeError, match="parent"):
         trie.subtree([0, x[1]])
+
+
+def test_a_draft_level_grows_ranks_and_feeds_the_trie():
+    """A dynamic tree's draft level: `expand` scores each child as its parent's score times the edge table at the
+    draft probability (merging a repeated token), `picks` ranks a depth's nodes whose parent the draft has read,
+    `feed` gives them draft slots in order and the mask entries of their fed ancestors, `read_slots` stops at the
+    first node the draft has not read."""
+    trie = TokenTrie(5)
+    edge = (0.1, 0.4, 0.8, 0.9)  # four probability buckets
+    kids = trie.expand([0], [[7, 8]], [[0.9, 0.3]], edge)
+    assert kids == [1, 2] and trie.scores[1:] == [0.9, 0.4]
+    assert trie.picks(1, 1) == ([1], 0.9) and trie.picks(2, 2) == ([], 0.0)
+    assert trie.feed([1, 2], 3) == ((0, 1), (3, 4), [7, 8], 1)  # each sees itself (its parent is the root)
+    assert trie.draft_slot[1:] == [3, 4]
+    grand = trie.expand([1, 2], [[9], [9]], [[1.0], [0.6]], edge)  # a 9 under each parent: two nodes
+    assert grand == [3, 4] and trie.scores[3:] == [0.81, 0.4 * 0.8]
+    assert trie.picks(2, 5) == ([3, 4], 0.81 + 0.4 * 0.8)
+    assert trie.feed([4], 5) == ((0, 0), (5, 4), [9], 2)  # itself, then its fed parent's slot
+    assert trie.read_slots([2, 4]) == [4, 5] and trie.read_slots([1, 3, 4]) == [3]  # node 3 was never fed
+    assert trie.expand([0], [[7]], [[0.1]], edge) == [1] and trie.scores[1] == 0.9  # a merge keeps the better score
+    assert trie.sorted_scores(2.0) == [1.8, 1.62, 0.8, 0.4 * 0.8 * 2.0]
 
 
 def test_one_parser_reads_every_tree_argument_within_its_bounds():

@@ -555,8 +555,7 @@ class Decoder:
                 nodes = list(range(len(trie)))
             else:
                 nodes = trie.best(cand.chosen)
-            tree, order = (ROOT_ONLY, [0]) if len(nodes) == 1 else trie.subtree(nodes)
-            token_ids = [trie.tokens[i] for i in order]
+            tree, order, token_ids = (ROOT_ONLY, [0], [cand.job.ids[-1]]) if len(nodes) == 1 else trie.subtree(nodes)
             tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depths)
             segments.append(Segment(tokens, positions, tree.mask, self.target_caches[cand.job.slot]))
             plans.append((cand, tree, order, tokens, token_ids))

@@ -210,6 +210,9 @@ class TokenTrie:
     `point` (a deterministic candidate: suffix match or draft top-k, verified as a point mass) and/or
     `sampled` (drawn without replacement from the draft's q at its parent, in creation order).
     `draft_slot` is the node's slot in the draft's uncommitted window once the draft has read it.
+
+    The proposers and the loop read and grow a trie through its methods (a draft level's children, picks and feed,
+    the verify tree), not its lists.
     """
 
     def __init__(self, root_token: int):
@@ -251,15 +254,65 @@ class TokenTrie:
             nodes.append(node)
         return nodes
 
+    def expand(self, frontier: list[int], tokens: list[list[int]], probs: list[list[float]],
+               edge: tuple[float, ...]) -> list[int]:
+        """A draft level's children: under `frontier[r]`, token `tokens[r][j]` scored its parent's score times
+        `edge` at the draft probability `probs[r][j]` (`Calibration.draft_edge`); returns their nodes row by row."""
+        nodes, n = [], len(edge)
+        for parent, row, row_probs in zip(frontier, tokens, probs, strict=True):
+            for tok, prob in zip(row, row_probs, strict=True):
+                nodes.append(self.add(parent, tok, self.scores[parent] * edge[min(int(prob * n), n - 1)]))
+        return nodes
+
     def best(self, budget: int) -> list[int]:
         """The root and the budget-1 highest-scoring other nodes (ties to the shallower, then the older)."""
         order = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))
         return [0] + order[:max(budget - 1, 0)]
 
-    def subtree(self, nodes: list[int]) -> tuple[Tree, list[int]]:
+    def sorted_scores(self, scale: float = 1.0) -> list[float]:
+        """Non-root scores best first, each times `scale` (what the budget ranks)."""
+        return [x * scale for x in sorted(self.scores[1:], reverse=True)]
+
+    def picks(self, depth: int, width: int) -> tuple[list[int], float]:
+        """A dynamic tree's next draft level: the `width` best nodes at `depth` whose parent is the root or read by
+        the draft (ties to the older), and their scores' sum."""
+        level = [i for i in range(1, len(self)) if self.depths[i] == depth
+                 and (self.parents[i] == 0 or self.draft_slot[self.parents[i]] >= 0)]
+        level = sorted(level, key=lambda i: (-self.scores[i], i))[:max(width, 0)]
+        total = 0.0
+        for i in level:  # in order, as the native twin adds (Python 3.12's sum() compensates)
+            total += self.scores[i]
+        return level, total
+
+    def feed(self, nodes: list[int], fed: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], int]:
+        """Give `nodes` (one depth) the draft slots fed, fed + 1, ...: returns the level's mask entries (rows and
+        columns: each node sees itself and its fed ancestors), the nodes' tokens and their depth."""
+        rows, cols = [], []
+        for row, node in enumerate(nodes):
+            rows.append(row)
+            cols.append(fed + row)
+            anc = self.parents[node]
+            while anc > 0:
+                rows.append(row)
+                cols.append(self.draft_slot[anc])
+                anc = self.parents[anc]
+        for row, node in enumerate(nodes):
+            self.draft_slot[node] = fed + row
+        return tuple(rows), tuple(cols), [self.tokens[i] for i in nodes], self.depths[nodes[0]]
+
+    def read_slots(self, nodes: list[int]) -> list[int]:
+        """The draft slots of `nodes` (a path) up to the first one the draft has not read."""
+        slots = []
+        for i in nodes:
+            if self.draft_slot[i] < 0:
+                break
+            slots.append(self.draft_slot[i])
+        return slots
+
+    def subtree(self, nodes: list[int]) -> tuple[Tree, list[int], list[int]]:
         """The tree over `nodes` (which must contain each one's parent) in breadth-first order.
 
-        Returns the Tree and, for each of its nodes, the trie node it is: siblings keep creation order,
+        Returns the Tree, for each of its nodes the trie node it is, and their tokens: siblings keep creation order,
         so sampled children stay in draw order.
         """
         keep = set(nodes)
@@ -271,4 +324,4 @@ class TokenTrie:
                 where[child] = len(order)
                 order.append(child)
                 parents.append(where[i])
-        return shaped(tuple(parents)), order
+        return shaped(tuple(parents)), order, [self.tokens[i] for i in order]
