@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from spectrt.runtime.decoding.policy import Calibration
 from spectrt.runtime.decoding.tree import AUTO, TokenTrie, Tree, TreeError, greedy_accept, parse_tree_arg
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
@@ -124,7 +125,7 @@ def test_a_draft_level_grows_ranks_and_feeds_the_trie():
     `feed` gives them draft slots in order and the mask entries of their fed ancestors, `read_slots` stops at the
     first node the draft has not read."""
     trie = TokenTrie(5)
-    edge = (0.1, 0.4, 0.8, 0.9)  # four probability buckets
+    edge = Calibration(draft=(0.1, 0.4, 0.8, 0.9)).draft_edge  # four probability buckets
     kids = trie.expand([0], [[7, 8]], [[0.9, 0.3]], edge)
     assert kids == [1, 2] and trie.scores[1:] == [0.9, 0.4]
     assert trie.picks(1, 1) == ([1], 0.9) and trie.picks(2, 2) == ([], 0.0)

@@ -259,14 +259,14 @@ class DraftProposer:
                     assert got == node, "a static tree fills trie nodes in its own order"
                 continue
             policy = cand.policy
-            cal = policy.calibration  # its draft edge table scores the children (`Calibration.draft_edge`)
+            cal = policy.calibration
             if params.greedy:
                 toks, probs = self._top(d.logits, policy.width)
             else:
                 top = sampling_probs(self._full_rows(d.logits), params).topk(policy.width, dim=-1)
                 probs, toks = top.values.tolist(), top.indices.tolist()
             d.top1 = sum(p[0] for p in probs) / len(probs)
-            nodes = cand.trie.expand(d.frontier, toks, probs, cal.draft)
+            nodes = cand.trie.expand(d.frontier, toks, probs, cal.draft_edge)
             width = len(toks[0])
             for j, node in enumerate(nodes):
                 prob = probs[j // width][j % width]

@@ -8,6 +8,7 @@ its position id is prefix length + depth, so siblings share a position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -210,9 +211,6 @@ class TokenTrie:
     `point` (a deterministic candidate: suffix match or draft top-k, verified as a point mass) and/or
     `sampled` (drawn without replacement from the draft's q at its parent, in creation order).
     `draft_slot` is the node's slot in the draft's uncommitted window once the draft has read it.
-
-    The proposers and the loop read and grow a trie through its methods (a draft level's children, picks and feed,
-    the verify tree), not its lists.
     """
 
     def __init__(self, root_token: int):
@@ -255,13 +253,13 @@ class TokenTrie:
         return nodes
 
     def expand(self, frontier: list[int], tokens: list[list[int]], probs: list[list[float]],
-               edge: tuple[float, ...]) -> list[int]:
+               edge: Callable[[float], float]) -> list[int]:
         """A draft level's children: under `frontier[r]`, token `tokens[r][j]` scored its parent's score times
-        `edge` at the draft probability `probs[r][j]` (`Calibration.draft_edge`); returns their nodes row by row."""
-        nodes, n = [], len(edge)
+        `edge(probs[r][j])` (`Calibration.draft_edge`); returns their nodes row by row."""
+        nodes = []
         for parent, row, row_probs in zip(frontier, tokens, probs, strict=True):
             for tok, prob in zip(row, row_probs, strict=True):
-                nodes.append(self.add(parent, tok, self.scores[parent] * edge[min(int(prob * n), n - 1)]))
+                nodes.append(self.add(parent, tok, self.scores[parent] * edge(prob)))
         return nodes
 
     def best(self, budget: int) -> list[int]:
@@ -279,10 +277,7 @@ class TokenTrie:
         level = [i for i in range(1, len(self)) if self.depths[i] == depth
                  and (self.parents[i] == 0 or self.draft_slot[self.parents[i]] >= 0)]
         level = sorted(level, key=lambda i: (-self.scores[i], i))[:max(width, 0)]
-        total = 0.0
-        for i in level:  # in order, as the native twin adds (Python 3.12's sum() compensates)
-            total += self.scores[i]
-        return level, total
+        return level, sum(self.scores[i] for i in level)
 
     def feed(self, nodes: list[int], fed: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int], int]:
         """Give `nodes` (one depth) the draft slots fed, fed + 1, ...: returns the level's mask entries (rows and
