@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
             args.tree = parse_tree_arg(args.tree_spec)
         except TreeError as e:
             parser.error(str(e))
+    if args.command != "serve":  # a served instance sets its own (the `threads` model parameter)
+        from spectrt.runtime.engines.cpus import apply_threads
+
+        apply_threads()
     if getattr(args, "dtype", None) == "auto":  # one precision name from here on (file names, reports)
         from spectrt.runtime.engines.engine import resolve_dtype
 

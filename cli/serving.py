@@ -57,7 +57,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="prefill every prompt in full (default: reuse the KV of cached prompt prefixes, exact)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances, each a full model copy batching up to max_active requests (config.pbtxt)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per instance (0: cores / instances)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads per instance (0: the CPUs this process may use, its affinity mask and cgroup CPU "
+                        "quota, split between the instances)")
     p.add_argument("--model-name", default=DEFAULT_MODEL, help="name the model is served under")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
@@ -132,7 +134,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     previous = {sig: signal.signal(sig, _terminate) for sig in signals}
     try:
-        _say(f"starting tritonserver (model {args.model_name}, {args.instances} instance(s)) ...", sys.stdout)
+        from spectrt.runtime.engines.cpus import default_threads, usable_cpus
+
+        threads = (f"{args.threads} thread(s) each (--threads)" if args.threads > 0 else
+                   f"{default_threads(args.instances)} thread(s) each of {usable_cpus()} usable CPU(s)")
+        _say(f"starting tritonserver (model {args.model_name}, {args.instances} instance(s), {threads}) ...",
+             sys.stdout)
         try:
             server.start()
         except (ServeError, TimeoutError) as e:

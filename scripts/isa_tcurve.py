@@ -32,15 +32,18 @@ def binary_tree_mask(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, torch.tensor(depth)
 
 
-def sources_at(rev: str, into: Path) -> tuple[Path, Path]:
-    """The kernel source and SIMD header of a git revision, written into `into`."""
-    out = []
-    for path in (kernels.SOURCE, kernels.HEADER):
+def sources_at(rev: str, into: Path) -> tuple[Path, tuple[Path, ...]]:
+    """The kernel source and headers of a git revision, written into `into` (headers it did not have yet left out)."""
+    written = []
+    for path in (kernels.SOURCE, *kernels.HEADERS):
         rel = path.relative_to(Path(__file__).resolve().parents[1])
-        text = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True, check=True).stdout
-        (into / path.name).write_text(text)
-        out.append(into / path.name)
-    return out[0], out[1]
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, text=True)
+        if shown.returncode and path != kernels.SOURCE:
+            continue
+        shown.check_returncode()
+        (into / path.name).write_text(shown.stdout)
+        written.append(into / path.name)
+    return written[0], tuple(written[1:])
 
 
 def main() -> None:
@@ -55,7 +58,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(2)
     target = resolve_target()
-    variants = {"this checkout": (kernels.SOURCE, kernels.HEADER)}
+    variants = {"this checkout": (kernels.SOURCE, kernels.HEADERS)}
     for rev in filter(None, (args.against or "").split(",")):
         tmp = Path(tempfile.mkdtemp())
         variants[rev] = sources_at(rev, tmp)
@@ -63,8 +66,8 @@ def main() -> None:
     # speed of streaming a weight depends on the memory it sits in (2 MB pages or not, and how the VM's host backs
     # them: the same kernels ran 35 or 59 GB/s in two processes), so revisions are compared on the same memory.
     modules = {}
-    for name, (source, header) in variants.items():
-        kernels.SOURCE, kernels.HEADER = source, header
+    for name, (source, headers) in variants.items():
+        kernels.SOURCE, kernels.HEADERS = source, headers
         for isa in args.isas.split(","):
             os.environ["SPECTRT_ISA"] = isa
             kernels._build.cache_clear()  # another source: another build (cached by its content)

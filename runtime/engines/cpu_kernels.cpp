@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -38,6 +39,7 @@
 #endif
 
 #include "simd.h"
+#include "thread_pool.h"
 
 namespace {
 
@@ -45,6 +47,17 @@ using simd::Vec;
 using simd::LANES;
 
 constexpr int64_t NR = 64;  // output columns per weight panel (kernels.py PANEL): 4 Vec per row
+
+// Threads a parallel loop runs on: torch's setting (torch.set_num_threads, kernels.py `default_threads`), the
+// one knob for every thread of the process; the loops themselves run on spectrt's pool (thread_pool.h).
+inline int pool_threads() { return at::get_num_threads(); }
+
+// f(begin, end) over chunks of [0, n) on the pool: items are claimed as threads come, so a late thread's share is
+// taken by the others (thread_pool.h); each item must be computed the same way whichever thread takes it.
+template <typename F>
+inline void parallel_for(int64_t n, F&& f) {
+  pool::Pool::get().parallel_for(n, pool_threads(), std::forward<F>(f));
+}
 
 inline const float* raw(const float* p) { return p; }
 inline const uint16_t* raw(const at::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -519,7 +532,7 @@ void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& pack
   if (pairs) {
     round_tiles_bf16(x, rows, K, Kp, xs);
     // work items: (panel, 32-column half), so 2 threads split a 9-panel projection evenly
-    at::parallel_for(0, panels * 2, 1, [&](int64_t h0, int64_t h1) {
+    parallel_for(panels * 2, [&](int64_t h0, int64_t h1) {
       alignas(64) float sums[16 * 32];
       int configured = 0;  // tile shapes are per thread: set for this call's row blocks, released at the end
       for (int64_t h = h0; h < h1; ++h) {
@@ -544,7 +557,7 @@ void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& pack
   }
   split_bf16x3(x, rows, K, Kp, xs);
   // work items: (panel, 16-column group), so 2 threads split even a 9-panel projection evenly
-  at::parallel_for(0, panels * 4, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(panels * 4, [&](int64_t g0, int64_t g1) {
     alignas(64) float sums[16 * 48];
     int configured = 0;  // tile shapes are per thread: set for this call's row blocks, released at the end
     for (int64_t g = g0; g < g1; ++g) {
@@ -659,7 +672,7 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
     simd::DotInput* xd = reinterpret_cast<simd::DotInput*>(xs);
     round_rows_bf16(x, rows, K, ldp, xd);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    parallel_for(panels, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
         {
@@ -672,7 +685,7 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
     });
   } else {
     const W* wp = packed.data_ptr<W>();
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    parallel_for(panels, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
         const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
@@ -770,7 +783,7 @@ void gemm_int8(const float* x, int64_t rows, int64_t K, const QuantProj& q, int6
       }
       quantize_row(x + m * K + k0, pre, len, g == groups - 1 ? ldx - k0 : len, scale, xq + m * ldx + k0);
     }
-  at::parallel_for(0, q.panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(q.panels, [&](int64_t p0, int64_t p1) {
     int32_t acc[MR * NR];
     float accf[MR * NR];
     for (int64_t p = p0; p < p1; ++p) {
@@ -1016,7 +1029,7 @@ struct AttentionTasks {
 };
 
 AttentionTasks attention_tasks(const Config& c, const std::vector<Segment>& segs) {
-  const int64_t group = c.heads / c.kv_heads, threads = at::get_num_threads();
+  const int64_t group = c.heads / c.kv_heads, threads = pool_threads();
   int64_t rows = 0, longest = 0;
   for (const Segment& g : segs) rows += g.rows, longest = std::max(longest, g.length);
   // One head per task only where there are too few rows to keep every thread busy *and* the contexts are short:
@@ -1074,7 +1087,7 @@ void attention(const Config& c, int64_t layer, const std::vector<Segment>& segs,
   // Measured (scripts/isa_tcurve.py --against HEAD, context 1024, Zen 4, ms, before -> after, one row a task):
   // AVX-512 bf16 T=2 8.4 -> 7.6, T=4 11.7 -> 10.4, T=8 19.8 -> 18.7; fp32 T=2 13.5 -> 11.6; AVX2 bf16 T=2 13.4 ->
   // 10.4, T=4 15.5 -> 13.0; T=1 and context 128 within noise.
-  at::parallel_for(0, n_runs * c.kv_heads * task_groups, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(n_runs * c.kv_heads * task_groups, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t kvh = t / (task_groups * n_runs);
       const auto [row0, rows] = runs[t % n_runs];
@@ -1743,6 +1756,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tokens", &SuffixIndex::tokens)
       .def_property_readonly("indexed", &SuffixIndex::indexed);
   m.def("compact_cache", &compact_cache, "move a cache's kept window rows behind its prefix (KVCache.compact)");
+  m.def("pool_stats", [] {
+    const pool::Pool& p = pool::Pool::get();
+    return std::map<std::string, int64_t>{
+        {"workers", p.workers()}, {"loops", p.stats.loops.load()}, {"inline_loops", p.stats.inline_loops.load()},
+        {"caller_items", p.stats.caller_items.load()}, {"worker_items", p.stats.worker_items.load()},
+        {"worker_sleeps", p.stats.worker_sleeps.load()}, {"caller_sleeps", p.stats.caller_sleeps.load()}};
+  }, "the thread pool's counters (thread_pool.h Stats) and its started workers");
+  m.def("pool_set", [](int64_t spin_us, int64_t worker_delay_us) {
+    TORCH_CHECK_VALUE(spin_us >= 0 && worker_delay_us >= 0, "pool_set takes non-negative microseconds");
+    pool::Pool::get().spin_us = spin_us;
+    pool::Pool::get().worker_delay_us = worker_delay_us;
+  }, "how long a waiting pool thread spins before it sleeps; tests: a delay before each worker claims a loop",
+        py::arg("spin_us"), py::arg("worker_delay_us") = 0);
   m.def("amx_init", &amx_init, "request AMX tile state for this process; false where AMX cannot run");
   m.attr("isa") = simd::ISA;  // the instruction set this build's simd.h layer was compiled for
   m.attr("bf16_dot") = simd::DOT_FLUSH ? "emulated" : "vdpbf16ps";  // how this build computes bf16dot's pair sums

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from spectrt.runtime.resources import package_path
 
 SOURCE = package_path("runtime/engines/cpu_kernels.cpp")
-HEADER = package_path("runtime/engines/simd.h")  # the SIMD layer the source includes
+HEADERS = (package_path("runtime/engines/simd.h"),  # the SIMD layer the source includes
+           package_path("runtime/engines/thread_pool.h"))  # the pool its parallel loops run on
 PANEL = 64  # output columns per packed weight panel (NR in cpu_kernels.cpp)
 AMX_K = 32  # k per AMX tile step (KB in cpu_kernels.cpp): AMX-packed weights pad K to a multiple of it
 ISAS = ("avx512", "avx2", "portable")  # best first
@@ -117,11 +118,11 @@ def _build(isa: str):
     if isinstance(flags, str):
         _failures[isa] = f"SPECTRT_ISA={isa}, but {flags}"
         return None
-    missing = [p for p in (SOURCE, HEADER) if not p.is_file()]
+    missing = [p for p in (SOURCE, *HEADERS) if not p.is_file()]
     if missing:
         _failures[isa] = f"the kernel source {missing[0]} is missing from this install: reinstall spectrt"
         return None
-    texts = {p.name: p.read_text() for p in (SOURCE, HEADER)}
+    texts = {p.name: p.read_text() for p in (SOURCE, *HEADERS)}
     cflags = CFLAGS + flags + stream_flags()
     # torch's own location is in the key: the build reads its headers by path, so two environments sharing one cache
     # directory (a checkout's and a worktree's .venv) would otherwise rebuild it in turn, a minute each time; and

@@ -243,9 +243,10 @@ class TritonPythonModel:
         self.instance = args.get("model_instance_name", args["model_name"])
         self.base = Path(args["model_repository"]).resolve().parent.parent  # <repo parent>: relative paths
         threads = _number(params, "threads", 0)
-        if threads <= 0:
-            count = sum(g.get("count", 1) for g in config.get("instance_group", [])) or 1
-            threads = max(1, len(os.sched_getaffinity(0)) // count)
+        if threads <= 0:  # the CPUs this process may use (affinity mask, cgroup quota), split between instances
+            from spectrt.runtime.engines.cpus import default_threads
+
+            threads = default_threads(sum(g.get("count", 1) for g in config.get("instance_group", [])) or 1)
         loaded, failure = threading.Event(), []
 
         def load_then_decode() -> None:
