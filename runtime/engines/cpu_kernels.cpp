@@ -582,6 +582,12 @@ void gemm_amx(const float* x, int64_t rows, int64_t K, const torch::Tensor& pack
 #endif
 }
 
+// Whether panel p + 1 is the next this thread computes (so p's passes prefetch it): within its chunk [., p1), or
+// the chunk's stream goes on (the pool's `Stream`: the thread's own range continues after the chunk).
+inline bool next_panel(int64_t p, int64_t p1, int64_t panels, pool::Stream s) {
+  return p + 1 < p1 || (s.more && p + 1 < panels);
+}
+
 // Greedy decoding's argmax of each logits row (numpy's: the first maximum, or the first NaN where there is one). The
 // LM head's GEMM takes each panel's maximum while its outputs are in L1; the row's argmax is then the first index of
 // the first panel holding the largest maximum (64 values read). Why: read afterwards, from Python or here, the rows
@@ -672,24 +678,25 @@ void gemm(const float* x, int64_t rows, int64_t K, const torch::Tensor& packed, 
     simd::DotInput* xd = reinterpret_cast<simd::DotInput*>(xs);
     round_rows_bf16(x, rows, K, ldp, xd);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    parallel_for(panels, [&](int64_t p0, int64_t p1) {
+    parallel_for(panels, [&](int64_t p0, int64_t p1, pool::Stream s) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
         {
           FlushDenormals flush;  // around the sums only: the epilogue's adds keep IEEE denormals on every build
-          const uint16_t* next = p + 1 < p1 ? wp + (p + 1) * K2 * NR * 2 : nullptr;
-          rows_block<DotKernel>(xd, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols, next, p == p0);
+          const uint16_t* next = next_panel(p, p1, panels, s) ? wp + (p + 1) * K2 * NR * 2 : nullptr;
+          rows_block<DotKernel>(xd, ldp, wp + p * K2 * NR * 2, K2, out + c0, n_out, rows, cols, next,
+                                p == p0 && s.first);
         }
         finish(p, c0, cols);
       }
     });
   } else {
     const W* wp = packed.data_ptr<W>();
-    parallel_for(panels, [&](int64_t p0, int64_t p1) {
+    parallel_for(panels, [&](int64_t p0, int64_t p1, pool::Stream s) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t c0 = p * NR, cols = std::min(NR, n_out - c0);
-        const W* next = p + 1 < p1 ? wp + (p + 1) * K * NR : nullptr;
-        rows_block<FmaKernel<W>>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0);
+        const W* next = next_panel(p, p1, panels, s) ? wp + (p + 1) * K * NR : nullptr;
+        rows_block<FmaKernel<W>>(x, K, wp + p * K * NR, K, out + c0, n_out, rows, cols, next, p == p0 && s.first);
         finish(p, c0, cols);
       }
     });
