@@ -1,4 +1,5 @@
-"""docs/benchmarks.md's result tables, generated from bench/results/<cpu class>/bench_*.json.
+"""docs/benchmarks.md's result tables, generated from bench/results/<cpu class>/bench_*.json, shared_cpu_*.json
+(scripts/shared_cpu.py) and aiperf_*.json (NVIDIA AIPerf's summary of a served run, its command in the file).
 
 `spectrt bench` writes one current result per configuration and CPU class (runtime/decoding/bench.py
 results_dir); this script renders every class's newest results as one section per class, a table per precision
@@ -58,12 +59,51 @@ def table(report: dict) -> list[str]:
     return lines
 
 
+def shared_cpu(results: Path, cpu_class: str) -> list[str]:
+    """One class's served throughput quiet and beside busy processes (scripts/shared_cpu.py), a row per server."""
+    runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(results.glob("*/shared_cpu_*.json"))]
+    runs = [r for r in runs if r["cpu"]["class"] == cpu_class]
+    if not runs:
+        return []
+    first = runs[0]["settings"]
+    lines = [f"**Served on a shared CPU** (`scripts/shared_cpu.py`): OpenAI chat completions, {first['requests']} "
+             f"requests × {first['max_tokens']} tokens at concurrency {first['concurrency']}, quiet rounds and rounds "
+             "beside busy processes (a pure-Python spin loop each) alternating", "",
+             "| server | pinned to | quiet tok/s | busy processes | busy tok/s | kept | measured | command |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s, rate = r["settings"], r["rate"]
+        busy = f"{rate['busy']:.1f}" if s["busy"] else "–"
+        kept = f"{rate['busy'] / rate['quiet']:.2f}×" if s["busy"] else "–"
+        lines.append(f"| {r['label']} | {('CPUs ' + s['taskset']) if s['taskset'] else 'all'} | {rate['quiet']:.1f} | "
+                     f"{s['busy']} | {busy} | {kept} | {r['time']} | `{r['command']}` |")
+    return lines + [""]
+
+
+def aiperf(results: Path, cpu_class: str) -> list[str]:
+    """One class's AIPerf runs (its worker processes share the cores with the server), a row per server."""
+    runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(results.glob("*/aiperf_*.json"))]
+    runs = [r for r in runs if r["cpu"]["class"] == cpu_class]
+    if not runs:
+        return []
+    lines = [f"**AIPerf {runs[0]['aiperf']}** (`{runs[0]['command']}`; the client's processes share the cores)", "",
+             "| server | output tok/s | inter-token ms avg / p50 | first token ms avg / p50 | measured |",
+             "|---|---|---|---|---|"]
+    for r in runs:
+        m = r["metrics"]
+        itl, ttft = m["inter_token_latency"], m["time_to_first_token"]
+        lines.append(f"| {r['label']} (`{r['server']}`) | {m['output_token_throughput']['avg']:.1f} | "
+                     f"{itl['avg']:.0f} / {itl['p50']:.0f} | {ttft['avg']:.0f} / {ttft['p50']:.0f} | {r['time']} |")
+    return lines + [""]
+
+
 def render(results: Path = RESULTS) -> str:
     out = [BEGIN]
     for cpu_class, reports in load(results).items():
         out += ["", f"### {cpu_class}, {reports[0]['cpu'].get('cores', '?')} cores", ""]
         for report in reports:
             out += table(report) + [""]
+        out += shared_cpu(results, cpu_class) + aiperf(results, cpu_class)
     return "\n".join(out).rstrip() + "\n" + END
 
 

@@ -8,9 +8,12 @@ completion tokens/s and the busy/quiet ratio of the summed rates. Under the CPU 
 
     flock /tmp/spectrt.lock .venv/bin/python scripts/shared_cpu.py [--rounds 2] [--busy 1] [--concurrency 4]
         [--serve-arg=--threads=2 ...] [--taskset 0]       # spectrt serve, started and stopped here
-    flock /tmp/spectrt.lock .venv/bin/python scripts/shared_cpu.py --url http://127.0.0.1:8080   # a running server
+    flock /tmp/spectrt.lock .venv/bin/python scripts/shared_cpu.py --url http://127.0.0.1:8080 --model M \
+        --label "llama-server BF16"                                                        # a running server
 
---taskset CPUS pins the started server (every process of it) to those CPUs, e.g. 0: two threads on one core.
+--taskset CPUS pins the started server (every process of it) to those CPUs (with --busy 0: a quiet run on fewer
+cores). The result goes to bench/results/<cpu class>/shared_cpu_<label>.json, rendered into docs/benchmarks.md by
+scripts/bench_tables.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,9 +102,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=2, help="pairs of rounds (one quiet, one busy)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="pairs of rounds (one quiet, one busy; with --busy 0 quiet only)")
     p.add_argument("--busy", type=int, default=1, help="busy processes in a busy round")
-    p.add_argument("--json", type=Path, help="write the rounds here too")
+    p.add_argument("--label", default="spectrt serve (defaults)",
+                   help="the server's name in the result (bench/results/<cpu class>/shared_cpu_<label>.json)")
+    p.add_argument("--no-save", action="store_true", help="print only; write no result file")
     args = p.parse_args()
     prompts = [line.strip() for line in (ROOT / "bench/prompts.txt").read_text().splitlines() if line.strip()]
     prompts = (prompts * (args.requests // len(prompts) + 1))[:args.requests]
@@ -109,7 +116,8 @@ def main() -> None:
     try:
         run_round(url, args.model, prompts[:2], 2, 16)  # warm-up: first-use page faults, lazy builds
         for r in range(args.rounds):
-            for kind in (("quiet", "busy") if r % 2 == 0 else ("busy", "quiet")):
+            kinds = ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet")
+            for kind in kinds if args.busy else ("quiet",):
                 busy = start_busy(args.busy if kind == "busy" else 0)
                 time.sleep(0.5 if busy else 0)  # the spinners running before the first request
                 try:
@@ -124,13 +132,29 @@ def main() -> None:
             os.killpg(server.pid, signal.SIGINT)
             server.wait(timeout=60)
     rate = {k: sum(x["tokens"] for x in rounds if x["kind"] == k) / sum(x["seconds"] for x in rounds
-                                                                        if x["kind"] == k) for k in ("quiet", "busy")}
-    print(f"quiet {rate['quiet']:.1f} tok/s, {args.busy} busy process(es) {rate['busy']:.1f} tok/s: "
-          f"kept {rate['busy'] / rate['quiet']:.3f}x")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "rounds": rounds, "rate": rate}, indent=2, default=str))
+                                                                        if x["kind"] == k)
+            for k in ("quiet", "busy") if any(x["kind"] == k for x in rounds)}
+    print(f"quiet {rate['quiet']:.1f} tok/s" + (f", {args.busy} busy process(es) {rate['busy']:.1f} tok/s: kept "
+                                               f"{rate['busy'] / rate['quiet']:.3f}x" if "busy" in rate else ""))
+    if not args.no_save:
+        save(args, rounds, rate)
 
+
+def save(args: argparse.Namespace, rounds: list[dict], rate: dict[str, float]) -> None:
+    """bench/results/<cpu class>/shared_cpu_<label>.json: what scripts/bench_tables.py renders in docs/benchmarks.md."""
+    from spectrt.runtime.decoding.bench import results_dir
+    from spectrt.runtime.engines.kernels import cpu_class, native_isa
+
+    slug = re.sub(r"[^a-z0-9]+", "-", args.label.lower()).strip("-")
+    path = results_dir(ROOT / "bench" / "results") / f"shared_cpu_{slug}.json"
+    command = " ".join(["scripts/shared_cpu.py", *sys.argv[1:]])
+    path.write_text(json.dumps({
+        "cpu": {"class": cpu_class(), "cores": os.cpu_count(), "native_isa": native_isa()}, "label": args.label,
+        "command": command, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "settings": {k: getattr(args, k) for k in ("requests", "concurrency", "max_tokens", "rounds", "busy",
+                                                   "taskset", "serve_arg")},
+        "rate": rate, "rounds": rounds}, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
 
 if __name__ == "__main__":
     main()

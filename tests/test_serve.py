@@ -331,3 +331,25 @@ def test_load_run_has_one_deadline(trickle_url):
                                 run_timeout=1.0)
     assert results == [None] * 6 and summary["errors"] == 6
     assert all("deadline" in e for e in summary["first_errors"]), summary["first_errors"]
+
+
+def test_serve_splits_the_cpus_it_may_use_between_instances_and_says_so(stub_target):
+    """Pinned to one CPU (taskset -c N), two instances get one thread each, and the start line says so; then it
+    stops cleanly (SIGTERM during the start)."""
+    import os
+    import sys
+
+    cpu = min(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-m", "spectrt", "serve", "--target", str(stub_target), "--draft", "none",
+           "--instances", "2", "--max-seq-len", "128", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        lines = []
+        while len(lines) < 20 and not any("starting tritonserver" in line for line in lines):  # among the first
+            lines.append(proc.stdout.readline())
+        start = lines[-1]
+        assert "2 instance(s), 1 thread(s) each of 1 usable CPU(s)" in start, start
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
