@@ -143,3 +143,28 @@ def test_the_draft_report_compares_alternately_without_the_prefix_cache(monkeypa
     report = bench.draft_runtime_report(Path("t"), Path("d"), ["a", "b"])
     assert made[0].get("prefix_cache") is False and report["outputs_equal_to_ar"] == "2/2"
     assert order[1:] == [False, True, True, False]  # after the warm-up
+
+
+def test_shared_cpu_runs_render_under_their_class(tmp_path):
+    cpu = {"class": "AMD EPYC Zen 3, AVX2", "cores": 2, "native_isa": "avx2"}
+    folder = tmp_path / "results" / "amd-epyc-zen-3-avx2"
+    folder.mkdir(parents=True)
+    (folder / "bench_torch_bf16.json").write_text(json.dumps(_report(cpu["class"], "bf16", 40.0)))
+    settings = {"requests": 12, "concurrency": 4, "max_tokens": 96, "rounds": 2, "busy": 1, "taskset": None,
+                "serve_arg": []}
+    (folder / "shared_cpu_x.json").write_text(json.dumps({
+        "cpu": cpu, "label": "server X", "command": "scripts/shared_cpu.py", "time": "t", "settings": settings,
+        "rate": {"quiet": 200.0, "busy": 120.0}, "rounds": []}))
+    (folder / "shared_cpu_y.json").write_text(json.dumps({
+        "cpu": cpu, "label": "server Y", "command": "c", "time": "t", "settings": {**settings, "busy": 0,
+                                                                                   "taskset": "0"},
+        "rate": {"quiet": 100.0}, "rounds": []}))
+    metric = {"avg": 50.0, "p50": 40.0}
+    (folder / "aiperf_x.json").write_text(json.dumps({
+        "cpu": cpu, "label": "server X", "server": "x serve", "aiperf": "0.13.0", "command": "aiperf profile",
+        "time": "t", "metrics": {"output_token_throughput": {"avg": 61.0}, "inter_token_latency": metric,
+                                 "time_to_first_token": metric}}))
+    page = bench_tables.render(tmp_path / "results")
+    assert "| server X | all | 200.0 | 1 | 120.0 | 0.60× |" in page
+    assert "| server Y | CPUs 0 | 100.0 | 0 | – | – |" in page
+    assert "| server X (`x serve`) | 61.0 | 50 / 40 | 50 / 40 |" in page

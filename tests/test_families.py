@@ -324,3 +324,36 @@ def test_gguf_with_rope_scaling_transformers_drops_is_refused(scaling, tmp_path)
     writer.close()
     with pytest.raises(CheckpointError, match="RoPE scaling, which transformers' GGUF loader drops"):
         resolve_target(path, artifacts=tmp_path / "artifacts")
+
+
+@pytest.mark.parametrize(("field", "value", "tensor"), [
+    ("intermediate_size", 2 * COMMON["intermediate_size"], "model.layers.0.mlp.gate_proj.weight"),
+    ("vocab_size", 2 * VOCAB, "model.embed_tokens.weight"),
+    ("num_hidden_layers", COMMON["num_hidden_layers"] + 1, f"model.layers.{COMMON['num_hidden_layers']}."),
+])
+def test_a_config_that_disagrees_with_its_tensors_is_refused_naming_the_tensor(checkpoints, field, value, tensor,
+                                                                             tmp_path):
+    """The native forward sizes every loop from config.json: an edited copy used to read weights out of bounds
+    (garbage, or a segfault that took a served instance down); the load now names the tensor and the fix."""
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(checkpoints("llama3"), copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[field] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(tensor)) as refused:
+        Transformer.load(copy)
+    assert "config.json" in str(refused.value)
+
+
+@pytest.mark.unit
+def test_a_context_past_the_trained_one_is_refused(tmp_path):
+    from spectrt.runtime.decoding.pipeline import check_context
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    check_context(tmp_path, 2048)
+    with pytest.raises(ValueError, match=r"--max-seq-len 4096 exceeds .* trained context of 2048 tokens"):
+        check_context(tmp_path, 4096)
+    (tmp_path / "config.json").write_text(json.dumps({}))  # no limit stated: nothing to check against
+    check_context(tmp_path, 1 << 20)

@@ -135,6 +135,8 @@ REFUSED = [
     ({"max_tokens": 8.5}, "max_tokens must be an integer"),
     ({"max_completion_tokens": LIMIT + 1}, r"^max_completion_tokens must be in \[1, 48\].*got 49"),
     ({"temperature": 2.5}, r"temperature must be in \[0, 2\]"),
+    ({"temperature": 10 ** 400}, r"temperature must be in \[0, 2\], got 1000000000"),  # was an OverflowError: 500
+    ({"top_p": -(10 ** 400)}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"n": 2}, "n=2 is not supported"),
     ({"logit_bias": {"50256": -100}}, "logit_bias=.* is not supported"),

@@ -3,6 +3,7 @@
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from spectrt.runtime.decoding.policy import (
     load_policy,
     pick_measured,
     rank_policies,
+    write_atomically,
 )
 
 pytestmark = pytest.mark.unit  # the fast tier: pure functions on small inputs, no model
@@ -121,6 +123,32 @@ def test_policy_json_round_trip(tmp_path):
     path.write_text(json.dumps({"policy": policy.to_json()}))
     assert load_policy(path) == policy
     assert load_policy(tmp_path / "missing.json") is None
+
+
+@pytest.mark.parametrize("text", ['{"policy": {"budget": 6, "dep', "", "[]", '{"other": 1}'])
+def test_a_torn_policy_file_falls_back_to_the_untuned_default_naming_the_file(tmp_path, text):
+    """A cut `spectrt tune` left a half-written file that failed every later load with a bare JSONDecodeError."""
+    path = tmp_path / "policy-x.json"
+    path.write_text(text)
+    with pytest.warns(UserWarning, match=r"policy-x\.json is not a saved policy.*spectrt tune"):
+        assert load_policy(path) is None
+
+
+def test_policies_are_written_atomically(tmp_path, monkeypatch):
+    """The tuner writes through a temporary file and a rename: a write that fails midway leaves the old file."""
+    path = tmp_path / "policy.json"
+    write_atomically(path, '{"policy": 1}')
+    real = Path.write_text
+
+    def torn(self, text, *args, **kwargs):
+        real(self, text[:5], *args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Path, "write_text", torn)
+    with pytest.raises(OSError):
+        write_atomically(path, '{"policy": 2}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"policy": 1}'
     with pytest.raises(ValueError, match="budget >= 1"):
         Policy(budget=0)
 

@@ -277,6 +277,20 @@ def test_admin_key_that_would_break_the_flag_is_refused(target_dir):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"served_name": "../x"}, "is not a model name"),  # would have escaped the run directory
+    ({"served_name": "a/b"}, "is not a model name"),
+    ({"openai_timeout": 0}, "--openai-timeout must be a positive"),  # every request would have been a 504
+    ({"openai_timeout": float("nan")}, "--openai-timeout must be a positive"),
+    ({"api_key": ""}, "is empty, which would leave the OpenAI endpoint open"),  # silently disabled auth
+    ({"api_key": "   "}, "is empty"),
+])
+def test_serve_flags_that_would_misbehave_are_refused(target_dir, kwargs, message):
+    with pytest.raises(ServeError, match=message):
+        TritonServer({"target_dir": target_dir}, **kwargs)
+
+
+@pytest.mark.unit
 def test_non_loopback_host_warns():
     assert host_warning("127.0.0.1") is None and host_warning("localhost") is None and host_warning("::1") is None
     for host in ("0.0.0.0", "192.168.1.5", "example.org"):

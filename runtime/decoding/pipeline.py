@@ -7,6 +7,7 @@ loading path, one set of input checks and one streaming detokenizer.
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,12 +46,26 @@ class Generation:
                 "stats": self.stats.as_dict()}
 
 
+def check_context(target: Path, max_seq_len: int) -> None:
+    """Refuse a context past the target's trained one (config.json `max_position_embeddings`, which a RoPE scaling
+    such as Llama 3's or YaRN already extends): RoPE past it degrades silently, with no error to say why."""
+    config = Path(target) / "config.json"
+    if not config.is_file():
+        return
+    limit = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+    if isinstance(limit, int) and 0 < limit < max_seq_len:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds {target.name}'s trained context of {limit} tokens "
+                         f"(max_position_embeddings in its config.json): use --max-seq-len {limit} or less, or a "
+                         "checkpoint whose RoPE scaling extends its context")
+
+
 class Pipeline:
     def __init__(self, target: Path, draft: Path | None = None, backend: str = "torch", dtype: str = "auto",
                  max_seq_len: int = 2048, max_tree_tokens: int = 64, policy: Policy | None = None,
                  artifacts: Path = DEFAULT_ARTIFACTS, measure_kernels: bool = True, max_active: int = 1,
                  tree_budget: int | None = None, prefill_budget: int | None = None, prefix_cache: bool = True):
         target = Path(target)
+        check_context(target, max_seq_len)
         self.dtype = dtype = resolve_dtype(dtype, backend, target)
         self.policy = policy or default_policy(target, draft, dtype, artifacts)
         head = draft is not None and is_eagle3(Path(draft))  # an EAGLE-3 feature head (SpecForge's layout)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -503,7 +505,25 @@ def policy_path(artifacts: Path, target: str, draft: str | None, dtype: str) -> 
 
 
 def load_policy(path: Path) -> Policy | None:
+    """The policy `spectrt tune` saved at `path`, or None where there is none. A file that is not one (torn by a cut
+    write, hand-edited) is skipped with a warning naming it and the fix, so the untuned default runs instead of
+    every later load failing on a bare JSONDecodeError; a policy with invalid values is still refused."""
     path = Path(path)
     if not path.is_file():
         return None
-    return Policy.from_json(json.loads(path.read_text(encoding="utf-8"))["policy"])
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))["policy"]
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        warnings.warn(f"{path} is not a saved policy ({type(e).__name__}: {e}); decoding with the untuned default: "
+                      "run `spectrt tune` again (or delete the file)", stacklevel=2)
+        return None
+    return Policy.from_json(saved)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a reader sees the old file or the new one,
+    never a torn one (a cut `spectrt tune` left a half-written policy that blocked every later load)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -29,6 +29,7 @@ from spectrt.runtime.decoding.policy import (
     pick_measured,
     policy_path,
     rank_policies,
+    write_atomically,
 )
 from spectrt.runtime.decoding.profile import cost_profile_path
 from spectrt.runtime.decoding.tree import AUTO
@@ -308,6 +309,6 @@ def run_tune(pipe, target: Path, draft: Path | None, dtype: str, artifacts: Path
     }
     out = policy_path(artifacts, Path(target).name, Path(draft).name if draft else None, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_atomically(out, json.dumps(report, indent=2))
     report["path"] = str(out)
     return report

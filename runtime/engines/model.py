@@ -50,6 +50,49 @@ def subset_head(weights: dict[str, torch.Tensor], vocab_size: int) -> tuple[torc
     return head, ids
 
 
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name the forward reads, with the shape its config implies."""
+    H, V, hd = config.hidden_size, config.vocab_size, config.head_dim
+    q, kv, inter = config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+                       p + "mlp.down_proj.weight": (H, inter)})
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if config.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor], checkpoint: Path | str) -> None:
+    """Refuse a checkpoint whose tensors disagree with its config.json (or lack one the forward reads), naming the
+    tensor. Why: the native forward sizes every loop from the config, so an edited `intermediate_size` or
+    `vocab_size` read weights out of bounds (garbage or a segfault), where this names the problem at load."""
+    for name, shape in expected_shapes(config).items():
+        tied = config.tie_word_embeddings and name not in weights
+        if name == "lm_head.weight" and (tied or SUBSET_HEAD in weights):
+            continue  # tied to the embedding, or a vocabulary-subset draft head (checked by `subset_head`)
+        if name not in weights:
+            raise ValueError(f"{checkpoint} has no tensor {name}, which its config.json implies: the checkpoint is "
+                             "incomplete or of another architecture (re-export it, e.g. with transformers' "
+                             "save_pretrained)")
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(f"{checkpoint}: tensor {name} has shape {list(weights[name].shape)}, but config.json "
+                             f"implies {list(shape)}: the config does not describe these weights (restore the "
+                             "checkpoint's own config.json)")
+    if SUBSET_HEAD in weights and weights[SUBSET_HEAD].shape[1:] != (config.hidden_size,):
+        raise ValueError(f"{checkpoint}: tensor {SUBSET_HEAD} has shape {list(weights[SUBSET_HEAD].shape)}, but "
+                         f"config.json implies [K, {config.hidden_size}]: restore the checkpoint's own config.json")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and family features of a LLaMA-family decoder. Families differ only by data: `attention_bias`
@@ -317,6 +360,7 @@ class Transformer:
             with safe_open(shard, "pt") as f:
                 for name in f.keys():
                     weights[name] = f.get_tensor(name)
+        check_shapes(config, weights, checkpoint)
         return cls(config, weights, dtype, measure_kernels, native=native, pair_dots=pair_dots)
 
     @property

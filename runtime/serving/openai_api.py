@@ -116,10 +116,12 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad(f"{name} must be a number, got {json.dumps(value)}", name)
+    # an int is compared exactly (math.isfinite of a 400-digit one raised OverflowError: a 500, not this 400)
+    if isinstance(value, bool) or not isinstance(value, int | float) or (isinstance(value, float)
+                                                                         and not math.isfinite(value)):
+        raise bad(f"{name} must be a number, got {json.dumps(value)[:40]}", name)
     if value < low or value > high or (low_open and value == low):
-        raise bad(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", name)
+        raise bad(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {str(value)[:40]}", name)
     return float(value)
 
 

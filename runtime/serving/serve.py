@@ -220,6 +220,14 @@ class TritonServer:
         self.api_key = api_key  # the OpenAI endpoint's; handed over in a file of the run dir, not on a command line
         self.allowed_origins = allowed_origins  # the OpenAI endpoint's CORS origins (comma-separated)
         self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.served_name):  # a folder of the repository
+            raise ServeError(f"--model-name {self.served_name!r} is not a model name: use letters, digits and ._- "
+                             "(starting with a letter or digit), e.g. spectrt or smollm2-135m")
+        if not openai_timeout > 0:
+            raise ServeError(f"--openai-timeout must be a positive number of seconds, got {openai_timeout:g}")
+        if api_key is not None and not api_key.strip():
+            raise ServeError("--api-key (or $SPECTRT_API_KEY) is empty, which would leave the OpenAI endpoint open: "
+                             "give a key, or unset it to serve without one")
         if admin_key is not None and not re.fullmatch(r"[A-Za-z0-9._~-]{16,}", admin_key):
             raise ServeError("the admin key must be 16 or more letters, digits or ._~- "
                              "(e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
