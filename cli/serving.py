@@ -61,7 +61,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="threads per instance (0: the CPUs this process may use, its affinity mask and cgroup CPU "
                         "quota, split between the instances)")
     p.add_argument("--model-name", default=DEFAULT_MODEL, help="name the model is served under")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (with --api-key and --openai-port: the OpenAI endpoint's, and Triton's "
+                        "unauthenticated ports stay on 127.0.0.1 unless --triton-host says otherwise)")
+    p.add_argument("--triton-host", default=None,
+                   help="address of Triton's HTTP/gRPC/metrics ports (default: --host; 127.0.0.1 when an API key "
+                        "guards the OpenAI endpoint)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -95,18 +100,28 @@ def model_params_of(args: argparse.Namespace) -> dict[str, object]:
                         target=args.target, draft=args.draft, artifacts=args.artifacts)
 
 
+def bind_hosts(args: argparse.Namespace) -> tuple[str, str]:
+    """(Triton's address, the OpenAI endpoint's). Triton's inference ports take no key, so where an API key guards
+    the OpenAI endpoint they stay on loopback unless --triton-host names another address: `--host 0.0.0.0 --api-key
+    K` used to publish them next to the guarded endpoint."""
+    openai_host = args.openai_host or args.host
+    guarded = bool(args.api_key) and args.openai_port is not None
+    return args.triton_host or ("127.0.0.1" if guarded else args.host), openai_host
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """`spectrt serve`: start the real tritonserver, wait for readiness, print the endpoints, stop on Ctrl-C.
 
     SIGINT, SIGTERM and SIGHUP (a closed terminal) stop it; signals during the stop are ignored, so the cleanup
     always finishes, and if this process is killed outright its supervisor stops the server and cleans up.
     """
+    triton_host, openai_host = bind_hosts(args)
     try:
         server = TritonServer(model_params_of(args), instances=args.instances, served_name=args.model_name,
-                              host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                              host=triton_host, http_port=args.http_port, grpc_port=args.grpc_port,
                               metrics_port=args.metrics_port, ready_timeout=args.ready_timeout, run_dir=args.run_dir,
                               console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
-                              openai_port=args.openai_port, openai_host=args.openai_host,
+                              openai_port=args.openai_port, openai_host=openai_host,
                               openai_timeout=args.openai_timeout, api_key=args.api_key,
                               allowed_origins=args.allowed_origins)
     except ServeError as e:
@@ -116,7 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if notice := fallback_notice(args.backend):  # the instances load in this environment (SPECTRT_NATIVE included)
         print(notice, file=sys.stderr)
-    hosts = {args.host} | ({server.openai_host} if args.openai_port is not None else set())
+    hosts = {triton_host} | ({server.openai_host} if args.openai_port is not None else set())
     for host in sorted(hosts):
         if warning := host_warning(host):
             print(f"spectrt serve: warning: {warning}", file=sys.stderr)

@@ -191,3 +191,20 @@ def test_tune_saves_a_policy_that_generate_uses(target_dir, tmp_path):
     assert spec.returncode == 0 and ar.returncode == 0, spec.stderr + ar.stderr
     assert f"budget {saved['policy']['budget']} depth 0" in spec.stderr  # the tuned policy ran
     assert spec.stdout.strip() == json.loads(ar.stdout)["text"].strip()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("flags", "hosts"), [
+    ([], ("127.0.0.1", "127.0.0.1")),
+    (["--host", "0.0.0.0"], ("0.0.0.0", "0.0.0.0")),
+    (["--host", "0.0.0.0", "--api-key", "K", "--openai-port", "9000"], ("127.0.0.1", "0.0.0.0")),  # Triton stays in
+    (["--host", "0.0.0.0", "--api-key", "K", "--openai-port", "9000", "--triton-host", "10.0.0.5"],
+     ("10.0.0.5", "0.0.0.0")),  # unless asked
+    (["--host", "0.0.0.0", "--api-key", "K"], ("0.0.0.0", "0.0.0.0")),  # no OpenAI endpoint: nothing to guard
+    (["--openai-host", "0.0.0.0", "--api-key", "K", "--openai-port", "9000"], ("127.0.0.1", "0.0.0.0")),
+])
+def test_an_api_key_keeps_tritons_unauthenticated_ports_on_loopback(flags, hosts):
+    from spectrt.cli import build_parser
+    from spectrt.cli.serving import bind_hosts
+
+    assert bind_hosts(build_parser().parse_args(["serve", *flags])) == hosts
