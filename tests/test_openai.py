@@ -488,6 +488,30 @@ def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
     assert sorted(cancelled) == [3, 40]  # the long one's upstream generator was closed too
 
 
+@pytest.mark.unit
+def test_a_final_response_without_a_finish_reason_is_an_upstream_failure():
+    """Every answer the model ends says why; one that does not was cut off upstream: a 502 (streamed: an error event
+    and [DONE]), not a 200 with the text so far and "stop"."""
+    from spectrt.runtime.serving.openai_frontend import Piece
+
+    async def generate(fields, rid):
+        yield Piece(text="partial ", tokens=1, prompt_tokens=2)
+        yield Piece(final=True, prompt_tokens=2)
+
+    async def calls(client, triton, fake):
+        triton.generate = generate
+        body = {"model": "spectrt", "prompt": "hi", "max_tokens": 8}
+        plain = await client.post("/v1/completions", json=body)
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+        return plain.status, await plain.json(), (await streamed.read()).split(b"\n\n")
+
+    status, body, events = _frontend(calls)
+    assert status == 502 and body["error"]["code"] == "upstream_error" and "finish_reason" in body["error"]["message"]
+    events = [e for e in events if e]
+    assert events[-1] == b"data: [DONE]" and b'"finish_reason":"stop"' not in b"".join(events)
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -329,10 +329,9 @@ def speculative_metrics(perf: dict) -> dict | None:
 
 
 def finish_reason(outcome: Outcome, max_tokens: int) -> str:
-    """The model's finish_reason output; from the token count if the deployed model predates that output."""
-    if outcome.finish_reason in ("stop", "length"):
-        return outcome.finish_reason
-    return "length" if outcome.completion_tokens >= max_tokens else "stop"
+    """The answer's finish_reason: the model's (the frontend refuses a final response without one, and sets "stop"
+    where it ended the answer at a stop string itself)."""
+    return outcome.finish_reason or "stop"
 
 
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:

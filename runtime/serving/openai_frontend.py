@@ -429,6 +429,15 @@ class Frontend:
                 if piece.final:
                     text += stop.flush()
                     outcome.finish_reason, outcome.perf = piece.finish_reason, piece.perf
+                    if piece.finish_reason not in ("stop", "length") and not stop.stopped:
+                        # every answer the model ends says why: this one was cut off upstream (it used to reach
+                        # clients as a 200 with the text so far and "stop")
+                        error = ApiError(502, "the model ended the answer without a finish_reason: it may be cut "
+                                         "short; retry the request", None, "upstream_error")
+                        if chunks is None:
+                            raise error
+                        await response.write(Chunks.error(error))
+                        return response
                 outcome.text += text
                 if chunks is not None and text:
                     await response.write(chunks.text(text))
