@@ -9,6 +9,7 @@ no process is left. Two more launches check the supervisor's guarantees for the 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -235,6 +236,8 @@ class _FakeGrpc:
 
     async def is_model_ready(self, model):
         self.asked += 1
+        if self.ready == "hang":  # a stopped tritonserver (kill -STOP): the call never returns
+            await asyncio.Event().wait()
         return self.ready
 
     async def get_model_config(self, model, as_json=True):
@@ -486,6 +489,27 @@ def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert error["code"] == "unavailable" and "stopping" in error["message"]
     assert sorted(cancelled) == [3, 40]  # the long one's upstream generator was closed too
+
+
+@pytest.mark.unit
+def test_a_hung_triton_gets_503_from_health_and_requests_instead_of_a_hang(monkeypatch):
+    """`kill -STOP` of tritonserver: the readiness check never got an answer and held the lock every request and
+    /health wait for; now the check is bounded and both answer 503 naming the cause (the outer wait only turns a
+    regression into a failure instead of a hung suite)."""
+    from spectrt.runtime.serving import openai_frontend
+
+    monkeypatch.setattr(openai_frontend, "READY_SECONDS", 0.2)
+    fake = _FakeGrpc()
+    fake.ready = "hang"
+
+    async def calls(client, triton, fake):
+        body = {"model": "spectrt", "prompt": "hi", "max_tokens": 4}
+        answers = await asyncio.wait_for(asyncio.gather(
+            client.get("/health"), client.post("/v1/completions", json=body),
+            client.post("/v1/completions", json=body)), 60)
+        return [(r.status, (await r.json())["error"]["code"]) for r in answers]
+
+    assert _frontend(calls, fake=fake) == [(503, "unavailable")] * 3
 
 
 @pytest.mark.unit

@@ -66,6 +66,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 MAX_BODY_BYTES = 8 << 20
 READY_CACHE_SECONDS = 1.0  # how long Triton's answer to "is the model ready?" is reused (health checks come often)
 PROBE_SECONDS = 5.0  # a health probe the model has not answered by then: its instance is stuck as a whole
+READY_SECONDS = 8.0  # the whole readiness check (Triton's readiness, the config, the probe): a hung Triton is a 503
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # an HTTP header name (RFC 9110 token)
 
@@ -122,7 +123,18 @@ class Triton:
     async def ready(self) -> bool:
         """Can the model serve now? Asked at most every READY_CACHE_SECONDS; the first time it is ready, its limits
         are read from its config. Two questions: Triton's readiness (unloaded, reloading or its stub dead: no), then
-        the model's health probe (`probe`), since a wedged decode loop leaves the model READY."""
+        the model's health probe (`probe`), since a wedged decode loop leaves the model READY. The whole check, and
+        the wait for another caller's, takes at most READY_SECONDS: a hung tritonserver (`kill -STOP`) answered
+        none of them, and every request and /health waited forever behind the check's lock."""
+        try:
+            return await asyncio.wait_for(self._ready(), READY_SECONDS)
+        except asyncio.TimeoutError:
+            self.trouble = (f"Triton did not say within {READY_SECONDS:g} s whether the model {self.model} can serve: "
+                            "retry shortly", "unavailable")
+            self.checked = time.monotonic()
+            return False
+
+    async def _ready(self) -> bool:
         async with self.asking:
             if time.monotonic() - self.checked < READY_CACHE_SECONDS:
                 return self.trouble is None
