@@ -12,7 +12,7 @@ import torch
 from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job, StepClock, StepInfo
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.serving.requests import Limits, RequestError, Row, make_row
-from spectrt.runtime.serving.scheduler import CounterMetrics, Overloaded, Request, Scheduler
+from spectrt.runtime.serving.scheduler import CounterMetrics, Overloaded, Request, Scheduler, logged_now
 
 FLAT = Policy(budget=6, depth=2, width=2, verify_ms=((1, 1.0), (64, 1.0)), draft_ms=((1, 1e-6),))
 
@@ -152,7 +152,7 @@ def test_stream_interval_sends_the_same_text_in_fewer_responses(target, draft, t
         _scheduler(target, draft, tokenizer, stream_interval=0)
 
 
-def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, tokenizer, encode, monkeypatch):
+def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, tokenizer, encode, monkeypatch, caplog):
     """One job's forward raises: its request ends with one error response; the other requests get their normal
     final responses; the scheduler keeps serving and answers the same request the same way afterwards."""
     sched = _scheduler(target, draft, tokenizer, max_active=3)
@@ -178,6 +178,8 @@ def test_a_failing_row_gets_one_error_and_the_others_finish(target, draft, token
     assert sched.metrics.counts["failed"] == 1
     fallbacks = sched.metrics.counts["step_fallbacks"]  # counted (and logged) for each batched step that failed
     assert fallbacks >= 1
+    warned = [r for r in caplog.records if "batched step" in r.getMessage()]
+    assert len(warned) == sum(1 for n in range(1, fallbacks + 1) if logged_now(n))  # not one per failed step
     monkeypatch.setattr(target, "forward_many", real)
     again = Sink()
     _submit(sched, [_row(encode, tokenizer, max_tokens=12)], again)
@@ -725,3 +727,8 @@ def test_failures_are_logged_with_the_request_id(tokenizer, caplog):
     assert any("'req-broken'" in m and "a broken row" in m for m in logged), logged
     assert any("'req-flaky'" in m and "text send failed" in m for m in logged), logged
     assert sched.metrics.counts["failed"] == 1 and sched.metrics.counts["send_failed"] == 1
+
+
+@pytest.mark.unit
+def test_a_repeated_warning_is_logged_at_the_1st_10th_100th():
+    assert [n for n in range(0, 20001) if logged_now(n)] == [1, 10, 100, 1000, 10000]

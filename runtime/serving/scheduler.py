@@ -123,6 +123,12 @@ class Request:
         return self.arrived + min(r.timeout for r in self.rows)
 
 
+def logged_now(count: int) -> bool:
+    """Whether the `count`th occurrence of a repeated warning is logged: the 1st, 10th, 100th, ... (a log that
+    grows with the digits of the count, however long the cause persists; the metric counts every one)."""
+    return count >= 1 and 10 ** (len(str(count)) - 1) == count
+
+
 class Scheduler:
     """One thread decoding up to the decoder's `max_active` rows together; `submit` from any thread."""
 
@@ -312,9 +318,12 @@ class Scheduler:
         info = self.decoder.step()
         if info.fallback is not None:  # this step only: the next one is batched again
             self.metrics.count("step_fallbacks")
-            LOG.warning("the batched step of %d row(s) failed (%s): each row was retried alone (requests %s)",
-                        info.active, info.fallback, sorted({job.tag[0].id for job in self.decoder.active}
-                                                           | {job.tag[0].id for job in info.finished}))
+            fallbacks = self.metrics.counts["step_fallbacks"]
+            if logged_now(fallbacks):  # a persistent failure used to warn at every step
+                LOG.warning("the batched step of %d row(s) failed (%s): each row was retried alone (requests %s; "
+                            "fallback %d since start, logged at the 1st, 10th, 100th, ...)", info.active,
+                            info.fallback, sorted({job.tag[0].id for job in self.decoder.active}
+                                                  | {job.tag[0].id for job in info.finished}), fallbacks)
         self.metrics.count("steps")
         self.metrics.count("step_tokens", info.tokens)
         self.metrics.count("step_tree_tokens", info.tree_tokens)
