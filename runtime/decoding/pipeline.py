@@ -46,14 +46,20 @@ class Generation:
                 "stats": self.stats.as_dict()}
 
 
-def check_context(target: Path, max_seq_len: int) -> None:
-    """Refuse a context past the target's trained one (config.json `max_position_embeddings`, which a RoPE scaling
-    such as Llama 3's or YaRN already extends): RoPE past it degrades silently, with no error to say why."""
+def trained_context(target: Path) -> int | None:
+    """The target's trained context (config.json `max_position_embeddings`, which a RoPE scaling such as Llama 3's
+    or YaRN already extends), or None where its config does not say."""
     config = Path(target) / "config.json"
     if not config.is_file():
-        return
+        return None
     limit = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
-    if isinstance(limit, int) and 0 < limit < max_seq_len:
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_context(target: Path, max_seq_len: int) -> None:
+    """Refuse a context past the target's trained one: RoPE past it degrades silently, with no error to say why."""
+    limit = trained_context(target)
+    if limit is not None and limit < max_seq_len:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds {target.name}'s trained context of {limit} tokens "
                          f"(max_position_embeddings in its config.json): use --max-seq-len {limit} or less, or a "
                          "checkpoint whose RoPE scaling extends its context")

@@ -264,12 +264,13 @@ def loop_host(target: Path, draft: Path | None, dtype: str, artifacts: Path, bat
     long-running loop does not pay."""
     from spectrt.runtime.decoding.bench import DEFAULT_PROMPTS, read_prompts
     from spectrt.runtime.decoding.decoder import Job, StepClock
-    from spectrt.runtime.decoding.pipeline import Pipeline
+    from spectrt.runtime.decoding.pipeline import Pipeline, trained_context
     from spectrt.runtime.decoding.tree import AUTO
 
-    # no prefix cache: every run decodes the same prompts, and a later one would skip the prefill an earlier one did
-    pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=1024, artifacts=artifacts, max_active=max(batches),
-                    prefix_cache=False)
+    # no prefix cache: every run decodes the same prompts, and a later one would skip the prefill an earlier one did;
+    # 1024 positions hold a prompt and its answer, within what the target was trained on
+    pipe = Pipeline(target, draft, dtype=dtype, max_seq_len=min(1024, trained_context(target) or 1024),
+                    artifacts=artifacts, max_active=max(batches), prefix_cache=False)
     decoder = pipe.decoder
     ids = [pipe.encode(p) for p in read_prompts(DEFAULT_PROMPTS)[:prompts]]
     report = {}
