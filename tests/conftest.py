@@ -213,6 +213,25 @@ def make_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def isa_engines(target_dir):
+    """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module (dtype "bf16dot": bf16
+    weights summed in k pairs with bf16 GEMM inputs, on the pair-FMA path every build shares, not AMX's)."""
+    loaded: dict[tuple[str, torch.dtype | str], Transformer] = {}
+
+    def get(isa: str, dtype: torch.dtype | str = torch.float32) -> Transformer:
+        if (isa, dtype) not in loaded:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("SPECTRT_ISA", isa)
+                patch.setenv("SPECTRT_AMX", "0")
+                loaded[isa, dtype] = (Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
+                                      if dtype == "bf16dot" else Transformer.load(target_dir, dtype))
+            assert loaded[isa, dtype].native.isa == isa
+        return loaded[isa, dtype]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def stub_target(target_dir, tmp_path_factory) -> Path:
     """A tiny random llama checkpoint with the embedded tokenizer: a model that loads in a second, for tests of
@@ -237,8 +256,8 @@ def family_checkpoints(target_dir, tmp_path_factory):
 # The unit tier (`make test-fast`, `pytest -m unit`): tests that load no model and start no process, on fakes,
 # small tensors and at most the target's tokenizer. They say so themselves (`@pytest.mark.unit`, or a module's
 # `pytestmark`); the guard below keeps them honest: a unit test that asks for a model fixture fails at collection.
-MODEL_FIXTURES = {"target", "draft", "draft_dir", "torch_target", "torch_draft", "engines", "family_checkpoints",
-                  "stub_target",
+MODEL_FIXTURES = {"target", "draft", "draft_dir", "torch_target", "torch_draft", "engines", "isa_engines",
+                  "family_checkpoints", "stub_target",
                   "models", "server", "session", "client", "pipe", "tiny_pair", "bf16_target", "hf_target"}
 
 

@@ -78,25 +78,6 @@ def test_a_forced_isa_is_the_one_that_runs(isa, target_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def engines(target_dir):
-    """(isa, dtype) -> the embedded target on that ISA's build, loaded once per module (dtype "bf16dot": bf16
-    weights summed in k pairs with bf16 GEMM inputs, on the pair-FMA path every build shares, not AMX's)."""
-    loaded: dict[tuple[str, torch.dtype | str], Transformer] = {}
-
-    def get(isa: str, dtype: torch.dtype | str = torch.float32) -> Transformer:
-        if (isa, dtype) not in loaded:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("SPECTRT_ISA", isa)
-                patch.setenv("SPECTRT_AMX", "0")
-                loaded[isa, dtype] = (Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
-                                      if dtype == "bf16dot" else Transformer.load(target_dir, dtype))
-            assert loaded[isa, dtype].native.isa == isa
-        return loaded[isa, dtype]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def reference(target_dir) -> Transformer:
     return Transformer.load(target_dir, native=False)
 
@@ -275,8 +256,8 @@ def test_int8_projection_matches_torch_int_mm_and_is_row_invariant(smooth, isa, 
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_native_matches_reference_forward(reference, engines, isa):
-    target = engines(isa)
+def test_native_matches_reference_forward(reference, isa_engines, isa):
+    target = isa_engines(isa)
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 49152, (100,), generator=gen).tolist()
     tree = Tree.parse("3,2,2,1")
@@ -299,13 +280,13 @@ def test_native_matches_reference_forward(reference, engines, isa):
     (name, nodes) for name in [*[f"{isa}-{dt}" for isa in ISAS for dt in ("fp32", "bf16", "bf16dot")], "bf16_amx",
                                "bf16dot_amx"]
     for nodes in (8, 64) if not (name.startswith("portable") and nodes == 64)])
-def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name, nodes):
+def test_tree_rows_are_bitwise_single_token_steps(request, isa_engines, engine_name, nodes):
     """Each row of a T-node tree forward == the forward of that node alone over the same prefix + ancestors."""
     if engine_name.endswith("_amx"):
         engine = request.getfixturevalue(engine_name)
     else:
         isa, dt = engine_name.split("-")
-        engine = engines(isa, {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dt, dt))
+        engine = isa_engines(isa, {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dt, dt))
     gen = torch.Generator().manual_seed(nodes)
     prefix = torch.randint(0, 49152, (40,), generator=gen).tolist()
     tree = _heap_tree(nodes)
@@ -320,8 +301,8 @@ def test_tree_rows_are_bitwise_single_token_steps(request, engines, engine_name,
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_forward_many_equals_separate_forwards(engines, isa):
-    target = engines(isa)
+def test_forward_many_equals_separate_forwards(isa_engines, isa):
+    target = isa_engines(isa)
     gen = torch.Generator().manual_seed(3)
     prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (5, 30, 60)]
     trees = [Tree.parse("2,1"), Tree((-1,)), Tree.parse("3,2")]
@@ -337,10 +318,10 @@ def test_forward_many_equals_separate_forwards(engines, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_logit_rows_skip_the_head_for_the_others_only(engines, isa):
+def test_logit_rows_skip_the_head_for_the_others_only(isa_engines, isa):
     """`logit_rows`: a prefill chunk's logits (0) and all but a row's (1) are not computed; the rows kept are bitwise
     those of the full forward, and every row's K/V is written as before (the LM head is the forward's last step)."""
-    target = engines(isa, torch.bfloat16)
+    target = isa_engines(isa, torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
     prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (7, 20, 33)]
     trees = [Tree.parse("1,1,1"), Tree.parse("2,1"), Tree.parse("2,2")]
@@ -367,12 +348,12 @@ def bf16_prompts(tokenizer):
 
 @pytest.mark.parametrize("spec", ["2,2,1", "1,1,1,1"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf16_prompts, spec, monkeypatch):
+def test_bf16_greedy_tree_equals_bf16_autoregressive(isa_engines, isa, draft_dir, bf16_prompts, spec, monkeypatch):
     """bf16 is an exact mode on every ISA: its tree decoding gives its own AR tokens (it did on 4/12 prompts before).
     The best build decodes 4 prompts x 64 tokens (test_decoder runs every loop test in bf16 on it besides); the other
     builds compute bitwise its logits (`test_every_isa_computes_the_same_logits`), so 2 x 32 check their loop (the
     portable build, a correctness fallback ~10x slower, 1 x 24)."""
-    bf16 = engines(isa, torch.bfloat16)
+    bf16 = isa_engines(isa, torch.bfloat16)
     monkeypatch.setenv("SPECTRT_ISA", isa)
     draft = Transformer.load(draft_dir, torch.bfloat16) if spec == "2,2,1" else bf16
     ar = Decoder(bf16, None, EOS, max_seq_len=512)
@@ -389,13 +370,13 @@ def test_bf16_greedy_tree_equals_bf16_autoregressive(engines, isa, draft_dir, bf
 
 
 @pytest.fixture
-def avx512_without_bf16(monkeypatch, engines):
+def avx512_without_bf16(monkeypatch, isa_engines):
     """The AVX-512 build as a CPU without AVX512_BF16 compiles it (bf16dot's pair sums emulated under DAZ|FTZ), on a
     CPU that has it: Skylake to Ice Lake run that build, so it is tested wherever it can be built. Yields the bf16dot
     engine of the build with BF16 (loaded first)."""
     if "avx512" not in ISAS or "avx512_bf16" not in kernels.cpu_flags():
         pytest.skip("no AVX512_BF16 here: the avx512 build already is the emulating one (tested with every ISA)")
-    native = engines("avx512", "bf16dot")
+    native = isa_engines("avx512", "bf16dot")
     monkeypatch.setenv("SPECTRT_ISA", "avx512")
     monkeypatch.setenv("SPECTRT_NO_AVX512_BF16", "1")
     kernels._build.cache_clear()
@@ -423,12 +404,12 @@ def test_bf16dot_emulated_avx512_build_computes_the_same(avx512_without_bf16, ta
 
 
 @pytest.mark.parametrize("gemm", ["pair FMAs", "AMX"])
-def test_bf16dot_greedy_tree_equals_its_autoregressive(request, engines, draft_dir, bf16_prompts, gemm):
+def test_bf16dot_greedy_tree_equals_its_autoregressive(request, isa_engines, draft_dir, bf16_prompts, gemm):
     """bf16dot is an exact mode of its own: tree decoding (a bf16 draft's 2,2,1 trees) gives bf16dot AR's tokens.
     Its rows are invariant on every build (`test_tree_rows_are_bitwise_single_token_steps`) and every build computes
     the best one's logits (`test_every_isa_computes_the_same_logits`), so the best build decodes here; and so does
     the AMX engine, whose logits are its own."""
-    target = engines(ISAS[0], "bf16dot") if gemm == "pair FMAs" else request.getfixturevalue("bf16dot_amx")
+    target = isa_engines(ISAS[0], "bf16dot") if gemm == "pair FMAs" else request.getfixturevalue("bf16dot_amx")
     ar = Decoder(target, None, EOS, max_seq_len=512)
     spec_decoder = Decoder(target, Transformer.load(draft_dir, torch.bfloat16), EOS, max_seq_len=512)
     accepted = 0
@@ -446,7 +427,7 @@ def test_bf16dot_needs_the_native_forward(target_dir):
 
 
 @pytest.mark.parametrize("isa", ISAS[1:])
-def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
+def test_every_isa_computes_the_same_logits(isa_engines, isa, monkeypatch):
     """simd.h gives every ISA the same per-lane operations and one reduction order: logits, KV rows and INT8
     projections are bitwise those of the best build here, so answers made on one CPU regenerate on another."""
     from spectrt.runtime.engines.int8 import Int8Linear
@@ -461,7 +442,7 @@ def test_every_isa_computes_the_same_logits(engines, isa, monkeypatch):
     def outputs(name: str) -> list[torch.Tensor]:
         out = []
         for dtype in (torch.float32, torch.bfloat16, "bf16dot"):
-            engine = engines(name, dtype)
+            engine = isa_engines(name, dtype)
             cache = engine.new_cache(128, 96)
             causal = torch.ones(80, 80, dtype=torch.bool).tril()
             out.append(engine.forward(prefix, torch.arange(80), causal, cache)[-3:].clone())
@@ -589,10 +570,10 @@ def test_the_lm_heads_argmax_is_numpys(isa, monkeypatch):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_keeps_each_logits_rows_argmax(engines, isa, dtype):
+def test_forward_keeps_each_logits_rows_argmax(isa_engines, isa, dtype):
     """The forward's own argmax of its logits (`argmax_of`) is each row's numpy argmax, per segment of a batched
     forward; blocks that are not that forward's logits (an older forward's, a copy) get None."""
-    target = engines(isa, dtype)
+    target = isa_engines(isa, dtype)
     gen = torch.Generator().manual_seed(11)
     prefixes = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (6, 25)]
     trees = [Tree.parse("2,1"), Tree((-1,))]

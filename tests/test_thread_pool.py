@@ -29,23 +29,6 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def engines(target_dir):
-    loaded: dict[tuple[str, object], Transformer] = {}
-
-    def get(isa: str, dtype: torch.dtype | str) -> Transformer:
-        if (isa, dtype) not in loaded:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("SPECTRT_ISA", isa)
-                patch.setenv("SPECTRT_AMX", "0")
-                loaded[isa, dtype] = (Transformer.load(target_dir, torch.bfloat16, pair_dots=True)
-                                      if dtype == "bf16dot" else Transformer.load(target_dir, dtype))
-            assert loaded[isa, dtype].native.isa == isa
-        return loaded[isa, dtype]
-
-    return get
-
-
 def _outputs(engine: Transformer) -> list[torch.Tensor]:
     """A 40-row causal prefill chunk's last logits, a tree's logits, and the K/V rows both wrote."""
     gen = torch.Generator().manual_seed(3)
@@ -62,8 +45,8 @@ def _outputs(engine: Transformer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16dot"])
 @pytest.mark.parametrize("isa", ISAS)
-def test_logits_are_bitwise_the_same_on_any_thread_count(engines, isa, dtype, threads):
-    engine = engines(isa, dtype)
+def test_logits_are_bitwise_the_same_on_any_thread_count(isa_engines, isa, dtype, threads):
+    engine = isa_engines(isa, dtype)
     results = {}
     for n in THREAD_COUNTS:
         threads(n)
@@ -77,10 +60,10 @@ def test_logits_are_bitwise_the_same_on_any_thread_count(engines, isa, dtype, th
             assert torch.equal(mine, one)
 
 
-def test_workers_share_the_loops_when_they_are_awake(engines, threads):
+def test_workers_share_the_loops_when_they_are_awake(isa_engines, threads):
     """Both threads compute: over a few forwards the worker claims items too (run before the late-worker test, whose
     sleeping worker would take none for a second)."""
-    engine = engines(ISAS[0], torch.float32)
+    engine = isa_engines(ISAS[0], torch.float32)
     module = engine.native.kernels
     threads(2)
     before = module.pool_stats()
@@ -93,10 +76,10 @@ def test_workers_share_the_loops_when_they_are_awake(engines, threads):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_late_worker_takes_nothing_and_holds_nothing_up(engines, isa, threads):
+def test_a_late_worker_takes_nothing_and_holds_nothing_up(isa_engines, isa, threads):
     """Work is claimed, not assigned: with every worker asleep for seconds before it looks at a loop (as a thread
     the OS descheduled), the caller claims every item itself and no loop waits for the worker."""
-    engine = engines(isa, torch.float32)
+    engine = isa_engines(isa, torch.float32)
     module = engine.native.kernels
     threads(2)
     quiet = _outputs(engine)
@@ -115,10 +98,10 @@ def test_a_late_worker_takes_nothing_and_holds_nothing_up(engines, isa, threads)
         assert torch.equal(a, b)
 
 
-def test_a_forward_beside_a_busy_thread_is_exact(engines, threads):
+def test_a_forward_beside_a_busy_thread_is_exact(isa_engines, threads):
     """Another thread of the process keeps a core busy (it runs while the forward has released the GIL): the forward,
     on as many threads as there are cores, still computes exactly the quiet result."""
-    engine = engines(ISAS[0], torch.bfloat16)
+    engine = isa_engines(ISAS[0], torch.bfloat16)
     threads(max(2, os.cpu_count() or 1))
     quiet = _outputs(engine)
     stop, spins = threading.Event(), [0]

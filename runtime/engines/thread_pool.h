@@ -25,7 +25,6 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
-#include <vector>
 
 #include <linux/futex.h>
 #include <sched.h>

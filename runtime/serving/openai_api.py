@@ -328,7 +328,7 @@ def speculative_metrics(perf: dict) -> dict | None:
             "num_spec_steps": int(passes), "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafted}
 
 
-def finish_reason(outcome: Outcome, max_tokens: int) -> str:
+def finish_reason(outcome: Outcome) -> str:
     """The answer's finish_reason: the model's (the frontend refuses a final response without one, and sets "stop"
     where it ended the answer at a stop string itself)."""
     return outcome.finish_reason or "stop"
@@ -336,7 +336,7 @@ def finish_reason(outcome: Outcome, max_tokens: int) -> str:
 
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
     """The non-streaming answer (chat.completion or text_completion)."""
-    reason = finish_reason(outcome, call.max_tokens)
+    reason = finish_reason(outcome)
     if call.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
                   "finish_reason": reason}
@@ -375,7 +375,7 @@ class Chunks:
 
     def finish(self, outcome: Outcome) -> bytes:
         """The last chunks: the finish reason, then (include_usage) usage and metrics, then [DONE]."""
-        reason = finish_reason(outcome, self.call.max_tokens)
+        reason = finish_reason(outcome)
         if self.call.kind == "chat":
             choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if self.first else {},
                       "logprobs": None, "finish_reason": reason}
