@@ -20,6 +20,7 @@ speculative-decoding interface; runtime/engines/batch_inputs.py defines the inpu
 | `logits` | float32    | [N, V]         | packed like input_ids: no padding row is ever returned     |
 | `new_k`  | float32/16 | [L, Hkv, N, D] | the new tokens' K (RoPE applied); the runtime writes them into the pool |
 | `new_v`  | float32/16 | [L, Hkv, N, D] |                                                            |
+| `features` | float32    | [N, 3 Ht]      | exported for an EAGLE-3 head only: its captured layers' inputs |
 
 Inside, every projection, norm and the LM head run on the N packed rows (no padding in the GEMMs, which are the
 cost); only attention uses the padded [B, T] layout. Request b's context is its own pool slot's columns [0, S) in
@@ -52,12 +53,12 @@ import math
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
+from spectrt.runtime.engines.batch_inputs import FEATURES, INPUT_NAMES, OUTPUT_NAMES, pack_mask, unpack_mask
 from spectrt.runtime.engines.model import ModelConfig, rms_norm, rope_frequencies, rope_tables, rotate, subset_head
 from torch import nn
 
@@ -66,7 +67,7 @@ OPSET = 17  # what the legacy exporter, ModelOpt's Q/DQ export and TensorRT's pa
 EXPORT_VERSION = 2  # bump when the graph changes: engines built by an older exporter are rebuilt
 
 
-def io_spec(config: ModelConfig, precision: str) -> dict:
+def io_spec(config: ModelConfig, precision: str, feature_layers: Sequence[int] = ()) -> dict:
     """Names, dtypes and (symbolic) shapes of the graph's inputs and outputs, as recorded in manifest.json."""
     kv = "float16" if precision == "fp16" else "float32"
     pool = ["P", config.num_layers, config.num_kv_heads, "C", config.head_dim]
@@ -74,14 +75,14 @@ def io_spec(config: ModelConfig, precision: str) -> dict:
     shapes = {"input_ids": ["N"], "spec_decoding_generation_lengths": ["B"],
               "spec_decoding_position_offsets": ["B", "T"], "spec_decoding_packed_mask": ["B", "T", "M"],
               "past_key_value_lengths": ["B"], "window_offsets": ["B"], "slot_ids": ["B"], "cache_columns": ["S"]}
+    outputs = {"logits": {"dtype": "float32", "shape": ["N", config.vocab_size]},
+               "new_k": {"dtype": kv, "shape": new}, "new_v": {"dtype": kv, "shape": new}}
+    if feature_layers:
+        outputs[FEATURES] = {"dtype": "float32", "shape": ["N", len(feature_layers) * config.hidden_size]}
     return {
         "inputs": {**{name: {"dtype": "int32", "shape": shape} for name, shape in shapes.items()},
                    "pool_k": {"dtype": kv, "shape": pool}, "pool_v": {"dtype": kv, "shape": pool}},
-        "outputs": {
-            "logits": {"dtype": "float32", "shape": ["N", config.vocab_size]},
-            "new_k": {"dtype": kv, "shape": new},
-            "new_v": {"dtype": kv, "shape": new},
-        },
+        "outputs": outputs,
     }
 
 
@@ -118,10 +119,11 @@ def adopt_graph(src: Path, out: Path) -> Path:
     import onnx
 
     io = graph_io(src)
-    if list(io["inputs"]) != list(INPUT_NAMES) or list(io["outputs"]) != list(OUTPUT_NAMES):
+    if list(io["inputs"]) != list(INPUT_NAMES) or list(io["outputs"]) not in (list(OUTPUT_NAMES),
+                                                                              [*OUTPUT_NAMES, FEATURES]):
         raise ValueError(f"{src} is not a tree-verify graph: inputs {list(io['inputs'])}, outputs "
                          f"{list(io['outputs'])}; expected {list(INPUT_NAMES)} -> {list(OUTPUT_NAMES)} "
-                         "(see build/export.py)")
+                         f"(+ {FEATURES} for an EAGLE-3 head; see build/export.py)")
     proto = onnx.load(str(src))  # with its external data, wherever it lives
     for stale in (out, out.with_name(out.name + ".data")):
         stale.unlink(missing_ok=True)
@@ -138,12 +140,16 @@ class TreeVerifyModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor] | None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, feature_layers: Sequence[int] = ()):
         """`weights` are a HF checkpoint's tensors; None leaves them uninitialised for `load_state_dict`
-        (how a quantized checkpoint is restored, see quant/quantize.py)."""
+        (how a quantized checkpoint is restored, see quant/quantize.py). `feature_layers`: the residual streams an
+        EAGLE-3 head reads (id j enters layer j; L is the last layer's output), returned as the `features` output."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.feature_layers = tuple(int(j) for j in feature_layers)
+        if not all(0 <= j <= config.num_layers for j in self.feature_layers):
+            raise ValueError(f"feature layers {list(self.feature_layers)} must lie in [0, {config.num_layers}]")
         c = config
         w = weights or {}
 
@@ -196,21 +202,62 @@ class TreeVerifyModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq)
 
     @classmethod
-    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32) -> TreeVerifyModel:
+    def load(cls, checkpoint: Path, dtype: torch.dtype = torch.float32, feature_layers: Sequence[int] = ()
+             ) -> TreeVerifyModel:
         from spectrt.build.slice import load_state_dict
 
-        return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype)
+        return cls(ModelConfig.from_dir(checkpoint), load_state_dict(Path(checkpoint)), dtype, feature_layers)
 
     def forward(self, input_ids, generation_lengths, position_offsets, packed_mask, past_lengths, window_offsets,
                 slot_ids, cache_columns, pool_k, pool_v):
         c, dt = self.config, self.dtype
-        n = input_ids.shape[0]
+        at = BatchAttention(c, dt, self.inv_freq, self.rope_scale, input_ids.shape[0], generation_lengths,
+                            position_offsets, packed_mask, past_lengths, window_offsets, slot_ids, cache_columns,
+                            pool_k, pool_v)
+        q_dim, kv_dim, d = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        eps = c.rms_norm_eps  # the residual stream is fp32: the same arithmetic as the torch engine in fp32
+        n = at.n
+
+        x = self.embed(input_ids).float()  # residual stream in fp32, [N, H]
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                captured[i] = x
+            h = rms_norm(x, layer.attn_norm, eps).to(dt)
+            qkv = layer.wqkv(h)
+            q = qkv[:, :q_dim].reshape(n, c.num_heads, d).transpose(0, 1)
+            k = qkv[:, q_dim:q_dim + kv_dim].reshape(n, c.num_kv_heads, d).transpose(0, 1)
+            v = qkv[:, q_dim + kv_dim:].reshape(n, c.num_kv_heads, d).transpose(0, 1)
+            if c.qk_norm:
+                q = rms_norm(q.float(), layer.q_norm, eps).to(dt)
+                k = rms_norm(k.float(), layer.k_norm, eps).to(dt)
+            x = x + layer.wo(at.attend(i, q, k, v)).float()
+            h = rms_norm(x, layer.mlp_norm, eps).to(dt)
+            gate, up = layer.w13(h).chunk(2, dim=-1)
+            x = x + layer.w2(F.silu(gate) * up).float()
+        captured[c.num_layers] = x
+        logits = self.head(rms_norm(x, self.norm, eps).to(dt)).float()
+        if self.head_ids is not None:
+            logits = self.neg_row.expand(n, -1).scatter(1, self.head_ids.expand(n, -1), logits)
+        new_k, new_v = at.new_kv()
+        if not self.feature_layers:
+            return logits, new_k, new_v
+        return logits, new_k, new_v, torch.cat([captured[j] for j in self.feature_layers], dim=-1)
+
+
+class BatchAttention:
+    """The batched graph's attention over the KV pool, shared by the target graph and the EAGLE-3 head graph: the
+    packed/padded row maps, the visibility mask and the cache rows are computed once per forward, `attend` runs one
+    layer's attention of the packed rows (RoPE applied here) and keeps their K/V for `new_kv`."""
+
+    def __init__(self, c: ModelConfig, dt: torch.dtype, inv_freq: torch.Tensor, rope_scale: float, n: int,
+                 generation_lengths, position_offsets, packed_mask, past_lengths, window_offsets, slot_ids,
+                 cache_columns, pool_k, pool_v):
+        self.c, self.dt, self.n = c, dt, n
         b, t = position_offsets.shape
         s = cache_columns.shape[0]
         hkv, d = c.num_kv_heads, c.head_dim
-        group = c.num_heads // hkv
-        q_dim, kv_dim = c.num_heads * d, hkv * d
-        scale = 1.0 / math.sqrt(d)
+        self.b, self.t, self.s = b, t, s
 
         # packed row r belongs to request req[r] at index col[r]; padded (b, i) reads packed row pad[b, i]
         lengths = generation_lengths.long()
@@ -219,9 +266,9 @@ class TreeVerifyModel(nn.Module):
         rows = torch.arange(n)
         req = (rows[:, None] >= ends[None, :]).long().sum(1)
         col = rows - starts[req]
-        flat = req * t + col  # packed row -> padded position b * T + i
+        self.flat = req * t + col  # packed row -> padded position b * T + i
         steps = torch.arange(t)
-        pad = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).reshape(-1)  # [B*T]
+        self.pad = (starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)).reshape(-1)  # [B*T]
 
         # request b's context is its pool slot's columns [0, S) in slot order, the new tokens placed at their own
         # slots (past + window offset + i) before attention: column s of row i is visible iff s is committed
@@ -234,55 +281,44 @@ class TreeVerifyModel(nn.Module):
         width = (window + lengths)[:, None]
         window_bit = torch.gather(bits, 2, rel.clamp(0, bits.shape[2] - 1)[:, None, :].expand(b, t, s)) > 0
         visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < width))[:, None, :] & window_bit)
-        hidden = ~visible[:, None, None]  # [B, 1, 1, T, S]
-        neg = torch.finfo(torch.float32).min
-        positions = past[req] + position_offsets.long().reshape(-1)[flat]
+        self.hidden = ~visible[:, None, None]  # [B, 1, 1, T, S]
+        positions = past[req] + position_offsets.long().reshape(-1)[self.flat]
 
         # cached K/V of the B requests' slots, columns [0, S): one gather of rows (slot, layer, head, column); the
         # new tokens' rows are then put at their columns of that copy (their slots in the pool are written by the
         # runtime after the forward)
-        capacity = pool_k.shape[3]
+        self.capacity = capacity = pool_k.shape[3]
         heads = torch.arange(hkv)
-        kv_rows = ((slot_ids.long()[:, None, None] * c.num_layers * hkv + heads[None, :, None]) * capacity
-                   + cache_columns.long()[None, None, :]).reshape(-1)  # layer 0; layer l adds l * Hkv * C
-        new_rows = ((req[None, :] * hkv + heads[:, None]) * s + (past + window)[req][None, :]
-                    + col[None, :]).reshape(-1)  # [Hkv * N]: head-major, as k.reshape(-1, D)
-        flat_k, flat_v = pool_k.reshape(-1, d), pool_v.reshape(-1, d)
+        self.kv_rows = ((slot_ids.long()[:, None, None] * c.num_layers * hkv + heads[None, :, None]) * capacity
+                        + cache_columns.long()[None, None, :]).reshape(-1)  # layer 0; layer l adds l * Hkv * C
+        self.new_rows = ((req[None, :] * hkv + heads[:, None]) * s + (past + window)[req][None, :]
+                         + col[None, :]).reshape(-1)  # [Hkv * N]: head-major, as k.reshape(-1, D)
+        self.flat_k, self.flat_v = pool_k.reshape(-1, d), pool_v.reshape(-1, d)
+        self.cos, self.sin = rope_tables(positions, inv_freq, rope_scale, dt)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
 
-        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, dt)
-        eps = c.rms_norm_eps  # the residual stream is fp32: the same arithmetic as the torch engine in fp32
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [heads, N, D], k/v [kv_heads, N, D] of the packed rows (before RoPE) -> attention output [N, q_dim]."""
+        c, b, t, s, d = self.c, self.b, self.t, self.s, self.c.head_dim
+        hkv = c.num_kv_heads
+        group = c.num_heads // hkv
+        q, k = rotate(q, self.cos, self.sin), rotate(k, self.cos, self.sin)  # [heads, N, D]
+        self.keys.append(k)
+        self.values.append(v)
+        layer_rows = self.kv_rows + layer * hkv * self.capacity
+        keys = self.flat_k[layer_rows].index_put((self.new_rows,), k.reshape(-1, d)).reshape(b, hkv, s, d)
+        values = self.flat_v[layer_rows].index_put((self.new_rows,), v.reshape(-1, d)).reshape(b, hkv, s, d)
+        # grouped-query attention without repeating K/V: [B, Hkv, G, T, D] x [B, Hkv, 1, D, S]
+        qg = q[:, self.pad].reshape(hkv, group, b, t, d).permute(2, 0, 1, 3, 4)
+        scores = torch.matmul(qg, keys.transpose(2, 3)[:, :, None]).float() * (1.0 / math.sqrt(d))
+        probs = torch.softmax(scores.masked_fill(self.hidden, torch.finfo(torch.float32).min), dim=-1).to(self.dt)
+        o = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
+        return o.permute(0, 3, 1, 2, 4).reshape(b * t, c.num_heads * d)[self.flat]  # back to the packed rows
 
-        x = self.embed(input_ids).float()  # residual stream in fp32, [N, H]
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, eps).to(dt)
-            qkv = layer.wqkv(h)
-            q = qkv[:, :q_dim].reshape(n, c.num_heads, d).transpose(0, 1)
-            k = qkv[:, q_dim:q_dim + kv_dim].reshape(n, hkv, d).transpose(0, 1)
-            v = qkv[:, q_dim + kv_dim:].reshape(n, hkv, d).transpose(0, 1)
-            if c.qk_norm:
-                q = rms_norm(q.float(), layer.q_norm, eps).to(dt)
-                k = rms_norm(k.float(), layer.k_norm, eps).to(dt)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [heads, N, D]
-            new_k.append(k)
-            new_v.append(v)
-            layer_rows = kv_rows + i * hkv * capacity
-            keys = flat_k[layer_rows].index_put((new_rows,), k.reshape(-1, d)).reshape(b, hkv, s, d)
-            values = flat_v[layer_rows].index_put((new_rows,), v.reshape(-1, d)).reshape(b, hkv, s, d)
-            # grouped-query attention without repeating K/V: [B, Hkv, G, T, D] x [B, Hkv, 1, D, S]
-            qg = q[:, pad].reshape(hkv, group, b, t, d).permute(2, 0, 1, 3, 4)
-            scores = torch.matmul(qg, keys.transpose(2, 3)[:, :, None]).float() * scale
-            probs = torch.softmax(scores.masked_fill(hidden, neg), dim=-1).to(dt)
-            o = torch.matmul(probs, values[:, :, None])  # [B, Hkv, G, T, D]
-            o = o.permute(0, 3, 1, 2, 4).reshape(b * t, q_dim)[flat]  # back to the packed rows
-            x = x + layer.wo(o).float()
-            h = rms_norm(x, layer.mlp_norm, eps).to(dt)
-            gate, up = layer.w13(h).chunk(2, dim=-1)
-            x = x + layer.w2(F.silu(gate) * up).float()
-        logits = self.head(rms_norm(x, self.norm, eps).to(dt)).float()
-        if self.head_ids is not None:
-            logits = self.neg_row.expand(n, -1).scatter(1, self.head_ids.expand(n, -1), logits)
-        return logits, torch.stack(new_k), torch.stack(new_v)
+    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new rows' K (RoPE applied) and V of every layer attended: [L, Hkv, N, D] each."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
 
 def pool_for(config: ModelConfig, dtype: torch.dtype, slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +375,7 @@ DYNAMIC_AXES = {
     "logits": {0: "N"},
     "new_k": {2: "N"},
     "new_v": {2: "N"},
+    FEATURES: {0: "N"},
 }
 
 
@@ -359,16 +396,18 @@ def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch
     tmp_dir.mkdir()
     try:
         raw = tmp_dir / "raw.onnx"
+        layers = getattr(model, "feature_layers", ())
+        outputs = (*OUTPUT_NAMES, FEATURES) if layers else OUTPUT_NAMES
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
             torch.onnx.export(
                 model, example_inputs(config, dtype), str(raw), input_names=list(INPUT_NAMES),
-                output_names=list(OUTPUT_NAMES), dynamic_axes=DYNAMIC_AXES, opset_version=OPSET,
-                do_constant_folding=True, dynamo=False,
+                output_names=list(outputs), dynamic_axes={k: DYNAMIC_AXES[k] for k in INPUT_NAMES + outputs},
+                opset_version=OPSET, do_constant_folding=True, dynamo=False,
             )
         proto = onnx.load(str(raw))
         _tie_head(proto, config)
-        _name_output_dims(proto, config)
+        _name_output_dims(proto, io_spec(config, "fp32", layers)["outputs"])
         if transform is not None:
             transform(proto)
         proto.producer_name = "spectrt"
@@ -416,11 +455,11 @@ def _tie_head(proto, config: ModelConfig) -> None:
         return
 
 
-def _name_output_dims(proto, config: ModelConfig) -> None:
-    """Give the outputs the contract's shapes (the exporter leaves generated names for static dims)."""
+def _name_output_dims(proto, outputs: dict) -> None:
+    """Give the outputs the contract's shapes (`io_spec`'s; the exporter leaves generated names for static dims)."""
     from onnx import TensorShapeProto
 
-    want = {name: spec["shape"] for name, spec in io_spec(config, "fp32")["outputs"].items()}
+    want = {name: spec["shape"] for name, spec in outputs.items()}
     for out in proto.graph.output:
         dims = out.type.tensor_type.shape.dim
         del dims[:]
@@ -433,13 +472,15 @@ def _name_output_dims(proto, config: ModelConfig) -> None:
             dims.append(dim)
 
 
-def export_graph(checkpoint: Path, out: Path, precision: str = "fp32", log=print) -> Path:
-    """Export `checkpoint` as a tree-verify graph in fp32 (ONNX Runtime, parity) or fp16 (TensorRT)."""
+def export_graph(checkpoint: Path, out: Path, precision: str = "fp32", feature_layers: Sequence[int] = (),
+                 log=print) -> Path:
+    """Export `checkpoint` as a tree-verify graph in fp32 (ONNX Runtime, parity) or fp16 (TensorRT); with
+    `feature_layers` (an EAGLE-3 head's) it also returns those layers' residual streams (`features`)."""
     if precision not in GRAPH_DTYPES:
         raise ValueError(f"graph precision {precision!r} is not exportable here: choose one of {sorted(GRAPH_DTYPES)}")
     start = time.perf_counter()
     dtype = GRAPH_DTYPES[precision]
-    model = TreeVerifyModel.load(Path(checkpoint), dtype).eval()
+    model = TreeVerifyModel.load(Path(checkpoint), dtype, feature_layers).eval()
     export_module(model, model.config, out, dtype)
     log(f"  exported {out.name} ({precision}) in {time.perf_counter() - start:.1f}s")
     return out

@@ -249,7 +249,8 @@ def quantized_checkpoint(target: Path, qformat: str = DEFAULT_QFORMAT) -> Path:
     return candidate
 
 
-def export_qdq_graph(checkpoint: Path, out: Path, precision: str = "fp16", log: Callable[[str], None] = print) -> Path:
+def export_qdq_graph(checkpoint: Path, out: Path, precision: str = "fp16", log: Callable[[str], None] = print,
+                     feature_layers: Sequence[int] = ()) -> Path:
     """Trace a quantized checkpoint to a Q/DQ tree-verify ONNX: every quantized projection becomes
     QuantizeLinear/DequantizeLinear pairs on its input and weight (TensorRT fuses them into INT8 GEMMs).
 
@@ -259,12 +260,14 @@ def export_qdq_graph(checkpoint: Path, out: Path, precision: str = "fp16", log: 
     unquantized (where static scales lose too much): the plan computes what the static recipe computes.
 
     `precision` is that of everything left unquantized: fp16 for TensorRT plans (an fp32 remainder made the
-    INT8 plan larger than the FP16 one: 316 vs 289 MB), fp32 for ONNX Runtime parity checks."""
+    INT8 plan larger than the FP16 one: 316 vs 289 MB), fp32 for ONNX Runtime parity checks. `feature_layers`: an
+    EAGLE-3 head's, returned as the `features` output (build/export.py)."""
     checkpoint = quantized_checkpoint(checkpoint)
     if precision not in GRAPH_DTYPES:
         raise QuantizeError(f"Q/DQ graph precision {precision!r}: choose one of {sorted(GRAPH_DTYPES)}")
     start = time.perf_counter()
     model = load_quantized_module(checkpoint, GRAPH_DTYPES[precision])
+    model.feature_layers = tuple(int(j) for j in feature_layers)  # outputs only: no weight or quantizer changes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         weights = quantized_weights(model)

@@ -359,7 +359,7 @@ class Eagle3Proposer(DraftProposer):
             self.vocab_ids = head.head_ids.tolist()
         self.base = [0] * slots  # position of the first pending feature row
         self.count = [0] * slots  # pending feature rows: `pending` and then `arrived`, in position order
-        self.no_rows = torch.empty(0, head.fc.shape[1])
+        self.no_rows = torch.empty(0, head.feature_width)
         self.pending = [self.no_rows for _ in range(slots)]
         # rows taken since the head last read: joined only when it reads (`_pending`). Why: concatenating at every
         # take copied a request's whole backlog each step while its draft was off (0.36 ms a step at batch 8 after

@@ -37,6 +37,10 @@ INPUT_NAMES = ("input_ids", "spec_decoding_generation_lengths", "spec_decoding_p
                "spec_decoding_packed_mask", "past_key_value_lengths", "window_offsets", "slot_ids", "cache_columns",
                "pool_k", "pool_v")
 OUTPUT_NAMES = ("logits", "new_k", "new_v")
+FEATURES = "features"  # the target graph's extra output when exported for an EAGLE-3 head (build/export.py)
+# the EAGLE-3 head graph's (build/export_eagle3.py): the same inputs plus each row's input hidden, split by source
+HEAD_INPUT_NAMES = (*INPUT_NAMES, "target_features", "hidden_states")
+HEAD_OUTPUT_NAMES = (*OUTPUT_NAMES, "hidden_out")
 WORD_BITS = 32
 INT32_LIMIT = 2**31
 

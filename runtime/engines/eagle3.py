@@ -152,6 +152,13 @@ def draft_ids(weights: dict[str, torch.Tensor], config: Eagle3Config) -> torch.T
     return ids
 
 
+def full_vocab_rows(logits: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocabulary logits [T, len(head_ids)] -> full-vocabulary rows, -inf outside the draft vocabulary."""
+    if len(head_ids) == vocab_size:
+        return logits
+    return torch.full((len(logits), vocab_size), -torch.inf).index_copy_(1, head_ids, logits)
+
+
 class _NativeHead:
     """The head's weights packed for `cpu_kernels.eagle3_forward` (one C++ call per draft level: the midlayer, final
     norm and draft-vocabulary head with no per-op dispatch) and its static scratch, grown only by `reserve`."""
@@ -279,6 +286,11 @@ class Eagle3Head:
         return self.config.feature_layers
 
     @property
+    def feature_width(self) -> int:
+        """Width of the target feature rows `fc` reads (3 x the target's hidden size)."""
+        return self.fc.shape[1]
+
+    @property
     def exact_rows(self) -> bool:
         """Row invariant on the native forward only (prefix reuse keeps the head's rows: runtime/decoding/decoder.py)."""
         return self.native is not None
@@ -336,11 +348,7 @@ class Eagle3Head:
         return list(zip(split_rows(logits, counts), split_rows(out, rows), strict=True))
 
     def full_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [T, len(head_ids)] -> full-vocabulary rows, -inf outside the draft vocabulary."""
-        if len(self.head_ids) == self.config.model.vocab_size:
-            return logits
-        full = torch.full((len(logits), self.config.model.vocab_size), -torch.inf)
-        return full.index_copy_(1, self.head_ids, logits)
+        return full_vocab_rows(logits, self.head_ids, self.config.model.vocab_size)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, cache: KVCache,
                 hidden: torch.Tensor, full_vocab: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, batch_inputs
+from spectrt.runtime.engines.batch_inputs import FEATURES, INPUT_NAMES, batch_inputs
 from spectrt.runtime.engines.kernels import last_rows
 from spectrt.runtime.engines.model import KVCache, ModelConfig
 
@@ -146,23 +146,35 @@ class EngineDir:
         return self.path(g["file"]), [g["file"], g["data"]]
 
 
-def forward_by_pool(segments: list[tuple], run: Callable[[list[tuple]], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """`run` once per KV pool over that pool's segments (normally all of them), logits returned in segment order."""
+def forward_by_pool(segments: Sequence[tuple], run: Callable[[list[tuple]], list]) -> list:
+    """`run` once per KV pool over that pool's segments (normally all of them), its results in segment order."""
     groups: dict[int, list[int]] = {}
     for i, seg in enumerate(segments):
         groups.setdefault(id(seg[3].pool_k), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(segments)
+    out: list = [None] * len(segments)
     for group in groups.values():
-        for i, logits in zip(group, run([segments[i] for i in group]), strict=True):
-            out[i] = logits
+        for i, result in zip(group, run([segments[i] for i in group]), strict=True):
+            out[i] = result
     return out
 
 
+def check_features(graph_layers: Sequence[int], wanted: Sequence[int], where: object) -> None:
+    """Refuse features the graph does not return (an engines dir exported for another head, or for none)."""
+    if tuple(int(j) for j in wanted) != tuple(graph_layers):
+        have = f"layers {list(graph_layers)}" if graph_layers else "none"
+        raise EngineDirError(f"{where} returns target features of {have}, the EAGLE-3 head reads layers "
+                             f"{list(wanted)}: rebuild the engines with this head as the draft (`spectrt engines "
+                             "--draft HEAD`)")
+
+
 class OnnxEngine:
-    """Engine interface over an ONNX Runtime session of the batched tree-verify graph (fp32, CPU by default)."""
+    """Engine interface over an ONNX Runtime session of the batched tree-verify graph (fp32, CPU by default); a
+    target graph exported for an EAGLE-3 head also gives `forward_features`, and an EAGLE-3 head's graph runs through
+    `run` (runtime/engines/graph_head.py)."""
 
     def __init__(self, graph: Path, config: ModelConfig, threads: int | None = None, optimization: str = "all",
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, feature_layers: Sequence[int] = (),
+                 input_names: tuple[str, ...] = INPUT_NAMES):
         import onnxruntime as ort
 
         levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -177,9 +189,13 @@ class OnnxEngine:
         self.config = config
         self.dtype = torch.float32
         names = tuple(i.name for i in self.session.get_inputs())
-        if names != INPUT_NAMES:
+        if names != input_names:
             raise EngineDirError(f"{graph} is not a spectrt batched tree-verify graph (inputs {list(names)}): rebuild "
                                  "it with `spectrt engines --force`")
+        self.graph = graph
+        # row outputs [N, width] in the graph's order, logits first (new K/V go into the pool instead)
+        self.widths = {o.name: o.shape[1] for o in self.session.get_outputs() if o.name not in ("new_k", "new_v")}
+        self.feature_layers = tuple(int(j) for j in feature_layers) if FEATURES in self.widths else ()
         self.binding = self.session.io_binding()
         self.runs = 0  # session runs (one per forward_many and pool)
         self._rows = 0
@@ -189,7 +205,7 @@ class OnnxEngine:
         d = EngineDir(role_dir)
         graph, files = d.graph("fp32")
         d.verify(files + d.support_files())
-        return cls(graph, d.config, **kwargs)
+        return cls(graph, d.config, feature_layers=d.entry.get("feature_layers", ()), **kwargs)
 
     def _ensure_buffers(self, rows: int) -> None:
         """Static outputs for `rows` packed rows (sized in new_caches for a whole pool's windows, never in forward)."""
@@ -197,7 +213,7 @@ class OnnxEngine:
             return
         c = self.config
         self._rows = rows
-        self.logits = torch.zeros(rows, c.vocab_size, dtype=torch.float32)
+        self.outputs = {name: torch.zeros(rows, width, dtype=torch.float32) for name, width in self.widths.items()}
         kv = c.num_layers * c.num_kv_heads * rows * c.head_dim
         self.new_k = torch.zeros(kv, dtype=self.dtype)
         self.new_v = torch.zeros(kv, dtype=self.dtype)
@@ -215,21 +231,25 @@ class OnnxEngine:
         bind = self.binding.bind_output if output else self.binding.bind_input
         bind(name, "cpu", 0, dtype, shape or tuple(tensor.shape), tensor.data_ptr())
 
-    def _run(self, segments: list[tuple]) -> list[torch.Tensor]:
-        """One session run for segments whose caches share one pool."""
+    def run(self, segments: list[tuple], inputs: dict[str, torch.Tensor] | None = None) -> list[tuple]:
+        """One session run for segments whose caches share one pool: per segment a tensor of its own for each row
+        output (`widths`' order, logits first). `inputs`: the graph's inputs beyond the batch's (a head's rows)."""
         c = self.config
         pool = segments[0][3]
         if not (pool.pool_k.is_contiguous() and pool.pool_k.dtype == self.dtype and pool.pool_k.device.type == "cpu"):
             raise ValueError("the onnxruntime engine needs caches it made with new_caches (contiguous fp32, CPU)")
-        x = batch_inputs(segments, max_rows=self._rows)
+        x = batch_inputs([s[:4] for s in segments], max_rows=self._rows)
         n = x.input_ids.shape[0]
         if n > self._rows:
             raise ValueError(f"{n} rows in one batched forward exceed the engine's buffers ({self._rows} rows, "
                              "sized by new_caches: slots x max_window)")
         for name, tensor in zip(INPUT_NAMES, (*x.tensors(), pool.pool_k, pool.pool_v), strict=True):
             self._bind(name, tensor)
+        for name, tensor in (inputs or {}).items():
+            self._bind(name, tensor)
         new_shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
-        self._bind("logits", self.logits, output=True, shape=(n, c.vocab_size))
+        for name, width in self.widths.items():
+            self._bind(name, self.outputs[name], output=True, shape=(n, width))
         self._bind("new_k", self.new_k, output=True, shape=new_shape)
         self._bind("new_v", self.new_v, output=True, shape=new_shape)
         self.session.run_with_iobinding(self.binding)
@@ -239,14 +259,24 @@ class OnnxEngine:
         for (r0, r1), (slot, first, end) in zip(x.rows, x.kv_writes, strict=True):
             pool.pool_k[slot, :, :, first:end] = new_k[:, :, r0:r1]
             pool.pool_v[slot, :, :, first:end] = new_v[:, :, r0:r1]
-        return [self.logits[r0:r1].clone() for r0, r1 in x.rows]
+        outputs = [self.outputs[name] for name in self.widths]
+        return [tuple(out[r0:r1].clone() for out in outputs) for r0, r1 in x.rows]
 
     def forward_many(self, segments: list[tuple], logit_rows: Sequence[int | None] | None = None
                      ) -> list[torch.Tensor]:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment, each a tensor of its own: one graph run
         for all segments (per KV pool); their K/V go into their caches."""
-        logits = forward_by_pool(segments, self._run)  # every row's: `logit_rows` only cuts them
-        return last_rows(logits, logit_rows)
+        results = forward_by_pool(segments, self.run)  # every row's logits: `logit_rows` only cuts them
+        return last_rows([r[0] for r in results], logit_rows)
+
+    def forward_features(self, segments: list[tuple], feature_layers: Sequence[int],
+                         logit_rows: Sequence[int | None] | None = None
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(logits, features) per segment, as the native engine's: the features [T, 3 H] come out of the same graph
+        run, exported for these layers (`spectrt engines` with an EAGLE-3 head as the draft)."""
+        check_features(self.feature_layers, feature_layers, self.graph)
+        results = forward_by_pool(segments, self.run)
+        return last_rows([r[0] for r in results], logit_rows), [r[1] for r in results]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
