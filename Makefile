@@ -150,16 +150,11 @@ compare: draft quantize $(if $(TARGET),,$(TUNED) $(TUNED_BF16) $(TUNED_INT8))  #
 	$(BIN)/spectrt compare --qformat $(QFORMAT) $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
 		$(if $(COMPARE_LIMIT),--limit $(COMPARE_LIMIT))
 
-# the exported graphs take a sliced draft (the shipped draft is an EAGLE-3 head, whose target features they do not
-# return yet): for the embedded target a slice is trained once here (10 minutes); DRAFT= names another
-EMBEDDED_SLICE := artifacts/$(EMBEDDED)-slice
-ENGINE_DRAFT    = $(or $(DRAFT),$(if $(TARGET),,$(EMBEDDED_SLICE)))
-
-$(EMBEDDED_SLICE): | setup
-	$(BIN)/spectrt draft --kind slice --train --out $@
-
-engines: $(if $(DRAFT)$(TARGET),draft,$(EMBEDDED_SLICE)) $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (PRECISION=int8: INT8 target)
-	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(ENGINE_DRAFT),--draft $(ENGINE_DRAFT)) \
+# the draft is the target's default one (`make draft`): for the embedded target the shipped EAGLE-3 head, exported as
+# its own graph beside a target graph that returns the features it reads; nothing is trained. DRAFT= names another
+# (a SpecForge EAGLE-3 head for TARGET=, or any LLaMA-family draft checkpoint such as a slice)
+engines: draft $(if $(filter int8,$(PRECISION)),quantize)  ## tree-verify graphs + TensorRT plans -> $(ENGINES) (PRECISION=int8: INT8 target)
+	$(BIN)/spectrt engines $(if $(TARGET),--target $(TARGET)) $(if $(DRAFT),--draft $(DRAFT)) \
 		--precision $(PRECISION) --qformat $(QFORMAT) $(if $(ARCH),--arch $(ARCH)) --out $(ENGINES)
 
 gpu-check:  ## on a machine with an NVIDIA GPU: TensorRT (or torch-on-CUDA) parity + verify cost vs T

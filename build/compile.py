@@ -8,7 +8,9 @@ Precision comes from the graph, never from a builder flag: networks are created 
 only kind TensorRT-RTX builds), so an fp16 graph gives an FP16 plan, a Q/DQ graph an INT8 plan and
 the fp32 graph an exact FP32 plan (TF32 off). One optimization profile per entry of `profiles` covers the
 batched graph's dimensions: N packed rows, B requests, T rows per request (1..max_tree_tokens: trees, draft
-levels and prompt chunks alike), M mask words, S attention columns, P pool slots and C cache capacity.
+levels and prompt chunks alike), M mask words, S attention columns, P pool slots and C cache capacity; an EAGLE-3
+head's graph (build/export_eagle3.py) also takes its rows' input hidden, split into `target_features` and
+`hidden_states` rows (0..N each: one of them is empty in every call).
 Builds print their phases; `tensorrt` reuses a timing cache file (TensorRT-RTX has no autotuning at build
 time: its timing cache is a no-op and is not written).
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TRT_MODULES = ("tensorrt", "tensorrt_rtx")
+ROW_INPUTS = ("target_features", "hidden_states")  # an EAGLE-3 head graph's [rows, width] inputs (batch_inputs.py)
 RTX_ARCHS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
 
 
@@ -83,7 +86,9 @@ class Profile:
     slots: tuple[int, int, int]
     capacity: tuple[int, int, int]
 
-    def shapes(self, config) -> dict[str, list[tuple[int, ...]]]:
+    def shapes(self, config, row_inputs: dict[str, int] | None = None) -> dict[str, list[tuple[int, ...]]]:
+        """min/opt/max per input. `row_inputs`: an EAGLE-3 head graph's extra inputs {name: width} (`row_inputs`
+        of its network): 0..N rows each, opt all rows from hidden states (a draft level) and none from features."""
         c = config
         per = lambda *dims: [tuple(d[i] for d in dims) for i in range(3)]  # noqa: E731
         pool = [(p, c.num_layers, c.num_kv_heads, cap, c.head_dim) for p, cap in zip(self.slots, self.capacity,
@@ -99,6 +104,8 @@ class Profile:
             "cache_columns": per(self.columns),
             "pool_k": pool,
             "pool_v": pool,
+            **{name: [(0, width), (self.rows[1] if name == "hidden_states" else 0, width), (self.rows[2], width)]
+               for name, width in (row_inputs or {}).items()},
         }
 
     def as_dict(self) -> dict:
@@ -151,6 +158,15 @@ def network_io(network) -> dict:
         "inputs": {network.get_input(i).name: one(network.get_input(i)) for i in range(network.num_inputs)},
         "outputs": {network.get_output(i).name: one(network.get_output(i)) for i in range(network.num_outputs)},
     }
+
+
+def row_inputs(network) -> dict[str, int]:
+    """{name: width} of a parsed network's EAGLE-3 head row inputs (`target_features`, `hidden_states`), if any."""
+    inputs = [network.get_input(i) for i in range(network.num_inputs)]
+    found = {t.name: int(t.shape[1]) for t in inputs if t.name in ROW_INPUTS}
+    if any(w < 1 for w in found.values()):
+        raise CompileError(f"the head inputs {found} need a static width (their dimension 1)")
+    return found
 
 
 class _Progress:
@@ -261,12 +277,14 @@ def build_plan(graph: Path, out: Path, config, profiles: list[Profile], archs: l
     if workspace_mb:
         cfg.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
     recorded = []
+    extra = row_inputs(network)
     for prof in profiles:
         p = builder.create_optimization_profile()
-        for tensor, (lo, opt, hi) in prof.shapes(config).items():
+        shapes = prof.shapes(config, extra)
+        for tensor, (lo, opt, hi) in shapes.items():
             p.set_shape(tensor, lo, opt, hi)
         cfg.add_optimization_profile(p)
-        recorded.append({"name": prof.name, **{t: [list(s) for s in p.get_shape(t)] for t in prof.shapes(config)}})
+        recorded.append({"name": prof.name, **{t: [list(s) for s in p.get_shape(t)] for t in shapes}})
     cache = None
     if timing_cache is not None and name == "tensorrt":  # a no-op in TensorRT-RTX (deprecated there)
         blob = timing_cache.read_bytes() if timing_cache.is_file() else b""

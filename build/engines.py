@@ -5,14 +5,19 @@
     engines/<name>/<role>/                role = target | draft
         config.json, tokenizer files      (so the runtime and the tokenizer load from here alone)
         model.fp32.onnx(.data)            batched tree-verify graph (build/export.py), fp32: the onnxruntime
-                                          backend and parity tests
+                                          backend and parity tests; with an EAGLE-3 head as the draft the
+                                          target's also returns the head's feature rows and the draft's is the
+                                          head graph (build/export_eagle3.py)
+        d2t.safetensors                   the head's draft-vocabulary map (an EAGLE-3 draft only)
         model.fp16.onnx(.data)            fp16 graph (PRECISION=fp16): what the FP16 plan is built from
         model.<precision>.plan            TensorRT plan (one file for all ARCH compute capabilities)
 
 Re-running with unchanged inputs reuses every file whose recorded inputs (source weights' sha256, exporter
 version, precision, profiles, archs, TensorRT module/version) and checksum are unchanged; `--force`
 rebuilds everything. Draft/target pairs whose vocabulary or config do not fit together are refused
-before anything is built.
+before anything is built. The draft is the target's default one (the shipped EAGLE-3 head for the embedded target:
+nothing is trained here), a SpecForge-layout EAGLE-3 head, or any LLaMA-family draft checkpoint (a slice); the
+manifest records its `kind` and, for a head, the target's `feature_layers`.
 
 Measured on this project's 2-core CPU (quiet: under the team's CPU lock), `spectrt engines` for the embedded
 SmolLM2-135M target + its distilled draft (4 layers, 8k subset head), batched graphs, plans for the six TensorRT-RTX
@@ -39,7 +44,10 @@ from spectrt.build.compile import (
     resolve_archs,
     trt_module,
 )
-from spectrt.build.export import EXPORT_VERSION, adopt_graph, export_graph, graph_files, graph_io
+from spectrt.build.export import EXPORT_VERSION, FEATURES, adopt_graph, export_graph, graph_files, graph_io
+from spectrt.build.export_eagle3 import HEAD_EXPORT_VERSION, export_head_graph, save_draft_vocab
+from spectrt.runtime.engines.eagle3 import Eagle3Config, is_eagle3
+from spectrt.runtime.engines.graph_head import DRAFT_VOCAB
 from spectrt.runtime.engines.model import ModelConfig
 from spectrt.runtime.engines.onnx_engine import (
     MANIFEST,
@@ -87,13 +95,19 @@ def _special_ids(checkpoint: Path) -> dict:
     return ids
 
 
-def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int) -> tuple[ModelConfig, ModelConfig]:
-    """Refuse, with the reason, a draft whose vocabulary/config does not fit the target, or lengths that don't fit."""
+def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int
+               ) -> tuple[ModelConfig, ModelConfig, Eagle3Config | None]:
+    """Refuse, with the reason, a draft whose vocabulary/config does not fit the target, or lengths that don't fit;
+    (target config, draft config, the head's config when the draft is an EAGLE-3 head)."""
     from spectrt.runtime.engines.engine import check_draft_matches
 
+    head = None
     try:
         t_cfg, d_cfg = ModelConfig.from_dir(target), ModelConfig.from_dir(draft)
-        check_draft_matches(target, draft)
+        if is_eagle3(draft):  # checked against the target it reads: vocabulary, feature width, layers
+            head = Eagle3Config.from_dir(draft, t_cfg)
+        else:
+            check_draft_matches(target, draft)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise EngineBuildError(f"refusing to build engines: {e}") from e
     t_ids, d_ids = _special_ids(target), _special_ids(draft)
@@ -110,7 +124,7 @@ def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int
                 f"{role} {path} supports {limit} positions, fewer than max_seq_len + max_tree_tokens = "
                 f"{max_seq_len + max_tree_tokens}: lower --max-seq-len"
             )
-    return t_cfg, d_cfg
+    return t_cfg, d_cfg, head
 
 
 def tool_versions(module: str | None = None) -> dict:
@@ -175,10 +189,14 @@ def _check_int8_inputs(target: Path, int8_graphs: dict[str, Path] | None, qforma
 
 
 def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] | None, qformat: str,
-                log) -> Path | None:
+                feature_layers: tuple[int, ...], log) -> Path | None:
     """The Q/DQ graph for INT8: a given file, else the target's INT8 checkpoint exported (the draft stays FP16)."""
     if given and role in given:
         log(f"  taking {given[role]} as the {role}'s INT8 graph")
+        if role == "target" and feature_layers and FEATURES not in graph_io(Path(given[role]))["outputs"]:
+            raise EngineBuildError(f"--int8-graph target={given[role]} has no `{FEATURES}` output, which the "
+                                   f"EAGLE-3 draft reads (layers {list(feature_layers)}): export it with "
+                                   "those feature layers, or leave --int8-graph out")
         try:
             return adopt_graph(Path(given[role]), out)
         except ValueError as e:
@@ -188,7 +206,7 @@ def _int8_graph(role: str, checkpoint: Path, out: Path, given: dict[str, Path] |
     from spectrt.quant.quantize import export_qdq_graph
 
     log(f"  exporting the {role}'s INT8 Q/DQ graph")
-    return Path(export_qdq_graph(_int8_checkpoint(checkpoint, qformat), out, log=log))
+    return Path(export_qdq_graph(_int8_checkpoint(checkpoint, qformat), out, log=log, feature_layers=feature_layers))
 
 
 def make_engines(target: Path, draft: Path, out: Path | None = None, precision: str = "fp16",
@@ -206,7 +224,8 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         raise EngineBuildError(f"PRECISION={precision!r} is not supported: choose one of {', '.join(PRECISIONS)}")
     if max_tree_tokens < 1 or max_seq_len < 1 or max_batch < 1:
         raise EngineBuildError("max_seq_len, max_tree_tokens and max_batch must be positive")
-    t_cfg, d_cfg = check_pair(target, draft, max_seq_len, max_tree_tokens)
+    t_cfg, d_cfg, head = check_pair(target, draft, max_seq_len, max_tree_tokens)
+    layers = tuple(head.feature_layers) if head else ()
     if precision == "int8":
         _check_int8_inputs(target, int8_graphs, qformat)
     out = Path(out) if out else DEFAULT_ENGINES / f"{target.name}-{precision}"
@@ -246,6 +265,14 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
         old_model = old.get("models", {}).get(role, {})
         entry = {"dir": role, "config": config_dict(cfg), "source": {"path": str(src.resolve()), "sha256": src_sha},
                  "graphs": {}, "plans": {}}
+        is_head = role == "draft" and head is not None
+        if role == "target" and layers:
+            entry["feature_layers"] = list(layers)
+        if role == "draft":
+            entry["kind"] = "eagle3" if is_head else "llama"
+        if is_head:  # which target id each logits column is: data beside the graph
+            os.chmod(save_draft_vocab(src, role_dir / DRAFT_VOCAB), 0o644)
+            support.append(f"{role}/{DRAFT_VOCAB}")
 
         # fp32 always (onnxruntime, parity); the plan's graph: fp16, or int8 where a Q/DQ graph exists for this
         # role (the target; a draft without one gets an FP16 plan in an INT8 build)
@@ -264,16 +291,20 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
                 from spectrt.quant.quantize import QDQ_EXPORT_VERSION
 
                 given_sha = [source_sha256(_int8_checkpoint(src, qformat)), QDQ_EXPORT_VERSION]
-            key = _key(src_sha, EXPORT_VERSION, gp, given_sha)
+            # the head graph depends on the target too (its embedding): both sources are in its key
+            key = (_key(src_sha, source_sha256(target), HEAD_EXPORT_VERSION, gp) if is_head
+                   else _key(src_sha, EXPORT_VERSION, gp, given_sha, list(layers) if role == "target" else []))
             prev = old_model.get("graphs", {}).get(gp)
             reused = bool(prev and prev.get("key") == key and _still_valid(out, old_files, rels))
             if reused:
                 log(f"  reusing {rel}")
             elif gp == "int8":
-                if _int8_graph(role, src, out / rel, int8_graphs, qformat, log) is None:
+                if _int8_graph(role, src, out / rel, int8_graphs, qformat, layers, log) is None:
                     continue
+            elif is_head:
+                export_head_graph(src, target, out / rel, gp, log=log)
             else:
-                export_graph(src, out / rel, gp, log=log)
+                export_graph(src, out / rel, gp, layers if role == "target" else (), log=log)
             for r in rels:
                 if (out / r).is_file():
                     os.chmod(out / r, 0o644)
@@ -331,17 +362,12 @@ def make_engines(target: Path, draft: Path, out: Path | None = None, precision: 
 
 
 def engine_sources(target: str | None, draft: str | None, artifacts: Path) -> tuple[Path, Path]:
-    """The (target, draft) checkpoints `spectrt engines` compiles: a draft is required, and a sliced one."""
+    """The (target, draft) checkpoints `spectrt engines` compiles: a draft is required (by default the target's
+    default draft, for the embedded target the shipped EAGLE-3 head)."""
     from spectrt.runtime.engines.checkpoint import resolve_models
-    from spectrt.runtime.engines.eagle3 import is_eagle3
 
     target_dir, draft_dir = resolve_models(target, draft, artifacts)
     if draft_dir is None:
         raise EngineBuildError("the engines need a draft model (--draft none has none): pass --draft DIR or build "
                                f"the default one with `spectrt draft --target {target_dir}`")
-    if is_eagle3(draft_dir):  # the shipped draft of the embedded target is one
-        slice_dir = draft_dir.with_name(draft_dir.name.removesuffix("-draft") + "-slice")
-        raise EngineBuildError(f"draft {draft_dir} is an EAGLE-3 head: the exported graphs do not return the "
-                               "target's features it reads yet; pass a sliced draft (`spectrt draft --kind slice "
-                               f"--train --out {slice_dir}`, what `make engines` does) as --draft")
     return target_dir, draft_dir

@@ -12,6 +12,12 @@ On a machine with an NVIDIA GPU:
    loop at batch 1 and batch 8;
 3. always: the torch engine on CUDA (fp32, bf16): tree == AR asserted in fp32, verify cost vs T (1..64),
    tokens/s for AR and trees, and at batch 1 and 8; with TensorRT the same numbers for the plans.
+4. engines whose draft is an EAGLE-3 head (manifest `models.draft.kind == "eagle3"`, the target's plan returning
+   `features` of `models.target.feature_layers`): the draft is the head's plan (GraphHead over TensorRTEngine), and
+   the head check compares both plans with ONNX Runtime on the engines dir's fp32 graphs: a prompt chunk through
+   the target (logits, features), the head's catch-up over the reference's features, one draft level from hidden
+   rows and a catch-up of a few accepted rows (max |diff| of logits and hidden, top-1 agreement). **Unverified:**
+   written without a GPU with TensorRT (its logic ran on a CPU with TensorRT stood in by ONNX Runtime only).
 Without TensorRT it says so in the JSON (`tensorrt.available: false` + the reason) and measures the torch
 engine alone. `--device cpu` runs the same code on a CPU (a smoke test of this script; with --engines also
 the onnxruntime backend). Results: one JSON file (--out). Exit status 0 = all assertions held.
@@ -339,6 +345,7 @@ def trt_available() -> tuple[object | None, str]:
 def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_list, reference, trees=TREES,
                 tokens=TOKENS) -> dict:
     from spectrt.build.compile import RTX_ARCHS
+    from spectrt.runtime.engines.graph_head import GraphHead
     from spectrt.runtime.engines.trt_engine import TensorRTEngine, device_arch
 
     trt, why = trt_available()
@@ -378,14 +385,25 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
             engines = make_engines(target_dir, draft_dir, work / f"pair-{precision}", precision=precision,
                                    archs=[arch], max_seq_len=1024, max_tree_tokens=64, log=ck.log)
         build_s = time.perf_counter() - start
+        manifest = json.loads((engines / "manifest.json").read_text())
+        eagle3 = manifest["models"]["draft"].get("kind") == "eagle3"
         target = TensorRTEngine.load(engines / "target")
-        draft = TensorRTEngine.load(engines / "draft")
+        if eagle3:  # the head's plan behind Eagle3Head's interface (it drafts from the target plan's features)
+            draft = GraphHead.load(engines / "draft", target.config, backend="tensorrt")
+        else:
+            draft = TensorRTEngine.load(engines / "draft")
         res, _ = bench_engine(ck, f"tensorrt {precision}", target, draft, device, ids_list, args.new_tokens,
                               exact=precision == "fp32", reference=reference, trees=trees, tokens=tokens)
         res["batched_verification_vs_onnxruntime"] = {
             role: batched_parity(ck, f"tensorrt {precision} {role}", engine, ort_reference(engines, role),
                                  exact=precision == "fp32")
-            for role, engine in (("target", target), ("draft", draft))}
+            for role, engine in (("target", target),) + ((("draft", draft),) if not eagle3 else ())}
+        if eagle3:
+            ref_target = ort_reference(engines, "target")
+            res["eagle3_head_vs_onnxruntime"] = head_check(
+                ck, f"tensorrt {precision}", target, draft, ref_target,
+                GraphHead.load(engines / "draft", ref_target.config), manifest["models"]["target"]["feature_layers"],
+                exact=precision == "fp32", capacity=manifest["capacity"], window=manifest["max_tree_tokens"])
         res["batched_decoding"] = {tree or "AR": batch_throughput(ck, f"tensorrt {precision}", target, draft, ids_list,
                                                                   args.new_tokens, tree)
                                    for tree in (None, trees[0])}
@@ -395,6 +413,63 @@ def trt_section(ck: Check, args, device, weights, target_dir, draft_dir, ids_lis
         del target, draft
         torch.cuda.empty_cache()
     return out
+
+
+def head_check(ck: Check, label: str, target, head, ref_target, ref_head, layers, exact: bool, capacity: int,
+               window: int, seed: int = 3) -> dict:
+    """An EAGLE-3 head's plan (and the target plan's features) against ONNX Runtime on the same graphs: a prompt chunk
+    through both targets, then both heads fed the reference's features and hidden (so each step measures one head
+    call): the catch-up over the chunk (rows for tokens 1..n-1), one draft level of two nodes from the last row's
+    hidden, and a catch-up of three accepted tokens. Max |diff| and top-1 agreement per step; asserted tight for an
+    FP32 plan, a floor for FP16/INT8. Runs on a GPU only (the tensorrt engines); unverified there so far."""
+    g = torch.Generator().manual_seed(seed)
+    n, capacity = min(24, window), min(256, capacity)
+    ids = torch.randint(3, target.config.vocab_size, (n + 3,), generator=g)
+    causal = lambda k: torch.ones(k, k, dtype=torch.bool).tril()  # noqa: E731
+    t_cache, r_cache = target.new_cache(capacity, window), ref_target.new_cache(capacity, window)
+    h_cache, rh_cache = head.new_cache(capacity, window), ref_head.new_cache(capacity, window)
+    res: dict = {}
+
+    def diff(step: str, got: tuple, want: tuple) -> None:
+        (gl, gx), (wl, wx) = got, want
+        agree = float((gl.argmax(-1) == wl.argmax(-1)).float().mean())
+        res[step] = {"max_abs_diff_logits": round(float((gl - wl).abs().max()), 6),
+                     "max_abs_diff_second": round(float((gx - wx).abs().max()), 6),
+                     "max_abs_logit": round(float(wl.abs().max()), 3), "top1_agreement": round(agree, 4)}
+        rel = res[step]["max_abs_diff_logits"] / max(res[step]["max_abs_logit"], 1e-6)
+        if exact:
+            ck.check(f"{label} EAGLE-3 {step} == onnxruntime", rel <= 1e-3 and agree >= 0.99, str(res[step]))
+        else:
+            ck.check(f"{label} EAGLE-3 {step} ~ onnxruntime", agree >= 0.9, str(res[step]))
+
+    def both(engine, cache, tokens, positions, mask):
+        (logits,), (features,) = engine.forward_features([(tokens, positions, mask, cache)], layers)
+        return logits, features
+
+    # target: the prompt chunk (the features the head reads: logits and features compared)
+    want = both(ref_target, r_cache, ids[:n], torch.arange(n), causal(n))
+    diff("target prompt chunk (logits, features)", both(target, t_cache, ids[:n], torch.arange(n), causal(n)), want)
+    feats = want[1]
+    # head catch-up: row p reads token p and the features of p - 1
+    step = (ids[1:n], torch.arange(1, n), causal(n - 1))
+    want = ref_head.forward(*step, rh_cache, feats[:-1], full_vocab=False)
+    diff("head catch-up (logits, hidden)", head.forward(*step, h_cache, feats[:-1], full_vocab=False), want)
+    h_cache.commit(n - 1)
+    rh_cache.commit(n - 1)
+    # one draft level: two nodes at position n from the last row's hidden (not committed, as the proposer does)
+    hidden = want[1][-1:].expand(2, -1).contiguous()
+    tokens = ref_head.head_ids[want[0][-1].topk(2).indices].to(ids.dtype)  # draft-vocabulary columns -> ids
+    level = (tokens, torch.full((2,), n), torch.eye(2, dtype=torch.bool))
+    diff("head draft level (logits, hidden)", head.forward(*level, h_cache, hidden, full_vocab=False),
+         ref_head.forward(*level, rh_cache, hidden, full_vocab=False))
+    # three accepted tokens: the target verifies them, the head catches up on their rows
+    r_cache.commit(n)
+    (_, acc_feats) = both(ref_target, r_cache, ids[n:], torch.arange(n, n + 3), causal(3))
+    step = (ids[n:], torch.arange(n, n + 3), causal(3))
+    rows = torch.cat([feats[-1:], acc_feats[:2]])
+    diff("head catch-up of accepted rows (logits, hidden)", head.forward(*step, h_cache, rows, full_vocab=False),
+         ref_head.forward(*step, rh_cache, rows, full_vocab=False))
+    return res
 
 
 def ort_reference(engines: Path, role: str):

@@ -160,6 +160,42 @@ def engines(target_dir, draft_dir, tmp_path_factory):
     shutil.rmtree(out, ignore_errors=True)  # ~1.7 GB of graphs and plans
 
 
+@pytest.fixture(scope="session")
+def head_dir(target_dir) -> Path:
+    """The shipped EAGLE-3 head: the embedded target's default draft."""
+    from spectrt.runtime.engines.checkpoint import default_draft
+    from spectrt.runtime.engines.eagle3 import is_eagle3
+
+    head = default_draft(target_dir)
+    assert is_eagle3(head), f"the embedded target's default draft {head} should be the shipped EAGLE-3 head"
+    return head
+
+
+@pytest.fixture(scope="session")
+def head_engines(tmp_path_factory):
+    """Graphs for the embedded target + its default draft (the shipped head), built the way a user builds them:
+    `spectrt engines --no-plans` with no --target/--draft, in this process, with every training entry point made to
+    fail (`spectrt engines` must train nothing). Yields (engines dir, what the command printed)."""
+    import contextlib
+    import io
+
+    from spectrt.build import distill, draft, eagle3
+    from spectrt.cli import main
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("spectrt engines started a training run")
+
+    out = tmp_path_factory.mktemp("head-engines") / "smollm2-head"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as ended:
+        for module, name in ((distill, "train_draft"), (draft, "train_draft"), (eagle3, "train_head")):
+            mp.setattr(module, name, no_training)
+        main(["engines", "--no-plans", "--out", str(out)])
+    assert ended.value.code in (0, None), printed.getvalue()
+    yield out, printed.getvalue()
+    shutil.rmtree(out, ignore_errors=True)
+
+
 # ---- the families' tiny random checkpoints (2 layers, hidden 64, the embedded tokenizer's vocabulary and files)
 
 VOCAB = 49152  # the embedded tokenizer's
@@ -257,6 +293,7 @@ def family_checkpoints(target_dir, tmp_path_factory):
 # small tensors and at most the target's tokenizer. They say so themselves (`@pytest.mark.unit`, or a module's
 # `pytestmark`); the guard below keeps them honest: a unit test that asks for a model fixture fails at collection.
 MODEL_FIXTURES = {"target", "draft", "draft_dir", "torch_target", "torch_draft", "engines", "isa_engines",
+                  "head_engines",
                   "family_checkpoints", "stub_target",
                   "models", "server", "session", "client", "pipe", "tiny_pair", "bf16_target", "hf_target"}
 

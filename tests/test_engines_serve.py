@@ -1,7 +1,8 @@
 """Served from an engines directory on ONNX Runtime (the real tritonserver, one batching instance): concurrent greedy
 requests, batched into one graph run per step, each equal their sequential output.
 
-The engines (embedded target + 4-layer slice, conftest's `engines`) are the ones tests/test_engines.py checks.
+The engines are what `make engines` builds (conftest's `head_engines`: the embedded target and the shipped EAGLE-3
+head, its own graph), decoding under the default policy.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ PROMPTS = SERVING_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def server(engines):
-    params = {"engine_dir": engines, "backend": "onnxruntime", "target_dir": "", "draft_dir": "", "tree": "2,1",
+def server(head_engines):
+    params = {"engine_dir": head_engines[0], "backend": "onnxruntime", "target_dir": "", "draft_dir": "",
               "max_seq_len": 256, "max_tokens_limit": 48, "max_active": 8}
     srv = TritonServer(params, instances=1, ready_timeout=300)
     srv.start()

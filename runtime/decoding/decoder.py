@@ -265,7 +265,7 @@ class Decoder:
         capacity = max_seq_len + max_tree_tokens
         self.target_caches = target.new_caches(max_active, capacity, max_tree_tokens)
         self.drafter = None
-        if getattr(draft, "feature_layers", None) is not None:  # an EAGLE-3 head reads the target's features
+        if getattr(draft, "feature_layers", None) is not None:  # an EAGLE-3 head (Eagle3Head, GraphHead) reads them
             self.drafter = Eagle3Proposer(draft, max_active, capacity, max_tree_tokens, target)
         elif draft is not None:
             self.drafter = DraftProposer(draft, max_active, capacity, max_tree_tokens)

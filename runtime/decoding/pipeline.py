@@ -80,11 +80,14 @@ class Pipeline:
         self.tokenizer = AutoTokenizer.from_pretrained(target)
         eos = eos_ids(target, self.tokenizer)
         target_engine = load_engine(target, backend, dtype, measure_kernels)
-        if head:  # it reads the target's features and embedding: loaded for (and checked against) this target
-            if backend != "torch":
-                raise ValueError(f"{draft} is an EAGLE-3 head: it runs with --backend torch (the exported graphs do "
-                                 "not return target features yet)")
+        if head and backend == "torch":  # it reads the target's features and embedding: loaded for this target
             draft_engine = Eagle3Head.load(Path(draft), target_engine, DTYPES[draft_dtype(backend, dtype)])
+        elif head:  # the head's own graph beside a target graph that returns the features it reads
+            from spectrt.runtime.engines.graph_head import GraphHead
+            from spectrt.runtime.engines.onnx_engine import check_features
+
+            draft_engine = GraphHead.load(Path(draft), target_engine.config, backend=backend)
+            check_features(target_engine.graph_features, draft_engine.feature_layers, target)
         else:
             draft_engine = None if draft is None else load_engine(Path(draft), backend, draft_dtype(backend, dtype),
                                                                   measure_kernels)

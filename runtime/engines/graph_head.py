@@ -2,9 +2,10 @@
 decode loop do not know which backend runs the head: `forward_many` over (tokens, positions, tree_mask, cache, hidden)
 segments, `new_caches`, `feature_layers`, `feature_width`, `head_ids`, `full_rows`.
 
-The graph runs on any engine with `run(segments, inputs)` (OnnxEngine over the head graph). A call's rows are all
-committed tokens' target features (a catch-up: the graph's `target_features`, which its fc reads) or all drafted
-nodes' parent hidden (`hidden_states`), as `Eagle3Head.forward_many` takes them; the other input is empty.
+The graph runs on any engine with `run(segments, inputs)` (OnnxEngine over the head graph, TensorRTEngine over its
+plan: `load(..., backend=)`). A call's rows are all committed tokens' target features (a catch-up: the graph's
+`target_features`, which its fc reads) or all drafted nodes' parent hidden (`hidden_states`), as
+`Eagle3Head.forward_many` takes them; the other input is empty.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from spectrt.runtime.engines.batch_inputs import HEAD_INPUT_NAMES
 from safetensors.torch import load_file
+from spectrt.runtime.engines.batch_inputs import HEAD_INPUT_NAMES
 from spectrt.runtime.engines.eagle3 import Eagle3Config, draft_ids, full_vocab_rows
 from spectrt.runtime.engines.kernels import last_rows
 from spectrt.runtime.engines.model import KVCache, ModelConfig
@@ -33,17 +34,30 @@ class GraphHead:
         self.no_hidden = torch.zeros(0, config.model.hidden_size)
 
     @classmethod
-    def load(cls, role_dir: Path, target_config: ModelConfig, **kwargs) -> GraphHead:
-        """engines/<name>/draft of an engines directory built with an EAGLE-3 head, on ONNX Runtime."""
+    def load(cls, role_dir: Path, target_config: ModelConfig, backend: str = "onnxruntime", **kwargs) -> GraphHead:
+        """engines/<name>/draft of an engines directory built with an EAGLE-3 head: its fp32 graph on ONNX Runtime
+        (`backend="onnxruntime"`) or its TensorRT plan (`"tensorrt"`); `kwargs` go to the engine's constructor."""
+        if backend not in ("onnxruntime", "tensorrt"):
+            raise ValueError(f"an EAGLE-3 head's graph runs with --backend onnxruntime or tensorrt, not {backend!r}")
         d = EngineDir(role_dir)
-        graph, files = d.graph("fp32")
-        d.verify(files + d.support_files() + [f"{d.role}/{DRAFT_VOCAB}"])
+        vocab = f"{d.role}/{DRAFT_VOCAB}"
+        if backend == "tensorrt":  # TensorRTEngine.load verifies the plan and the support files
+            d.verify([vocab])
+        else:
+            graph, files = d.graph("fp32")
+            d.verify(files + d.support_files() + [vocab])
         try:
             config = Eagle3Config.from_dir(d.role_dir, target_config)
             head_ids = draft_ids(load_file(str(d.role_dir / DRAFT_VOCAB)), config)
         except ValueError as e:
             raise EngineDirError(f"{d.role_dir}: {e}") from e
-        return cls(OnnxEngine(graph, d.config, input_names=HEAD_INPUT_NAMES, **kwargs), config, head_ids)
+        if backend == "tensorrt":
+            from spectrt.runtime.engines.trt_engine import TensorRTEngine
+
+            engine = TensorRTEngine.load(d.role_dir, input_names=HEAD_INPUT_NAMES, **kwargs)
+        else:
+            engine = OnnxEngine(graph, d.config, input_names=HEAD_INPUT_NAMES, **kwargs)
+        return cls(engine, config, head_ids)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -74,8 +88,8 @@ class GraphHead:
         width = segments[0][4].shape[-1] if segments else hidden_size
         for _, _, mask, _, hidden in segments:
             if width not in (hidden_size, self.feature_width) or hidden.shape != (mask.shape[0], width):
-                raise ValueError(f"hidden must be [{mask.shape[0]}, {hidden_size}] (or target features "
-                                 f"[{mask.shape[0]}, {self.feature_width}] in every segment), got {tuple(hidden.shape)}")
+                raise ValueError(f"hidden must be [{mask.shape[0]}, {hidden_size}] (or target features [{mask.shape[0]}, "
+                                 f"{self.feature_width}] in every segment), got {tuple(hidden.shape)}")
         results = forward_by_pool(segments, self._run)
         logits = last_rows([r[0] for r in results], logit_rows)
         return [(self.full_rows(lg) if full_vocab else lg, r[1]) for lg, r in zip(logits, results, strict=True)]

@@ -185,6 +185,11 @@ class OnnxEngine:
         options.intra_op_num_threads = threads or torch.get_num_threads()
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
+        # workers sleep between runs instead of spinning. Why: an idle session's spinning workers take the cores the
+        # other session (target <-> EAGLE-3 head, level after level) runs on. Measured (Zen 3, 2 cores, 6 chat
+        # prompts x 64 tokens, two rounds): tree 2,1 with the shipped head 25.2-28.8 tok/s spinning, 43.3-48.5 not;
+        # the head's passes 11.9-14.1 ms a step vs 6.5-7.3, the T=5 verify 62-70 ms vs 39-43; AR 26.9-27.9 vs 28.8
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(graph), options, providers=providers or ["CPUExecutionProvider"])
         self.config = config
         self.dtype = torch.float32
@@ -195,7 +200,7 @@ class OnnxEngine:
         self.graph = graph
         # row outputs [N, width] in the graph's order, logits first (new K/V go into the pool instead)
         self.widths = {o.name: o.shape[1] for o in self.session.get_outputs() if o.name not in ("new_k", "new_v")}
-        self.feature_layers = tuple(int(j) for j in feature_layers) if FEATURES in self.widths else ()
+        self.graph_features = tuple(int(j) for j in feature_layers) if FEATURES in self.widths else ()  # returned
         self.binding = self.session.io_binding()
         self.runs = 0  # session runs (one per forward_many and pool)
         self._rows = 0
@@ -274,7 +279,7 @@ class OnnxEngine:
                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(logits, features) per segment, as the native engine's: the features [T, 3 H] come out of the same graph
         run, exported for these layers (`spectrt engines` with an EAGLE-3 head as the draft)."""
-        check_features(self.feature_layers, feature_layers, self.graph)
+        check_features(self.graph_features, feature_layers, self.graph)
         results = forward_by_pool(segments, self.run)
         return last_rows([r[0] for r in results], logit_rows), [r[1] for r in results]
 

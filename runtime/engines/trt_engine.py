@@ -1,22 +1,30 @@
-"""The `tensorrt` backend: a TensorRT plan of the batched tree-verify graph behind the one engine interface.
+"""The `tensorrt` backend: a TensorRT plan of a batched graph behind the one engine interface.
 
 - The plan (build/compile.py) is loaded with the module that built it (`tensorrt` or `tensorrt_rtx`: one code path,
   the same Python API), after its sha256 is checked against the engines manifest and its compute capability
   against this GPU.
-- `forward_many` is ONE plan execution for all segments (B requests, each its own tree; runtime/engines/batch_inputs.py).
-  The KV pool (`KVCache.pool`, [slots, layers, kv_heads, capacity, head_dim]) lives in device memory in the plan's
-  K/V dtype and is bound by address: no cache crosses the bus. The small per-step inputs go through pinned host
-  buffers into static device buffers; the new K/V are written into the pool slots on the GPU; only the logits come
-  back to (pinned) host memory, so the decoder, greedy or sampling, works unchanged.
-- **Static span**: `cache_columns` is the whole capacity (S = C), so only N, B, T and M vary between calls. Each
-  shape seen twice gets its own execution context and CUDA graph (captured on the second sighting; shapes that
-  occur once run eagerly); contexts share one scratch buffer (they run one after another on one stream).
+- Three graphs (runtime/engines/batch_inputs.py): the batched tree-verify graph (INPUT_NAMES -> OUTPUT_NAMES), the
+  same exported for an EAGLE-3 head (+ the `features` output: `forward_features`), and the head's own graph
+  (build/export_eagle3.py, `input_names=HEAD_INPUT_NAMES`: + the `target_features`/`hidden_states` inputs and the
+  `hidden_out` output, run through `run` by runtime/engines/graph_head.py). Any other plan is refused.
+- `forward_many` is ONE plan execution for all segments (B requests, each its own tree; see
+  runtime/engines/batch_inputs.py). The KV pool (`KVCache.pool`, [slots, layers, kv_heads, capacity, head_dim])
+  lives in device memory in the plan's K/V dtype and is bound by address: no cache crosses the bus. The small
+  per-step inputs (and a head's row inputs) go through pinned host buffers into static device buffers sized for the
+  profile's max rows; the new K/V are written into the pool slots on the GPU; only the row outputs ([N, width]:
+  logits, features, hidden_out) come back to (pinned) host memory, so the decoder, greedy or sampling, works
+  unchanged.
+- **Static span**: `cache_columns` is the whole capacity (S = C), so only N, B, T and M (and a head's feature/hidden
+  row counts) vary between calls. Each shape seen twice gets its own execution context and CUDA graph (captured on
+  the second sighting; shapes that occur once run eagerly); contexts share one scratch buffer (they run one after
+  another on one stream).
 - `execute_async_v3` runs on a private stream ordered after the caller's stream.
 
 Nothing here runs without an NVIDIA GPU (no GPU with TensorRT was lent to the sessions that wrote it; the CPU tests
 drive this class with `device="cpu"` and a stand-in TensorRT module that executes the same graph with ONNX Runtime,
-which checks buffers, shapes, addresses, inputs and pool writes, not TensorRT itself). `scripts/gpu_check.sh` is the
-prepared check for a GPU machine.
+which checks buffers, shapes, addresses, inputs and pool writes, not TensorRT itself: tests/test_engines.py for the
+target graph, tests/test_trt_head.py for features and the head graph). `scripts/gpu_check.sh` is the prepared check
+for a GPU machine.
 """
 
 from __future__ import annotations
@@ -27,14 +35,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from spectrt.runtime.engines.batch_inputs import INPUT_NAMES, OUTPUT_NAMES, batch_inputs
+from spectrt.runtime.engines.batch_inputs import (
+    FEATURES,
+    HEAD_INPUT_NAMES,
+    HEAD_OUTPUT_NAMES,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    batch_inputs,
+)
 from spectrt.runtime.engines.kernels import last_rows
 from spectrt.runtime.engines.model import KVCache, ModelConfig
-from spectrt.runtime.engines.onnx_engine import EngineDir, EngineDirError, forward_by_pool
+from spectrt.runtime.engines.onnx_engine import EngineDir, EngineDirError, check_features, forward_by_pool
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "int8": torch.int8, "bool": torch.bool}
 STEP_INPUTS = INPUT_NAMES[:7]  # copied host -> device every step; cache_columns and the pool are bound as they are
+# the plans this engine runs: input names -> the output sets they may come with (module doc)
+LAYOUTS = {INPUT_NAMES: (OUTPUT_NAMES, (*OUTPUT_NAMES, FEATURES)), HEAD_INPUT_NAMES: (HEAD_OUTPUT_NAMES,)}
+KV_OUTPUTS = ("new_k", "new_v")
 _LOGGERS: dict[str, object] = {}
 
 
@@ -54,8 +72,13 @@ def device_arch() -> str:
 
 
 class TensorRTEngine:
+    """Engine interface over a TensorRT plan (see the module doc). `input_names`: INPUT_NAMES for the tree-verify
+    graph (with or without `features`), HEAD_INPUT_NAMES for an EAGLE-3 head's graph; `io` and `profile` are the
+    manifest's plan entry's (build/compile.py PlanInfo)."""
+
     def __init__(self, plan: Path, config: ModelConfig, io: dict, profile: dict, module: str = "tensorrt_rtx",
-                 device: str = "cuda", cuda_graphs: bool = True, trt=None, log=None):
+                 device: str = "cuda", cuda_graphs: bool = True, trt=None, log=None,
+                 feature_layers: Sequence[int] = (), input_names: tuple[str, ...] = INPUT_NAMES):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
@@ -75,12 +98,31 @@ class TensorRTEngine:
             raise EngineDirError(f"{module} could not deserialize {plan} on {where} (see TensorRT's error above): "
                                  "rebuild the plan for this GPU (`spectrt engines --arch ...`, or with `tensorrt` "
                                  "on this machine)")
+        input_names = tuple(input_names)
+        if input_names not in LAYOUTS:
+            raise ValueError(f"input_names must be INPUT_NAMES or HEAD_INPUT_NAMES, got {list(input_names)}")
         names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
-        if names != set(INPUT_NAMES) | set(OUTPUT_NAMES):
-            raise EngineDirError(f"{plan} has tensors {sorted(names)}, not the batched tree-verify graph's "
-                                 f"{sorted(INPUT_NAMES + OUTPUT_NAMES)}: rebuild with `spectrt engines --force`")
+        layouts = [set(input_names) | set(outputs) for outputs in LAYOUTS[input_names]]
+        if names not in layouts:
+            what = "an EAGLE-3 head's graph" if input_names == HEAD_INPUT_NAMES else "the batched tree-verify graph"
+            raise EngineDirError(f"{plan} has tensors {sorted(names)}, not {what}'s "
+                                 f"{' or '.join(str(sorted(w)) for w in layouts)}: rebuild with `spectrt engines "
+                                 "--force`")
+        if set(io.get("inputs", {})) | set(io.get("outputs", {})) != names:
+            raise EngineDirError(f"the manifest's io of {plan} ({sorted(io.get('inputs', {}))} -> "
+                                 f"{sorted(io.get('outputs', {}))}) is not the plan's {sorted(names)}: rebuild with "
+                                 "`spectrt engines --force`")
+        self.plan, self.input_names = Path(plan), input_names
         self.kv_dtype = TORCH_DTYPES[io["inputs"]["pool_k"]["dtype"]]
-        self.logits_dtype = TORCH_DTYPES[io["outputs"]["logits"]["dtype"]]
+        # row outputs [N, width] in the graph's order, logits first (new K/V go into the pool instead), and a head's
+        # row inputs [rows, width] (target features, hidden states)
+        self.widths = {n: int(o["shape"][1]) for n, o in io["outputs"].items() if n not in KV_OUTPUTS}
+        self.row_dtypes = {n: TORCH_DTYPES[io["outputs"][n]["dtype"]] for n in self.widths}
+        self.row_inputs = {n: int(io["inputs"][n]["shape"][1]) for n in input_names[len(INPUT_NAMES):]}
+        self.row_input_dtypes = {n: TORCH_DTYPES[io["inputs"][n]["dtype"]] for n in self.row_inputs}
+        self.logits_dtype = self.row_dtypes["logits"]
+        self.graph_features = tuple(int(j) for j in feature_layers) if FEATURES in self.widths else ()  # returned
+        self.step_names = STEP_INPUTS + tuple(self.row_inputs)  # shapes that key a CUDA graph
         top = {k: v[2] for k, v in profile.items() if k != "name"}  # the profile's max shapes
         self.max_rows, self.max_batch = top["input_ids"][0], top["slot_ids"][0]
         self.max_tokens, self.max_words = top["spec_decoding_packed_mask"][1:]
@@ -115,7 +157,8 @@ class TensorRTEngine:
                 raise EngineDirError(f"{d.path(entry['file'])} was built for {','.join(entry['archs'])}, this GPU is "
                                      f"{arch}: rebuild with `spectrt engines --arch {arch}`{hint}")
         d.verify([entry["file"]] + d.support_files())
-        return cls(d.path(entry["file"]), d.config, entry["io"], entry["profiles"][0], entry["module"], **kwargs)
+        return cls(d.path(entry["file"]), d.config, entry["io"], entry["profiles"][0], entry["module"],
+                   feature_layers=d.entry.get("feature_layers", ()), **kwargs)
 
     # -- buffers -------------------------------------------------------------------------------------
 
@@ -146,8 +189,12 @@ class TensorRTEngine:
         self.host = {k: torch.zeros(size, dtype=torch.int32, pin_memory=pin) for k, size in sizes.items()}
         self.inputs = {k: torch.zeros(size, dtype=torch.int32, device=dev) for k, size in sizes.items()}
         self.columns = torch.arange(capacity, dtype=torch.int32, device=dev)  # static span: S = C
-        self.h_logits = torch.zeros(n * c.vocab_size, dtype=torch.float32, pin_memory=pin)
-        self.logits = torch.zeros(n * c.vocab_size, dtype=self.logits_dtype, device=dev)
+        self.h_row_inputs = {k: torch.zeros(n * w, dtype=torch.float32, pin_memory=pin)
+                             for k, w in self.row_inputs.items()}
+        self.row_input_buffers = {k: torch.zeros(n * w, dtype=self.row_input_dtypes[k], device=dev)
+                                  for k, w in self.row_inputs.items()}
+        self.h_outputs = {k: torch.zeros(n * w, dtype=torch.float32, pin_memory=pin) for k, w in self.widths.items()}
+        self.outputs = {k: torch.zeros(n * w, dtype=self.row_dtypes[k], device=dev) for k, w in self.widths.items()}
         kv = c.num_layers * c.num_kv_heads * n * c.head_dim
         self.new_k = torch.zeros(kv, dtype=self.kv_dtype, device=dev)
         self.new_v = torch.zeros(kv, dtype=self.kv_dtype, device=dev)
@@ -158,11 +205,11 @@ class TensorRTEngine:
     # -- execution -----------------------------------------------------------------------------------
 
     def _bind(self, ctx, shapes: dict[str, tuple[int, ...]], pool: KVCache) -> None:
-        for name in INPUT_NAMES:
+        for name in self.input_names:
             if not ctx.set_input_shape(name, shapes[name]):
                 raise RuntimeError(f"TensorRT refused shape {shapes[name]} for {name} (outside the plan's profile)")
-        addresses = {**self.inputs, "cache_columns": self.columns, "pool_k": pool.pool_k, "pool_v": pool.pool_v,
-                     "logits": self.logits, "new_k": self.new_k, "new_v": self.new_v}
+        addresses = {**self.inputs, **self.row_input_buffers, "cache_columns": self.columns, "pool_k": pool.pool_k,
+                     "pool_v": pool.pool_v, **self.outputs, "new_k": self.new_k, "new_v": self.new_v}
         for name, tensor in addresses.items():
             ctx.set_tensor_address(name, tensor.data_ptr())
 
@@ -189,7 +236,7 @@ class TensorRTEngine:
         return ctx
 
     def _execute_shapes(self, shapes: dict[str, tuple[int, ...]], pool: KVCache) -> None:
-        key = (tuple(shapes[name] for name in STEP_INPUTS), tuple(pool.pool_k.shape), pool.pool_k.data_ptr())
+        key = (tuple(shapes[name] for name in self.step_names), tuple(pool.pool_k.shape), pool.pool_k.data_ptr())
         if self.cuda_graphs:
             entry = self._graphs.get(key)
             if entry is not None:
@@ -214,41 +261,62 @@ class TensorRTEngine:
         self._bind(self._eager, shapes, pool)
         self._execute(self._eager)
 
-    def _run(self, segments: list[tuple]) -> list[torch.Tensor]:
-        """One plan execution for segments whose caches share one pool; logits on the host, one tensor each."""
+    def _row_inputs(self, inputs: dict[str, torch.Tensor] | None, n: int) -> dict[str, torch.Tensor]:
+        """A head's row inputs, checked: every one the graph has, [rows, width] each, N rows in all."""
+        inputs = dict(inputs or {})
+        if set(inputs) != set(self.row_inputs):
+            raise ValueError(f"{self.plan} takes the extra inputs {sorted(self.row_inputs)}, got {sorted(inputs)}")
+        for name, tensor in inputs.items():
+            if tensor.dim() != 2 or tensor.shape[1] != self.row_inputs[name]:
+                raise ValueError(f"{name} must be [rows, {self.row_inputs[name]}], got {tuple(tensor.shape)}")
+        if inputs and sum(t.shape[0] for t in inputs.values()) != n:
+            raise ValueError(f"the extra inputs' rows ({ {k: t.shape[0] for k, t in inputs.items()} }) must add up "
+                             f"to the batch's {n} rows")
+        return inputs
+
+    def run(self, segments: list[tuple], inputs: dict[str, torch.Tensor] | None = None) -> list[tuple]:
+        """One plan execution for segments whose caches share one pool: per segment a host tensor of its own for
+        each row output (`widths`' order, logits first). `inputs`: the graph's inputs beyond the batch's (a head's
+        `target_features` and `hidden_states`, host tensors; their rows add up to the batch's)."""
         c = self.config
         pool = segments[0][3]
         if pool.pool_k.device != self.device or pool.pool_k.dtype != self.kv_dtype:
             raise ValueError("the tensorrt engine needs caches it made with new_caches (device, K/V dtype)")
         if pool.capacity != self._capacity:
             self._ensure_buffers(pool.capacity)
-        x = batch_inputs(segments, columns=pool.capacity, max_rows=self.max_tokens)
+        x = batch_inputs([s[:4] for s in segments], columns=pool.capacity, max_rows=self.max_tokens)
         n, b = x.input_ids.shape[0], len(segments)
         t, m = x.packed_mask.shape[1:]
         if n > self.max_rows or b > self.max_batch or m > self.max_words:
             raise ValueError(f"a batch of {b} requests / {n} rows / {m} mask words exceeds the plan's profile "
                              f"({self.max_batch} / {self.max_rows} / {self.max_words}): rebuild with "
                              "`spectrt engines --max-batch/--max-tree-tokens`")
+        rows_in = self._row_inputs(inputs, n)
         step = dict(zip(STEP_INPUTS, x.tensors()[:len(STEP_INPUTS)], strict=True))
-        shapes = {name: tuple(tensor.shape) for name, tensor in step.items()}
+        shapes = {name: tuple(tensor.shape) for name, tensor in (step | rows_in).items()}
         shapes |= {"cache_columns": (pool.capacity,), "pool_k": tuple(pool.pool_k.shape),
                    "pool_v": tuple(pool.pool_v.shape)}
         for name, tensor in step.items():
             self.host[name][:tensor.numel()] = tensor.reshape(-1)
+        for name, tensor in rows_in.items():
+            self.h_row_inputs[name][:tensor.numel()] = tensor.reshape(-1)
         new_shape = (c.num_layers, c.num_kv_heads, n, c.head_dim)
         numel = c.num_layers * c.num_kv_heads * n * c.head_dim
-        rows = n * c.vocab_size
 
         def execute_and_write() -> None:
             for name, tensor in step.items():
                 self.inputs[name][:tensor.numel()].copy_(self.host[name][:tensor.numel()], non_blocking=self.cuda)
+            for name, tensor in rows_in.items():
+                self.row_input_buffers[name][:tensor.numel()].copy_(self.h_row_inputs[name][:tensor.numel()],
+                                                                    non_blocking=self.cuda)
             self._execute_shapes(shapes, pool)
             self.runs += 1
             new_k, new_v = self.new_k[:numel].view(new_shape), self.new_v[:numel].view(new_shape)
             for (r0, r1), (slot, first, end) in zip(x.rows, x.kv_writes, strict=True):
                 pool.pool_k[slot, :, :, first:end] = new_k[:, :, r0:r1]
                 pool.pool_v[slot, :, :, first:end] = new_v[:, :, r0:r1]
-            self.h_logits[:rows].copy_(self.logits[:rows], non_blocking=self.cuda)
+            for name, width in self.widths.items():
+                self.h_outputs[name][:n * width].copy_(self.outputs[name][:n * width], non_blocking=self.cuda)
 
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -257,15 +325,24 @@ class TensorRTEngine:
             self.stream.synchronize()
         else:
             execute_and_write()
-        logits = self.h_logits[:rows].view(n, c.vocab_size)
-        return [logits[r0:r1].clone() for r0, r1 in x.rows]
+        outputs = [self.h_outputs[name][:n * width].view(n, width) for name, width in self.widths.items()]
+        return [tuple(out[r0:r1].clone() for out in outputs) for r0, r1 in x.rows]
 
     def forward_many(self, segments: list[tuple], logit_rows: Sequence[int | None] | None = None
                      ) -> list[torch.Tensor]:
         """Logits [T_i, V] per (tokens, positions, tree_mask, cache) segment on the host, each a tensor of its own:
         one plan execution for all segments (per KV pool); their K/V go into their caches on the device."""
-        logits = forward_by_pool(segments, self._run)  # every row's: `logit_rows` only cuts them
-        return last_rows(logits, logit_rows)
+        results = forward_by_pool(segments, self.run)  # every row's logits: `logit_rows` only cuts them
+        return last_rows([r[0] for r in results], logit_rows)
+
+    def forward_features(self, segments: list[tuple], feature_layers: Sequence[int],
+                         logit_rows: Sequence[int | None] | None = None
+                         ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(logits, features) per segment on the host, as the native engine's: the features [T, 3 H] come out of
+        the same plan execution, built for these layers (`spectrt engines` with an EAGLE-3 head as the draft)."""
+        check_features(self.graph_features, feature_layers, self.plan)
+        results = forward_by_pool(segments, self.run)
+        return last_rows([r[0] for r in results], logit_rows), [r[1] for r in results]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
