@@ -473,9 +473,14 @@ def head_check(ck: Check, label: str, target, head, ref_target, ref_head, layers
 
 
 def ort_reference(engines: Path, role: str):
-    """ONNX Runtime on this machine's CPU running the engines dir's fp32 batched graph (the reference for plans)."""
+    """ONNX Runtime on this machine's CPU running the engines dir's fp32 batched graph (the reference for plans); an
+    EAGLE-3 draft is its head graph behind `GraphHead`."""
     from spectrt.runtime.engines.engine import load_engine
+    from spectrt.runtime.engines.graph_head import GraphHead
+    from spectrt.runtime.engines.onnx_engine import EngineDir
 
+    if role == "draft" and EngineDir(engines / role).entry.get("kind") == "eagle3":
+        return GraphHead.load(engines / role, EngineDir(engines / "target").config)
     return load_engine(engines / role, "onnxruntime")
 
 
@@ -563,10 +568,17 @@ def main(argv=None) -> int:
                         "random weights with SmolLM2-135M's real shapes (the checkpoint is not on this machine): "
                         "speed numbers are real, acceptance rates are not")
         r["draft"] = str(draft_dir) if draft_dir else "the target's first 4 layers (untrained slice)"
+        from spectrt.runtime.engines.eagle3 import is_eagle3
+
+        # the torch-on-CUDA pair is LLaMA-shaped: with an EAGLE-3 head (the embedded target's default draft) it drafts
+        # with the target's first 4 layers, and the head goes to the TensorRT section (its own plan, `head_check`)
+        torch_draft = None if draft_dir is not None and is_eagle3(draft_dir) else draft_dir
+        if torch_draft != draft_dir:
+            r["draft"] += " (TensorRT plans; the torch section drafts with the target's first 4 layers)"
         ids_list = prompts(target_dir, args.prompts)
         ck.log(f"device {device}; {r['weights']}")
 
-        target, draft, weights = load_pair(device, torch.float32, target_dir, draft_dir)
+        target, draft, weights = load_pair(device, torch.float32, target_dir, torch_draft)
         res, reference = bench_engine(ck, "torch fp32", target, draft, device, ids_list, args.new_tokens, exact=True,
                                       trees=trees, tokens=tokens)
         if ck.left() > 120:
@@ -580,7 +592,7 @@ def main(argv=None) -> int:
         if args.no_bf16:
             pass
         elif ck.left() > 60:
-            t16, d16, _ = load_pair(device, torch.bfloat16, target_dir, draft_dir, weights)
+            t16, d16, _ = load_pair(device, torch.bfloat16, target_dir, torch_draft, weights)
             r["torch"]["bf16"], _ = bench_engine(ck, "torch bf16", t16, d16, device, ids_list, args.new_tokens,
                                                  exact=False, reference=reference, trees=trees[:1], tokens=tokens)
             del t16, d16
