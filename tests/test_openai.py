@@ -1058,3 +1058,32 @@ def test_a_graceful_stop_ends_an_open_stream_with_an_error_event_and_done(target
     error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     assert error["code"] == "unavailable" and "stopping" in error["message"]
     assert b'"finish_reason":"length"' not in received  # it did not run to its end
+
+
+def test_structured_outputs_parse_and_equal_the_target_alone(client):
+    """The SDK's `parse()` with a pydantic model returns the parsed object; a JSON schema, a regex (vLLM's
+    `structured_outputs`) and `json_object` give the same tokens under the default tree and with `tree` "none"; a
+    schema the grammar engine cannot compile is answered 400 naming the field."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    messages = [{"role": "user", "content": "Name a big city and its country, as JSON."}]
+    parsed = client.chat.completions.parse(model="spectrt", messages=messages, response_format=City, max_tokens=LIMIT)
+    city = parsed.choices[0].message.parsed
+    assert isinstance(city, City) and city.name
+    for extra in ({"structured_outputs": {"regex": r"[A-Z][a-z]+ [0-9]{2}"}},
+                  {"response_format": {"type": "json_object"}},
+                  {"response_format": {"type": "json_schema", "json_schema": {
+                      "name": "city", "schema": City.model_json_schema()}}}):
+        texts = [client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT,
+                                                extra_body={**extra, "tree": tree}).choices[0].message.content
+                 for tree in (None, "none")]
+        assert texts[0] == texts[1], extra
+        if "structured_outputs" in extra:
+            assert re.fullmatch(r"[A-Z][a-z]+ [0-9]{2}", texts[0])
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        client.chat.completions.create(model="spectrt", messages=messages, max_tokens=4,
+                                       extra_body={"structured_outputs": {"regex": "(unclosed"}})

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from spectrt.runtime.decoding.controller import Controller
+from spectrt.runtime.decoding.grammar import GrammarState, allowed_nodes, banned_rows, mask_logits
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
@@ -155,6 +156,7 @@ class Job:
     min_length: int = 0  # end-of-sequence is masked out of the target distribution before this many tokens
     stop_words: list[list[int]] = field(default_factory=list)  # stop after emitting any of these sequences
     bad_words: list[list[int]] = field(default_factory=list)  # never emitted (masked in the target distribution)
+    grammar: GrammarState | None = None  # structured output: every verified row masked by its path's grammar state
     suffix: bool | None = None
     tag: object = None  # the caller's handle
     # decode state
@@ -199,6 +201,7 @@ class Verified:
     token_ids: list[int]  # the same, as a list
     logits: torch.Tensor  # [T, V] the target's
     features: torch.Tensor | None  # the target features an EAGLE-3 head reads next (None without one)
+    masks: object = None  # the grammar's allowed-token bitmask of each row (runtime/decoding/grammar.py), if any
 
 
 @dataclass
@@ -418,14 +421,15 @@ class Decoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
                  on_tokens=None, params: SamplingParams = GREEDY, children: str = "sample",
-                 policy: Policy | None = None) -> DecodeResult:
+                 policy: Policy | None = None, grammar: GrammarState | None = None) -> DecodeResult:
         """One request, a batch of one. `tree` (with a draft): that static shape, plus suffix candidates if
         `policy.suffix`; `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
-        neither: the target alone. `on_tokens(new_ids)` is called as tokens are accepted."""
+        neither: the target alone. `on_tokens(new_ids)` is called as tokens are accepted; `grammar`: a structured
+        output the tokens follow (a fresh state: runtime/decoding/grammar.py)."""
         if self.active:
             raise RuntimeError("generate() runs one request on an idle decoder: use add/step for batches")
         job = Job(list(prompt_ids), max_new_tokens, tree if tree is not None else (AUTO if policy else None),
-                  params, children, suffix=policy is not None and policy.suffix)
+                  params, children, suffix=policy is not None and policy.suffix, grammar=grammar)
         served = self.controller.policy
         self.controller.policy = policy or served
         try:
@@ -548,7 +552,7 @@ class Decoder:
         self.clock.propose += time.perf_counter() - start
         if self.drafter is not None:
             self.clock.draft += self.drafter.forward_seconds - drafted
-        plans = []
+        plans, grammar_masks = [], []
         for cand in cands:
             trie = cand.trie
             if cand.static is not None:
@@ -556,6 +560,16 @@ class Decoder:
             else:
                 nodes = trie.best(cand.chosen)
             tree, order, token_ids = (ROOT_ONLY, [0], [cand.job.ids[-1]]) if len(nodes) == 1 else trie.subtree(nodes)
+            grammar, masks = cand.job.grammar, None
+            if grammar is not None:  # nodes the grammar forbids could never be accepted: they are not verified
+                masks = grammar.tree_masks(tree.parents, token_ids)
+                keep = allowed_nodes(masks, tree.parents, token_ids)
+                if len(keep) < len(tree):
+                    grammar.pruned += len(tree) - len(keep)
+                    tree, order, token_ids = ((ROOT_ONLY, [0], [cand.job.ids[-1]]) if len(keep) == 1 else
+                                              trie.subtree([order[i] for i in keep]))
+                    masks = grammar.tree_masks(tree.parents, token_ids)
+            grammar_masks.append(masks)
             tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depths)
             segments.append(Segment(tokens, positions, tree.mask, self.target_caches[cand.job.slot]))
             plans.append((cand, tree, order, tokens, token_ids))
@@ -575,8 +589,8 @@ class Decoder:
             if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)
-        return [Verified(*plan, lg, feats) for plan, lg, feats
-                in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
+        return [Verified(*plan, lg, feats, masks) for plan, lg, feats, masks
+                in zip(plans, logits[len(chunks):], features[len(chunks):], grammar_masks, strict=True)]
 
     # ------------------------------------------------------------------------------------- acceptance
     def _accept_all(self, planned: list[Verified], info: StepInfo) -> None:
@@ -669,6 +683,8 @@ class Decoder:
         logits, masked = v.logits, self._masked(job, tree, token_list)
         if masked is not None and (best is None or self._masks_any(masked, best)):
             logits, best = self._constrain(logits, masked), None
+        if v.masks is not None and (best is None or banned_rows(v.masks, best)):  # else each argmax is allowed
+            logits, best = mask_logits(logits, v.masks), None
         stats.target_passes += 1
         stats.proposed += len(tree) - 1
         stats.verified.append(len(tree))
@@ -727,6 +743,8 @@ class Decoder:
         stats.accepted.append(min(len(path) - 1, emitted))
         job.out.extend(new)
         job.ids.extend(new)
+        if job.grammar is not None and finish is None:
+            job.grammar.advance(new)
         if job.suffix:
             self.suffix.accept(job.slot, new)
         if finish is None and len(job.out) >= limit:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
+from spectrt.runtime.decoding.grammar import GrammarSpec, GrammarState
 from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.text import TextStream
@@ -78,7 +79,8 @@ class Pipeline:
         if draft is not None and not head:
             check_draft_matches(target, Path(draft))
         self.tokenizer = AutoTokenizer.from_pretrained(target)
-        eos = eos_ids(target, self.tokenizer)
+        self.eos = eos = eos_ids(target, self.tokenizer)
+        self._grammars = None
         target_engine = load_engine(target, backend, dtype, measure_kernels)
         if head and backend == "torch":  # it reads the target's features and embedding: loaded for this target
             draft_engine = Eagle3Head.load(Path(draft), target_engine, DTYPES[draft_dtype(backend, dtype)])
@@ -111,6 +113,15 @@ class Pipeline:
         gc.collect()
         gc.freeze()
 
+    def grammar(self, spec: str | GrammarSpec) -> GrammarState:
+        """A fresh grammar state for one request's structured output (`structured_output` JSON text or a spec);
+        the compiler is made on first use (the tokenizer's vocabulary, ~0.3 s) and caches compiled grammars."""
+        if self._grammars is None:
+            from spectrt.runtime.decoding.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.decoder.vocab_size, sorted(self.eos))
+        return self._grammars.state(spec)
+
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt or not prompt.strip():
             raise ValueError("the prompt is empty: pass some text with --prompt")
@@ -123,9 +134,12 @@ class Pipeline:
 
     def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | Policy | str | None = AUTO,
                  chat: bool = True, on_text: Callable[[str], None] | None = None,
-                 params: SamplingParams = GREEDY, children: str = "sample") -> Generation:
+                 params: SamplingParams = GREEDY, children: str = "sample",
+                 structured_output: str | GrammarSpec | None = None) -> Generation:
         """Generate; `tree`: "auto" (the pipeline's policy), a Policy, a static Tree or expansion string
-        ("2,1"), or None to run the target alone (the autoregressive baseline)."""
+        ("2,1"), or None to run the target alone (the autoregressive baseline); `structured_output`: what the output
+        follows (runtime/decoding/grammar.py `parse_spec`'s JSON, e.g. '{"type": "json_object"}'), exactly under
+        speculation."""
         policy = None
         if isinstance(tree, str):
             tree = parse_tree_arg(tree)
@@ -142,7 +156,8 @@ class Pipeline:
 
         result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree,
                                        on_tokens=on_tokens if stream is not None else None, params=params,
-                                       children=children, policy=policy)
+                                       children=children, policy=policy,
+                                       grammar=None if structured_output is None else self.grammar(structured_output))
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

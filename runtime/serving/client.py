@@ -68,11 +68,11 @@ class Result:
 def request_fields(prompt: str, max_tokens: int, stream: bool, temperature: float | None = None,
                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                    tree: str | None = None, children: str | None = None, end_id: int | None = None,
-                   perf: bool = True, chat: bool | None = None) -> dict:
+                   perf: bool = True, chat: bool | None = None, structured_output: str | None = None) -> dict:
     """The request as {input name: value}; None values are left out (the model's defaults apply)."""
     fields = {"text_input": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": temperature,
               "top_k": top_k, "top_p": top_p, "seed": seed, "tree": tree, "children": children, "end_id": end_id,
-              "return_perf_metrics": perf, "apply_chat_template": chat}
+              "return_perf_metrics": perf, "apply_chat_template": chat, "structured_output": structured_output}
     return {k: v for k, v in fields.items() if v is not None}
 
 

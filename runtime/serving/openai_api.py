@@ -39,11 +39,11 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
     "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
     "frequency_penalty": (0,), "repetition_penalty": (1,), "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "n": (1,),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
-          "min_tokens", "ignore_eos", "tree"}
+          "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_FIELDS = COMMON | {"prompt"}
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
@@ -169,6 +169,40 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
+def _structured(body: dict) -> str | None:
+    """The model's `structured_output` (runtime/decoding/grammar.py) from OpenAI's `response_format` (json_object,
+    json_schema) or vLLM's `structured_outputs` extension ({"json": schema} | {"regex": ..} | {"grammar": EBNF}); None
+    for plain text. The model compiles it: a schema it cannot compile is answered 400 naming it."""
+    fmt, ext = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and ext is not None:
+        raise bad("send one of response_format and structured_outputs", "structured_outputs")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return json.dumps({"type": "json_object"})
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+            return json.dumps({"type": "json_schema", "schema": schema})
+        raise bad('response_format.type must be "text", "json_object" or "json_schema"', "response_format")
+    if ext is not None:
+        kinds = {"json": "json_schema", "regex": "regex", "grammar": "grammar"}
+        given = {k: v for k, v in ext.items() if v is not None} if isinstance(ext, dict) else {}
+        if len(given) != 1 or next(iter(given)) not in kinds:
+            raise bad('structured_outputs must name one of "json" (a JSON Schema), "regex" or "grammar" (EBNF)',
+                      "structured_outputs")
+        (key, value), = given.items()
+        if key == "json" and not isinstance(value, dict | str) or key != "json" and not isinstance(value, str):
+            raise bad(f"structured_outputs.{key} must be {'a JSON Schema' if key == 'json' else 'a string'}",
+                      "structured_outputs")
+        return json.dumps({"type": kinds[key], "value": value})
+    return None
+
+
 def _common(body: dict, served: str, limits: Limits, max_tokens: int | None, max_tokens_name: str = "max_tokens"
             ) -> tuple[dict, bool, bool, list[str]]:
     """The fields both endpoints share; `max_tokens_name`: the body's field that gave `max_tokens` (its errors name
@@ -216,6 +250,9 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None, max
         fields["seed"] = seed % SEED_MODULUS
     if ignore_eos or min_tokens:  # end-of-sequence is masked until min_length tokens: ignore_eos = all of them
         fields["min_length"] = fields["max_tokens"] if ignore_eos else min_tokens
+    structured = _structured(body)
+    if structured is not None:
+        fields["structured_output"] = structured
     stops = _stops(body)
     if stops:  # the model stops on them itself: the tokens it counts end with the one that completed the stop string
         fields["stop_words"] = stops

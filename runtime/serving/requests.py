@@ -25,7 +25,7 @@ from spectrt.runtime.decoding.tree import AUTO, Tree, TreeError, parse_tree_arg
 FIELDS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id",
           "pad_id", "beam_width", "min_length", "bad_words", "stop_words", "exclude_input_in_output",
           "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "tree", "children",
-          "apply_chat_template", "timeout_seconds")
+          "apply_chat_template", "timeout_seconds", "structured_output")
 
 
 class RequestError(ValueError):
@@ -148,9 +148,10 @@ def parse_words(values, name: str, limits: Limits) -> list[str]:
 
 def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list[int]],
              encode_word: Callable[[str], list[int]], chat_default: bool = True,
-             default_tree: Tree | str | None = AUTO) -> Row:
+             default_tree: Tree | str | None = AUTO, grammar: Callable[[str], object] | None = None) -> Row:
     """Validate one row's fields (raw values: bytes, str, numbers, lists) into a `Row`, cheapest checks first;
-    `encode(prompt, chat)` tokenizes the prompt, `encode_word(word)` a stop/bad word (no special tokens)."""
+    `encode(prompt, chat)` tokenizes the prompt, `encode_word(word)` a stop/bad word (no special tokens),
+    `grammar(spec)` compiles a `structured_output` (runtime/decoding/grammar.py) into the row's grammar state."""
     unknown = set(fields) - set(FIELDS)
     if unknown:
         raise RequestError(f"unknown field(s) {sorted(unknown)}: the schema is {', '.join(FIELDS)}")
@@ -212,8 +213,17 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
     if len(ids) >= limits.max_seq_len:
         raise RequestError(f"the prompt has {len(ids)} tokens but the context is max_seq_len={limits.max_seq_len} "
                            "tokens (prompt + output): shorten the prompt")
+    state = None
+    if fields.get("structured_output") is not None:
+        spec = _text(fields["structured_output"], "structured_output")
+        if grammar is None:
+            raise RequestError("structured_output is not served by this model")
+        try:
+            state = grammar(spec)
+        except ValueError as e:  # GrammarError: the spec's problem, named
+            raise RequestError(str(e)) from None
     job = Job(ids, max_tokens, tree, params, children, None if end_id is None else {end_id}, min_length,
-              token_words["stop_words"], token_words["bad_words"])
+              token_words["stop_words"], token_words["bad_words"], state)
     return Row(job, prompt, stream=_flag(fields, "stream", False),
                exclude_input=_flag(fields, "exclude_input_in_output", True),
                perf=_flag(fields, "return_perf_metrics", False), n_in=_flag(fields, "return_num_input_tokens", False),

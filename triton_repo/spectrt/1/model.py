@@ -440,7 +440,7 @@ class TritonPythonModel:
                 fields = self._rows(request)
                 made = [validator.make_row(f, self.limits, self.pipe.encode,
                                            lambda w: tokenizer.encode(w, add_special_tokens=False),
-                                           self.chat_default, self.default_tree) for f in fields]
+                                           self.chat_default, self.default_tree, self.pipe.grammar) for f in fields]
                 if len(made) != reserved:
                     self.scheduler.release(reserved - len(made))
                 self.scheduler.submit(self.Request(made, TritonSink(sender, made), request.request_id()))
