@@ -107,9 +107,13 @@ def test_constrained_speculation_equals_constrained_ar(head_pair, compiler, toke
     for name, tree, policy in (("ar", None, None), ("2,1", Tree.parse("2,1"), None), ("policy", None, Policy())):
         state = compiler.state(json.dumps(spec))
         result = decoder.generate(list(ids), 48, tree, policy=policy, grammar=state)
-        runs[name] = (result.token_ids, state.pruned, sum(result.stats.accepted))
+        runs[name] = (result.token_ids, state.pruned, sum(result.stats.accepted), state.forced, result.stats)
     assert runs["2,1"][0] == runs["ar"][0] and runs["policy"][0] == runs["ar"][0]
     assert runs["2,1"][1] > 0 and runs["2,1"][2] > 0  # forbidden guesses dropped, allowed ones accepted
+    assert runs["ar"][3] == 0  # the target alone stays the target alone
+    if spec["type"] == "json_schema":  # `"age": ` after a string value: forced, verified for free, all accepted
+        for name in ("2,1", "policy"):
+            assert runs[name][3] > 0 and runs[name][2] >= runs[name][3]
     text = tokenizer.decode(runs["ar"][0], skip_special_tokens=True)
     if spec["type"] == "regex":
         assert re.fullmatch(spec["pattern"], text)

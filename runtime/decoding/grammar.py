@@ -133,6 +133,7 @@ class GrammarState:
         self.matcher, self.vocab_size, self.spec = matcher, vocab_size, spec
         self.words = -(-vocab_size // 32)
         self.pruned = 0  # drafted nodes dropped before verification because the grammar forbids them
+        self.forced = 0  # nodes added because the grammar allows only their token (jump-forward)
 
     def tree_masks(self, parents: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """[n, words] int32: row i allows the tokens that may follow node i's path (parents[0] is the root's -1)."""
@@ -161,6 +162,13 @@ class GrammarState:
 
 def allowed(masks: np.ndarray, row: int, token: int) -> bool:
     return bool((int(masks[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def forced_token(row: np.ndarray) -> int | None:
+    """The one token a mask row allows, None if it allows several or none."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    hits = np.flatnonzero(bits)
+    return int(hits[0]) if len(hits) == 1 else None
 
 
 def allowed_nodes(masks: np.ndarray, parents: Sequence[int], tokens: Sequence[int]) -> list[int]:
