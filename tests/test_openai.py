@@ -140,9 +140,10 @@ REFUSED = [
     ({"top_p": -(10 ** 400)}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"n": 2}, "n=2 is not supported"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias=.* is not supported"),
+    ({"logit_bias": {"x": -100}}, "logit_bias must map token ids"),
     ({"logprobs": True}, "logprobs=true is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be in \(0, 100\]"),
     ({"tools": [{"type": "function"}]}, "tools=.* is not supported"),
     ({"stop": ["a"] * 17}, "more than 16"),
     ({"stop": [""]}, "each stop string"),
@@ -1087,3 +1088,16 @@ def test_structured_outputs_parse_and_equal_the_target_alone(client):
     with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
         client.chat.completions.create(model="spectrt", messages=messages, max_tokens=4,
                                        extra_body={"structured_outputs": {"regex": "(unclosed"}})
+
+
+def test_penalties_and_logit_bias_served_equal_the_target_alone(client):
+    """presence / frequency / repetition penalties and logit_bias change the answer, and the default tree gives the
+    same answer as `tree` "none" (each verified row penalized by its own path)."""
+    messages = [{"role": "user", "content": "List ten fruits, one per line."}]
+    plain = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT).choices[0]
+    for extra in ({"presence_penalty": 1.0}, {"frequency_penalty": 0.8}, {"repetition_penalty": 1.4},
+                  {"logit_bias": {"198": -100}}):  # 198: "\n"
+        texts = [client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT,
+                                                extra_body={**extra, "tree": tree}).choices[0].message.content
+                 for tree in (None, "none")]
+        assert texts[0] == texts[1] and texts[0] != plain.message.content, extra

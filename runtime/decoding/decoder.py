@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from spectrt.runtime.decoding.controller import Controller
 from spectrt.runtime.decoding.grammar import GrammarState, allowed_nodes, banned_rows, forced_token, mask_logits
+from spectrt.runtime.decoding.penalties import Penalties, penalize
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
@@ -157,6 +158,7 @@ class Job:
     stop_words: list[list[int]] = field(default_factory=list)  # stop after emitting any of these sequences
     bad_words: list[list[int]] = field(default_factory=list)  # never emitted (masked in the target distribution)
     grammar: GrammarState | None = None  # structured output: every verified row masked by its path's grammar state
+    penalties: Penalties | None = None  # presence / frequency / repetition penalties, logit bias: per row, by its path
     suffix: bool | None = None
     tag: object = None  # the caller's handle
     # decode state
@@ -421,15 +423,18 @@ class Decoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
                  on_tokens=None, params: SamplingParams = GREEDY, children: str = "sample",
-                 policy: Policy | None = None, grammar: GrammarState | None = None) -> DecodeResult:
+                 policy: Policy | None = None, grammar: GrammarState | None = None,
+                 penalties: Penalties | None = None) -> DecodeResult:
         """One request, a batch of one. `tree` (with a draft): that static shape, plus suffix candidates if
         `policy.suffix`; `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
         neither: the target alone. `on_tokens(new_ids)` is called as tokens are accepted; `grammar`: a structured
-        output the tokens follow (a fresh state: runtime/decoding/grammar.py)."""
+        output the tokens follow (a fresh state: runtime/decoding/grammar.py); `penalties`: per-path penalties and
+        logit bias (runtime/decoding/penalties.py)."""
         if self.active:
             raise RuntimeError("generate() runs one request on an idle decoder: use add/step for batches")
         job = Job(list(prompt_ids), max_new_tokens, tree if tree is not None else (AUTO if policy else None),
-                  params, children, suffix=policy is not None and policy.suffix, grammar=grammar)
+                  params, children, suffix=policy is not None and policy.suffix, grammar=grammar,
+                  penalties=penalties)
         served = self.controller.policy
         self.controller.policy = policy or served
         try:
@@ -704,6 +709,8 @@ class Decoder:
         cand, tree, order, tokens, token_list, features = v.cand, v.tree, v.order, v.tokens, v.token_ids, v.features
         job, trie, stats = cand.job, cand.trie, cand.job.stats
         logits, masked = v.logits, self._masked(job, tree, token_list)
+        if job.penalties is not None and job.penalties.active:  # before the masks: a masked entry stays -inf
+            logits, best = penalize(logits, job.penalties, job.prompt_ids, job.out, tree.parents, token_list), None
         if masked is not None and (best is None or self._masks_any(masked, best)):
             logits, best = self._constrain(logits, masked), None
         if v.masks is not None and (best is None or banned_rows(v.masks, best)):  # else each argmax is allowed

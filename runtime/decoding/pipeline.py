@@ -14,6 +14,7 @@ from pathlib import Path
 
 from spectrt.runtime.decoding.decoder import GREEDY, Decoder, DecodeStats
 from spectrt.runtime.decoding.grammar import GrammarSpec, GrammarState
+from spectrt.runtime.decoding.penalties import Penalties
 from spectrt.runtime.decoding.policy import Policy, load_policy, policy_path
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.text import TextStream
@@ -135,7 +136,8 @@ class Pipeline:
     def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | Policy | str | None = AUTO,
                  chat: bool = True, on_text: Callable[[str], None] | None = None,
                  params: SamplingParams = GREEDY, children: str = "sample",
-                 structured_output: str | GrammarSpec | None = None) -> Generation:
+                 structured_output: str | GrammarSpec | None = None, penalties: Penalties | None = None
+                 ) -> Generation:
         """Generate; `tree`: "auto" (the pipeline's policy), a Policy, a static Tree or expansion string
         ("2,1"), or None to run the target alone (the autoregressive baseline); `structured_output`: what the output
         follows (runtime/decoding/grammar.py `parse_spec`'s JSON, e.g. '{"type": "json_object"}'), exactly under
@@ -157,7 +159,8 @@ class Pipeline:
         result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree,
                                        on_tokens=on_tokens if stream is not None else None, params=params,
                                        children=children, policy=policy,
-                                       grammar=None if structured_output is None else self.grammar(structured_output))
+                                       grammar=None if structured_output is None else self.grammar(structured_output),
+                                       penalties=penalties)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
-    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "tools": ([],), "functions": ([],),
+    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "n": (1,),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
-          "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs"}
+          "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_FIELDS = COMMON | {"prompt"}
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
@@ -250,6 +250,17 @@ def _common(body: dict, served: str, limits: Limits, max_tokens: int | None, max
         fields["seed"] = seed % SEED_MODULUS
     if ignore_eos or min_tokens:  # end-of-sequence is masked until min_length tokens: ignore_eos = all of them
         fields["min_length"] = fields["max_tokens"] if ignore_eos else min_tokens
+    for name, low, high in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 0, 100)):
+        value = _number(body, name, low, high, low_open=name == "repetition_penalty")
+        if value is not None and value != (1 if name == "repetition_penalty" else 0):  # no-op values stay out
+            fields[name] = value
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, int | float) and not isinstance(v, bool)
+                and -100 <= v <= 100 for k, v in bias.items()):
+            raise bad('logit_bias must map token ids ("50256") to numbers in [-100, 100]', "logit_bias")
+        fields["logit_bias"] = json.dumps(bias)
     structured = _structured(body)
     if structured is not None:
         fields["structured_output"] = structured

@@ -9,23 +9,27 @@ the field, the limit and the fix.
 Schema (tensorrtllm_backend's, so existing clients work): `text_input` (required), `max_tokens`, `stream`,
 `temperature`, `top_k`, `top_p`, `seed` / `random_seed`, `end_id`, `pad_id`, `beam_width`, `min_length`,
 `bad_words`, `stop_words`, `exclude_input_in_output`, `return_perf_metrics`, `return_num_input_tokens`,
-`return_num_output_tokens`; spectrt extensions `tree`, `children`, `apply_chat_template`, `timeout_seconds`.
+`return_num_output_tokens`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`; spectrt extensions `tree`,
+`children`, `apply_chat_template`, `timeout_seconds`, `structured_output`, `logit_bias`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from spectrt.runtime.decoding.decoder import CHILD_MODES, Job
+from spectrt.runtime.decoding.penalties import Penalties
 from spectrt.runtime.decoding.sampling import SamplingParams
 from spectrt.runtime.decoding.tree import AUTO, Tree, TreeError, parse_tree_arg
 
 FIELDS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "seed", "random_seed", "end_id",
           "pad_id", "beam_width", "min_length", "bad_words", "stop_words", "exclude_input_in_output",
           "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "tree", "children",
-          "apply_chat_template", "timeout_seconds", "structured_output")
+          "apply_chat_template", "timeout_seconds", "structured_output", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "logit_bias")
 
 
 class RequestError(ValueError):
@@ -146,6 +150,26 @@ def parse_words(values, name: str, limits: Limits) -> list[str]:
     return words
 
 
+def _penalties(fields: Mapping) -> Penalties | None:
+    """presence / frequency / repetition penalties (FP32) and logit_bias (JSON text: {"token id": bias})."""
+    bias = {}
+    if fields.get("logit_bias") is not None:
+        try:
+            raw = json.loads(_text(fields["logit_bias"], "logit_bias"))
+            bias = {int(k): float(v) for k, v in raw.items()}
+        except (ValueError, TypeError, AttributeError):
+            raise RequestError('logit_bias must be a JSON object {"token id": bias}, e.g. {"50256": -100}') from None
+        if len(bias) > 300:
+            raise RequestError(f"logit_bias has {len(bias)} entries, more than 300")
+    try:
+        penalties = Penalties(_number(fields, "presence_penalty", 0.0, float),
+                              _number(fields, "frequency_penalty", 0.0, float),
+                              _number(fields, "repetition_penalty", 1.0, float), bias)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    return penalties if penalties.active else None
+
+
 def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list[int]],
              encode_word: Callable[[str], list[int]], chat_default: bool = True,
              default_tree: Tree | str | None = AUTO, grammar: Callable[[str], object] | None = None) -> Row:
@@ -213,6 +237,7 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
     if len(ids) >= limits.max_seq_len:
         raise RequestError(f"the prompt has {len(ids)} tokens but the context is max_seq_len={limits.max_seq_len} "
                            "tokens (prompt + output): shorten the prompt")
+    penalties = _penalties(fields)
     state = None
     if fields.get("structured_output") is not None:
         spec = _text(fields["structured_output"], "structured_output")
@@ -223,7 +248,7 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
         except ValueError as e:  # GrammarError: the spec's problem, named
             raise RequestError(str(e)) from None
     job = Job(ids, max_tokens, tree, params, children, None if end_id is None else {end_id}, min_length,
-              token_words["stop_words"], token_words["bad_words"], state)
+              token_words["stop_words"], token_words["bad_words"], state, penalties)
     return Row(job, prompt, stream=_flag(fields, "stream", False),
                exclude_input=_flag(fields, "exclude_input_in_output", True),
                perf=_flag(fields, "return_perf_metrics", False), n_in=_flag(fields, "return_num_input_tokens", False),
