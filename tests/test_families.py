@@ -179,8 +179,11 @@ def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_
     assert float((plain - want).abs().max()) > 10 * tol  # quantization did happen
 
     # the Q/DQ graph TensorRT compiles into an INT8 plan (fp32 remainder here, for ONNX Runtime); the tolerance is
-    # tests/test_quant.py's: QuantizeLinear divides where ModelOpt multiplies, so a boundary value may round apart
-    graph = export_qdq_graph(qdir, tmp_path / "model.int8.onnx", precision="fp32", log=lambda _: None)
+    # tests/test_quant.py's: QuantizeLinear divides where ModelOpt multiplies, so a boundary value may round apart.
+    # Exported for an EAGLE-3 head: the feature rows of its layers come out too, and match the module's
+    graph = export_qdq_graph(qdir, tmp_path / "model.int8.onnx", precision="fp32", log=lambda _: None,
+                             feature_layers=(1, 2, 2))
+    module.feature_layers = (1, 2, 2)
     inputs = example_inputs(module.config, torch.float32, t=6, past=5, capacity=16)
     with torch.no_grad():
         want = [t.numpy() for t in module(*inputs)]
@@ -188,6 +191,7 @@ def test_int8_engine_matches_the_fake_quantized_module(checkpoints, family, tmp_
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
     got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs, strict=True)})
+    assert [o.name for o in session.get_outputs()] == ["logits", "new_k", "new_v", "features"]
     for w, g in zip(want, got, strict=True):
         assert np.abs(w - g).max() <= 1e-2 * np.abs(w).max()
 
