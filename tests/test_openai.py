@@ -626,6 +626,10 @@ def test_greedy_chat_streamed_equals_full_equals_grpc(server, client, tokenizer)
     assert full.usage.model_dump(include=set(usage)) == usage and {k: last["usage"][k] for k in usage} == usage
     spec = {"num_spec_steps": grpc.perf["target_passes"], "num_draft_tokens": grpc.perf["total_draft_tokens"],
             "num_accepted_draft_tokens": grpc.perf["total_accepted_draft_tokens"]}
+    details = {"accepted_prediction_tokens": spec["num_accepted_draft_tokens"],
+               "rejected_prediction_tokens": spec["num_draft_tokens"] - spec["num_accepted_draft_tokens"]}
+    assert full.usage.completion_tokens_details.model_dump(include=set(details)) == details
+    assert {k: last["usage"]["completion_tokens_details"][k] for k in details} == details
     for metrics in (full.model_dump()["metrics"]["speculative_decoding"], last["metrics"]["speculative_decoding"]):
         assert {k: metrics[k] for k in spec} == spec and spec["num_draft_tokens"] == 4 * spec["num_spec_steps"]
         assert metrics["mean_acceptance_length"] == pytest.approx(

@@ -22,7 +22,9 @@ Responses carry `usage` (prompt tokens = the model's `num_input_tokens`, chat te
 the sum of its `num_output_tokens`, the tokens of the returned text, end-of-sequence not counted, and at a stop string
 the tokens up to and including the one that completed it, none after it;
 `prompt_tokens_details.cached_tokens` = the model's `num_cached_tokens`, prompt tokens read from its prefix cache,
-0 when the frontend ended the answer at a stop string before the model's final response), `finish_reason`
+0 when the frontend ended the answer at a stop string before the model's final response;
+`completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens`: drafted tokens kept / not),
+`finish_reason`
 ("stop": end-of-sequence or a stop string; "length": `max_tokens` or the context) and vLLM's per-request
 `metrics.speculative_decoding` block (non-streaming: in the body; streaming: in the usage chunk).
 """
@@ -355,9 +357,17 @@ class Outcome:
     perf: dict = field(default_factory=dict)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        """OpenAI's usage; speculation as gateways read it for vLLM and SGLang: drafted tokens the target kept are
+        `accepted_prediction_tokens`, the others `rejected_prediction_tokens` (OpenAI's Predicted Outputs fields)."""
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        metrics = speculative_metrics(self.perf)
+        if metrics is not None:
+            accepted = metrics["num_accepted_draft_tokens"]
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": metrics["num_draft_tokens"] - accepted}
+        return usage
 
 
 def speculative_metrics(perf: dict) -> dict | None:
