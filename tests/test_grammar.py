@@ -54,6 +54,7 @@ def test_masks_prune_paths_and_mask_rows_with_small_tensors():
     parents, tokens = [-1, 0, 0, 1], [9, 1, 5, 3]  # node 2's token 5 is forbidden at the root
     assert allowed(masks, 0, 1) and not allowed(masks, 0, 5)
     assert allowed_nodes(masks, parents, tokens) == [0, 1, 3]
+    assert allowed_nodes(masks, parents, tokens, [False, False, True, False]) == [0, 1, 2, 3]  # sampled: verified
     logits = torch.zeros(4, 6)
     mask_logits(logits, masks)
     assert logits[0].isinf().tolist() == [True, False, False, True, True, True]

@@ -568,7 +568,8 @@ class Decoder:
             grammar, masks = cand.job.grammar, None
             if grammar is not None:  # nodes the grammar forbids could never be accepted: they are not verified
                 masks = grammar.tree_masks(tree.parents, token_ids)
-                keep = allowed_nodes(masks, tree.parents, token_ids)
+                sampled = None if cand.job.params.greedy else [trie.sampled[i] for i in order]
+                keep = allowed_nodes(masks, tree.parents, token_ids, sampled)
                 if len(keep) < len(tree):
                     grammar.pruned += len(tree) - len(keep)
                     tree, order, token_ids = ((ROOT_ONLY, [0], [cand.job.ids[-1]]) if len(keep) == 1 else

@@ -6,7 +6,8 @@ committed output. Each step `tree_masks` gives every node of the step's tree the
 path (row 0: the committed state, the root being the last committed token) with one `traverse_draft_tree` call, which
 leaves the matcher unchanged; a node its parent's row forbids gets an all-zero row. The decode loop then
 
-- drops forbidden drafted nodes before verifying (`allowed_nodes`: they could never be accepted),
+- drops forbidden drafted nodes before verifying (`allowed_nodes`: they could never be accepted; a child sampled from
+  the draft's q is verified and rejected instead, which keeps its siblings' residual exact),
 - masks each verified row's target logits with its row (`mask_logits`), so acceptance and the bonus token are the
   constrained AR's, token for token under greedy and in distribution under sampling (the draft's proposals are any
   distribution: only the target's is constrained),
@@ -171,14 +172,19 @@ def forced_token(row: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) == 1 else None
 
 
-def allowed_nodes(masks: np.ndarray, parents: Sequence[int], tokens: Sequence[int]) -> list[int]:
-    """Indices of the nodes whose whole path the grammar allows (the root always), in order."""
-    keep = [0]
-    ok = [True] + [False] * (len(tokens) - 1)
+def allowed_nodes(masks: np.ndarray, parents: Sequence[int], tokens: Sequence[int],
+                  sampled: Sequence[bool] | None = None) -> list[int]:
+    """Indices of the nodes to verify, in order: the root, and every node whose whole path the grammar allows. A
+    `sampled` node (drawn from the draft's q, verified by the q-ratio rule) stays, forbidden or not, and so does its
+    subtree: dropping it would change the residual its verified siblings are accepted against (a rejection subtracts
+    its q), so it is verified and rejected instead (its target probability is 0). A point candidate (deterministic:
+    the draft's top-k, a suffix match) may go: rejecting it leaves the residual unchanged."""
+    keep, kept, ok = [0], [True] * len(tokens), [True] * len(tokens)
     for i in range(1, len(tokens)):
         p = parents[i]
         ok[i] = ok[p] and allowed(masks, p, tokens[i])
-        if ok[i]:
+        kept[i] = kept[p] and (ok[i] or bool(sampled is not None and sampled[i]))
+        if kept[i]:
             keep.append(i)
     return keep
 
