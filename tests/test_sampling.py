@@ -830,3 +830,49 @@ def test_sampling_under_a_grammar_through_the_decode_loop_is_exact(case):
     # sampled children the grammar forbids are verified (and rejected), not dropped: dropping them changed the
     # residual their siblings were accepted against (chi2 2683 on 18 df before allowed_nodes kept them)
     assert case == "dynamic" or sum(j.grammar.pruned for j in jobs) == 0
+
+
+def penalized_joint(params: SamplingParams, penalties) -> torch.Tensor:
+    """The target's distribution of the first three tokens, each step penalized by the output so far."""
+    from spectrt.runtime.decoding.penalties import penalize
+
+    joint = torch.zeros(V, V, V, dtype=torch.float64)
+
+    def probs(prev2: int, prev1: int, output: list[int]) -> torch.Tensor:
+        row = TARGET_LOGITS[prev2, prev1].double().clone()[None]
+        penalize(row, penalties, PROMPT, output, [-1], [prev1])
+        return sampling_probs(row, params)[0]
+
+    a, b = CONTEXT
+    p1 = probs(a, b, [])
+    for x in range(V):
+        p2 = probs(b, x, [x])
+        for y in range(V):
+            joint[x, y] = p1[x] * p2[y] * probs(x, y, [x, y])
+    return joint
+
+
+@pytest.mark.parametrize("case", ["static sampled", "dynamic"])
+def test_sampling_with_penalties_through_the_decode_loop_is_exact(case):
+    """Presence / frequency / repetition penalties and a logit bias, each tree row penalized by its own path: the
+    loop's samples follow the penalized target distribution."""
+    from spectrt.runtime.decoding.decoder import AUTO, Decoder, Job
+    from spectrt.runtime.decoding.penalties import Penalties
+    from spectrt.runtime.decoding.policy import Policy
+
+    params = SamplingParams(temperature=1.0)
+    penalties = Penalties(presence=0.7, frequency=0.9, repetition=1.5, logit_bias={4: 1.0})
+    flat = Policy(budget=8, depth=2, width=2, verify_ms=((1, 1.0),), draft_ms=((1, 1e-6),))
+    tree, policy = {"static sampled": (Tree.parse("2,2"), None), "dynamic": (None, flat)}[case]
+    decoder = Decoder(MarkovEngine(TARGET_LOGITS), MarkovEngine(DRAFT_LOGITS), set(), max_seq_len=16,
+                      max_tree_tokens=16, max_active=32, policy=policy)
+    jobs = [Job(PROMPT, LENGTH, tree if tree is not None else AUTO, replace(params, seed=s), "sample", suffix=True,
+                penalties=penalties) for s in range(LOOP_SAMPLES)]
+    decoder.run(jobs)
+    out = torch.tensor([j.out for j in jobs])
+    counts = torch.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V**3).view(V, V, V)
+    probs = penalized_joint(params, penalties)
+    assert (probs - exact_joint(params)).abs().max() > 0.01  # the penalties change the distribution
+    stat, df, pval = goodness_of_fit(counts, probs)
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+    assert sum(sum(j.stats.accepted) for j in jobs) > LOOP_SAMPLES // 4
