@@ -165,7 +165,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from spectrt.quant.recipes import RECIPES
 
     p.add_argument("--target", help="HF checkpoint dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="draft checkpoint dir (default: the target's distilled draft in --artifacts)")
+    p.add_argument("--draft", help="draft checkpoint dir: an EAGLE-3 head (SpecForge layout) or a LLaMA-family draft "
+                   "(default: the target's default draft in --artifacts, the shipped EAGLE-3 head for the embedded "
+                   "target)")
     p.add_argument("--artifacts", type=Path, default=DEFAULT_ARTIFACTS, help="where converted models live")
     p.add_argument("--out", type=Path, help="engines directory (default: engines/<target>-<precision>)")
     p.add_argument("--precision", default="fp16", choices=PRECISIONS, help="TensorRT plan precision")
