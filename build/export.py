@@ -376,13 +376,35 @@ DYNAMIC_AXES = {
     "new_k": {2: "N"},
     "new_v": {2: "N"},
     FEATURES: {0: "N"},
+    # an EAGLE-3 head's graph (build/export_eagle3.py): its row inputs (F + R = N rows) and its output hidden
+    "target_features": {0: "F"},
+    "hidden_states": {0: "R"},
+    "hidden_out": {0: "N"},
 }
 
 
 def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch.dtype = torch.float32,
                   transform: Callable | None = None) -> Path:
     """Trace `model` (a TreeVerifyModel, or a quantized copy of one) into `out` (+ `out.data` for weights);
-    `transform(proto)` may rewrite the graph before it is saved (quant/quantize.py folds weight quantizers).
+    `transform(proto)` may rewrite the graph before it is saved (quant/quantize.py folds weight quantizers)."""
+    layers = getattr(model, "feature_layers", ())
+
+    def edit(proto) -> None:
+        _tie_head(proto, config)
+        if transform is not None:
+            transform(proto)
+
+    outputs = (*OUTPUT_NAMES, FEATURES) if layers else OUTPUT_NAMES
+    return trace_graph(model, example_inputs(config, dtype), out, INPUT_NAMES, outputs,
+                       io_spec(config, "fp32", layers)["outputs"],
+                       "spectrt tree-verify graph: " + json.dumps({"export_version": EXPORT_VERSION}), edit)
+
+
+def trace_graph(model: nn.Module, inputs: tuple, out: Path, input_names: Sequence[str], output_names: Sequence[str],
+                outputs: dict, doc: str, edit: Callable | None = None) -> Path:
+    """Trace `model` on `inputs` into `out` (+ `out.data`): DYNAMIC_AXES for the named tensors, the outputs' shapes
+    named as `outputs` (`io_spec`'s form) gives them, `edit(proto)` before saving. Every graph of the project comes
+    through here (the target's, the Q/DQ target's, an EAGLE-3 head's: build/export_eagle3.py).
 
     The legacy TorchScript exporter is used on purpose: ModelOpt's quantized modules export Q/DQ only
     through it, so fp32, fp16 and INT8 graphs come from one code path.
@@ -396,22 +418,20 @@ def export_module(model: nn.Module, config: ModelConfig, out: Path, dtype: torch
     tmp_dir.mkdir()
     try:
         raw = tmp_dir / "raw.onnx"
-        layers = getattr(model, "feature_layers", ())
-        outputs = (*OUTPUT_NAMES, FEATURES) if layers else OUTPUT_NAMES
+        names = [*input_names, *output_names]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
             torch.onnx.export(
-                model, example_inputs(config, dtype), str(raw), input_names=list(INPUT_NAMES),
-                output_names=list(outputs), dynamic_axes={k: DYNAMIC_AXES[k] for k in INPUT_NAMES + outputs},
-                opset_version=OPSET, do_constant_folding=True, dynamo=False,
+                model, inputs, str(raw), input_names=list(input_names), output_names=list(output_names),
+                dynamic_axes={k: DYNAMIC_AXES[k] for k in names if k in DYNAMIC_AXES}, opset_version=OPSET,
+                do_constant_folding=True, dynamo=False,
             )
         proto = onnx.load(str(raw))
-        _tie_head(proto, config)
-        _name_output_dims(proto, io_spec(config, "fp32", layers)["outputs"])
-        if transform is not None:
-            transform(proto)
+        _name_output_dims(proto, outputs)
+        if edit is not None:
+            edit(proto)
         proto.producer_name = "spectrt"
-        proto.doc_string = "spectrt tree-verify graph: " + json.dumps({"export_version": EXPORT_VERSION})
+        proto.doc_string = doc
         data = out.name + ".data"
         for stale in (out, out.parent / data):
             stale.unlink(missing_ok=True)

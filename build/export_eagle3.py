@@ -24,21 +24,13 @@ draft directory stands alone. fp16 graphs keep the residual stream, norms, softm
 
 from __future__ import annotations
 
-import shutil
+import json
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from spectrt.build.export import (
-    DYNAMIC_AXES,
-    GRAPH_DTYPES,
-    OPSET,
-    BatchAttention,
-    _name_output_dims,
-    example_inputs,
-)
+from spectrt.build.export import GRAPH_DTYPES, BatchAttention, example_inputs, trace_graph
 from spectrt.runtime.engines.batch_inputs import HEAD_INPUT_NAMES, HEAD_OUTPUT_NAMES
 from spectrt.runtime.engines.eagle3 import LAYER_WEIGHTS, PREFIX, Eagle3Config, draft_ids, read_weights
 from spectrt.runtime.engines.families import rope_frequencies
@@ -145,39 +137,16 @@ def head_example_inputs(config: Eagle3Config, dtype: torch.dtype, features: int 
 
 def export_head_graph(head: Path, target: Path, out: Path, precision: str = "fp32", log=print) -> Path:
     """Export the EAGLE-3 head `head` (for the target checkpoint `target`) as its batched graph `out` (+ .data)."""
-    import onnx
-
     if precision not in GRAPH_DTYPES:
         raise ValueError(f"graph precision {precision!r} is not exportable here: choose one of {sorted(GRAPH_DTYPES)}")
     start = time.perf_counter()
     dtype = GRAPH_DTYPES[precision]
     model = Eagle3GraphModel.load(Path(head), Path(target), dtype).eval()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = out.parent / (out.name + ".tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tmp_dir.mkdir()
-    try:
-        raw = tmp_dir / "raw.onnx"
-        axes = {**DYNAMIC_AXES, "target_features": {0: "F"}, "hidden_states": {0: "R"}, "hidden_out": {0: "N"}}
-        axes = {k: v for k, v in axes.items() if k in HEAD_INPUT_NAMES + HEAD_OUTPUT_NAMES}
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter, as build/export.py
-            torch.onnx.export(model, head_example_inputs(model.head_config, dtype), str(raw),
-                              input_names=list(HEAD_INPUT_NAMES), output_names=list(HEAD_OUTPUT_NAMES),
-                              dynamic_axes=axes, opset_version=OPSET, do_constant_folding=True, dynamo=False)
-        proto = onnx.load(str(raw))
-        _name_output_dims(proto, head_io_spec(model.head_config, precision))
-        proto.producer_name = "spectrt"
-        proto.doc_string = f"spectrt EAGLE-3 head graph: {{\"export_version\": {HEAD_EXPORT_VERSION}}}"
-        for stale in (out, out.parent / (out.name + ".data")):
-            stale.unlink(missing_ok=True)
-        onnx.save_model(proto, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=out.name + ".data", size_threshold=1024)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    log(f"  exported {out.name} (EAGLE-3 head, {precision}) in {time.perf_counter() - start:.1f}s")
-    return out
+    trace_graph(model, head_example_inputs(model.head_config, dtype), out, HEAD_INPUT_NAMES, HEAD_OUTPUT_NAMES,
+                head_io_spec(model.head_config, precision),
+                "spectrt EAGLE-3 head graph: " + json.dumps({"export_version": HEAD_EXPORT_VERSION}))
+    log(f"  exported {Path(out).name} (EAGLE-3 head, {precision}) in {time.perf_counter() - start:.1f}s")
+    return Path(out)
 
 
 def save_draft_vocab(head: Path, out: Path) -> Path:

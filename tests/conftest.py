@@ -303,3 +303,79 @@ def pytest_collection_modifyitems(config, items):
         heavy = MODEL_FIXTURES & set(item.fixturenames)
         if item.get_closest_marker("unit") is not None and heavy:
             raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {sorted(heavy)}: drop the mark")
+
+
+# --------------------------------------------------------------------------- the tensorrt backend on the CPU
+
+
+class StandInTRT:
+    """Just enough of the TensorRT Python API to drive TensorRTEngine over any of its graphs on the CPU
+    (tests/test_engines.py, tests/test_trt_head.py): `execute_async_v3` runs `graph` with ONNX Runtime on the CPU
+    tensors at the bound addresses, with the input shapes the engine set (the output shapes follow: their dynamic
+    dimension is N, the rows of `input_ids`)."""
+
+    def __init__(self, graph: Path, min_plan_bytes: int = 0):
+        import numpy as np
+        import onnxruntime as ort
+
+        stand_in = self
+        self.contexts: list = []
+        types = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
+
+        class Logger:
+            WARNING = 2
+
+            def __init__(self, level):
+                pass
+
+        class Runtime:
+            def __init__(self, logger):
+                pass
+
+            def deserialize_cuda_engine(self, plan: bytes):
+                assert len(plan) >= min_plan_bytes  # the real plan file was read
+                return Engine()
+
+        class Engine:
+            def __init__(self):
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = torch.get_num_threads()
+                self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+                self.inputs = [(i.name, i.type, i.shape) for i in self.session.get_inputs()]
+                self.outputs = [(o.name, o.type, o.shape) for o in self.session.get_outputs()]
+                self.num_io_tensors = len(self.inputs) + len(self.outputs)
+
+            def get_tensor_name(self, i):
+                return (self.inputs + self.outputs)[i][0]
+
+            def create_execution_context(self):
+                ctx = Context(self)
+                stand_in.contexts.append(ctx)
+                return ctx
+
+        class Context:
+            def __init__(self, engine):
+                self.engine, self.shapes, self.addresses, self.runs = engine, {}, {}, 0
+
+            def set_input_shape(self, name, shape):
+                self.shapes[name] = tuple(shape)
+                return True
+
+            def set_tensor_address(self, name, address):
+                self.addresses[name] = address
+                return True
+
+            def execute_async_v3(self, stream):
+                assert stream == 0
+                n = self.shapes["input_ids"][0]
+                binding = self.engine.session.io_binding()
+                for name, typ, _ in self.engine.inputs:  # every input needs its shape and address set
+                    binding.bind_input(name, "cpu", 0, types[typ], self.shapes[name], self.addresses[name])
+                for name, typ, shape in self.engine.outputs:
+                    dims = tuple(d if isinstance(d, int) else n for d in shape)
+                    binding.bind_output(name, "cpu", 0, types[typ], dims, self.addresses[name])
+                self.engine.session.run_with_iobinding(binding)
+                self.runs += 1
+                return True
+
+        self.Logger, self.Runtime = Logger, Runtime

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx  # hard imports: without onnx / onnxruntime these tests fail, they never skip
-import onnxruntime as ort
+import onnxruntime  # noqa: F401
 import pytest
 import torch
-from conftest import ARCHS
+from conftest import ARCHS, StandInTRT
 from spectrt.build.compile import default_profiles, network_io, parse_onnx, trt_module
 from spectrt.build.engines import EngineBuildError, make_engines
 from spectrt.build.export import io_spec
@@ -248,7 +248,8 @@ def test_manifest_refuses_corrupted_or_swapped_files(engines):
     os.rename(t_plan, d_plan)
     try:
         with pytest.raises(EngineDirError, match=r"draft/model\.fp16\.plan does not match"):
-            TensorRTEngine.load(engines / "draft", device="cpu", trt=StandInTRT(engines / "draft" / "model.fp16.onnx"))
+            TensorRTEngine.load(engines / "draft", device="cpu",
+                                trt=StandInTRT(engines / "draft" / "model.fp16.onnx", 1_000_000))
     finally:
         os.rename(d_plan, t_plan)
         os.rename(tmp, d_plan)
@@ -400,80 +401,10 @@ def test_batched_decoding_onnxruntime_equals_sequential(engines, batch_prompt_id
 # The tensorrt backend's own code on the CPU, through a stand-in TensorRT module
 
 
-class StandInTRT:
-    """Just enough of the TensorRT Python API to drive TensorRTEngine: it runs `graph` with ONNX Runtime
-    on the addresses and shapes the engine binds (CPU tensors), like execute_async_v3 would on a GPU."""
-
-    def __init__(self, graph: Path):
-        self.graph = graph
-        self.ort = ort
-        stand_in = self
-
-        class Logger:
-            WARNING = 2
-
-            def __init__(self, level):
-                pass
-
-        class Runtime:
-            def __init__(self, logger):
-                pass
-
-            def deserialize_cuda_engine(self, plan: bytes):
-                assert len(plan) > 1_000_000
-                return Engine()
-
-        class Engine:
-            def __init__(self):
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = torch.get_num_threads()
-                self.session = ort.InferenceSession(str(stand_in.graph), options, providers=["CPUExecutionProvider"])
-                self.io = [(i.name, i.type) for i in self.session.get_inputs() + self.session.get_outputs()]
-                self.num_io_tensors = len(self.io)
-                self.contexts = 0
-
-            def get_tensor_name(self, i):
-                return self.io[i][0]
-
-            def create_execution_context(self):
-                self.contexts += 1
-                return Context(self)
-
-        class Context:
-            def __init__(self, engine):
-                self.engine, self.shapes, self.addresses = engine, {}, {}
-                self.runs = 0
-
-            def set_input_shape(self, name, shape):
-                self.shapes[name] = tuple(shape)
-                return True
-
-            def set_tensor_address(self, name, address):
-                self.addresses[name] = address
-                return True
-
-            def execute_async_v3(self, stream):
-                assert stream == 0
-                n, pool = self.shapes["input_ids"][0], self.shapes["pool_k"]
-                vocab = self.engine.session.get_outputs()[0].shape[1]
-                shapes = {**self.shapes, "logits": (n, vocab), "new_k": (pool[1], pool[2], n, pool[4]),
-                          "new_v": (pool[1], pool[2], n, pool[4])}
-                types = {"tensor(int32)": np.int32, "tensor(float16)": np.float16, "tensor(float)": np.float32}
-                binding = self.engine.session.io_binding()
-                for i, (name, typ) in enumerate(self.engine.io):
-                    bind = binding.bind_input if i < len(INPUT_NAMES) else binding.bind_output
-                    bind(name, "cpu", 0, types[typ], shapes[name], self.addresses[name])
-                self.engine.session.run_with_iobinding(binding)
-                self.runs += 1
-                return True
-
-        self.Logger, self.Runtime = Logger, Runtime
-
-
 @pytest.fixture(scope="module")
 def trt_cpu_engines(engines):
     load = lambda role: TensorRTEngine.load(  # noqa: E731
-        engines / role, device="cpu", trt=StandInTRT(engines / role / "model.fp16.onnx"))
+        engines / role, device="cpu", trt=StandInTRT(engines / role / "model.fp16.onnx", 1_000_000))
     return load("target"), load("draft")
 
 

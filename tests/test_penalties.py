@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from spectrt.runtime.decoding.decoder import Decoder
-from spectrt.runtime.decoding.penalties import Penalties, path_tokens, penalize
+from spectrt.runtime.decoding.penalties import Penalties, penalize
 from spectrt.runtime.decoding.policy import Policy
-from spectrt.runtime.decoding.tree import Tree
+from spectrt.runtime.decoding.tree import Tree, path_tokens
 
 
 @pytest.mark.unit

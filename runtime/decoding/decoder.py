@@ -44,7 +44,7 @@ from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
 from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
 from spectrt.runtime.decoding.text import stop_token_end
-from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept  # AUTO: a job's dynamic trees
+from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept, path_tokens  # AUTO: a job's dynamic trees
 from spectrt.runtime.engines.engine import Engine, Segment, SegmentBuffers
 
 GREEDY = SamplingParams()
@@ -201,9 +201,9 @@ class Verified:
     order: list[int]  # trie node of each tree row
     tokens: torch.Tensor  # [T] the rows' tokens (a view of the decoder's static buffers: read within the step)
     token_ids: list[int]  # the same, as a list
+    masks: object  # the grammar's allowed-token bitmask of each row (runtime/decoding/grammar.py), None without one
     logits: torch.Tensor  # [T, V] the target's
     features: torch.Tensor | None  # the target features an EAGLE-3 head reads next (None without one)
-    masks: object = None  # the grammar's allowed-token bitmask of each row (runtime/decoding/grammar.py), if any
 
 
 @dataclass
@@ -557,7 +557,7 @@ class Decoder:
         self.clock.propose += time.perf_counter() - start
         if self.drafter is not None:
             self.clock.draft += self.drafter.forward_seconds - drafted
-        plans, grammar_masks = [], []
+        plans = []
         for cand in cands:
             trie = cand.trie
             if cand.static is not None:
@@ -577,10 +577,9 @@ class Decoder:
                     masks = grammar.tree_masks(tree.parents, token_ids)
                 if cand.job.tree is not None:  # speculating: tokens the grammar forces are verified for free
                     tree, order, token_ids, masks = self._jump_forward(cand, grammar, tree, order, token_ids, masks)
-            grammar_masks.append(masks)
             tokens, positions = self.buffers.rows(cand.job.slot, token_ids, cand.position, tree.depths)
             segments.append(Segment(tokens, positions, tree.mask, self.target_caches[cand.job.slot]))
-            plans.append((cand, tree, order, tokens, token_ids))
+            plans.append((cand, tree, order, tokens, token_ids, masks))
             info.tree_tokens += len(tree)
         layers = self.drafter.feature_layers if self.drafter is not None else None
         features = [None] * len(segments)
@@ -597,28 +596,30 @@ class Decoder:
             if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)
-        return [Verified(*plan, lg, feats, masks) for plan, lg, feats, masks
-                in zip(plans, logits[len(chunks):], features[len(chunks):], grammar_masks, strict=True)]
+        return [Verified(*plan, lg, feats) for plan, lg, feats
+                in zip(plans, logits[len(chunks):], features[len(chunks):], strict=True)]
 
     def _jump_forward(self, cand: Candidates, grammar: GrammarState, tree: Tree, order: list[int],
                       token_ids: list[int], masks):
         """The tree grown by the tokens the grammar forces (a row allowing exactly one token: `{"name": "` after an
         opening brace), each a point candidate under the node that forces it, up to the verify window. Their
         constrained target probability is 1, so the target accepts each one its path reaches: structured output
-        decodes in fewer steps than free text. Not the draft's: the controller does not credit it with them."""
-        while len(order) < self.max_tree_tokens:
-            grown = None
-            for i in range(len(order)):
-                token = forced_token(masks[i])
-                if token is not None and cand.trie.kids[order[i]].get(token) not in order[1:]:
-                    grown = cand.trie.add(order[i], token, cand.trie.scores[order[i]])
-                    break
-            if grown is None:
-                break
+        decodes in fewer steps than free text. Not the draft's: the controller does not credit it with them. Each row
+        is read once: a node's row does not change as the tree grows, so only a grown node's row is new."""
+        trie, verified = cand.trie, set(order)
+        forced = {order[i]: token for i in range(len(order)) if (token := forced_token(masks[i])) is not None}
+        pending = [node for node, token in forced.items() if trie.kids[node].get(token) not in verified]
+        while pending and len(order) < self.max_tree_tokens:
+            node = pending.pop(0)
+            grown = trie.add(node, forced[node], trie.scores[node])
             cand.suffixed.add(grown)
             grammar.forced += 1
-            tree, order, token_ids = cand.trie.subtree(order + [grown])
+            verified.add(grown)
+            tree, order, token_ids = trie.subtree(order + [grown])
             masks = grammar.tree_masks(tree.parents, token_ids)
+            if (token := forced_token(masks[order.index(grown)])) is not None:
+                forced[grown] = token
+                pending.append(grown)
         return tree, order, token_ids, masks
 
     # ------------------------------------------------------------------------------------- acceptance
@@ -668,10 +669,7 @@ class Decoder:
         longer = [w for w in job.bad_words if len(w) > 1]
         if longer:
             context = job.ids[-max(len(w) for w in longer):]
-            paths: list[list[int]] = [[]]
-            for i in range(1, len(tree)):
-                paths.append(paths[tree.parents[i]] + [tokens[i]])
-            for i, path in enumerate(paths):
+            for i, path in enumerate(path_tokens(tree.parents, tokens)):
                 seq = context + path
                 for word in longer:
                     k = len(word) - 1

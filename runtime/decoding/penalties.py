@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from spectrt.runtime.decoding.tree import path_tokens
 
 
 @dataclass(frozen=True)
@@ -38,14 +39,6 @@ class Penalties:
     @property
     def active(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
-
-
-def path_tokens(parents: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:
-    """Each node's path below the root (its own token last; the root's path is empty); parents[i] < i."""
-    paths: list[list[int]] = [[]]
-    for i in range(1, len(tokens)):
-        paths.append(paths[parents[i]] + [int(tokens[i])])
-    return paths
 
 
 def penalize(logits: torch.Tensor, penalties: Penalties, prompt: Sequence[int], output: Sequence[int],

@@ -8,7 +8,7 @@ its position id is prefix length + depth, so siblings share a position.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -157,6 +157,15 @@ class Tree:
     def positions(self, prefix_len: int) -> torch.Tensor:
         """Position ids of the nodes when the root sits at position `prefix_len`."""
         return self.depth_tensor + prefix_len
+
+
+def path_tokens(parents: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:
+    """Each node's tokens below the root, its own last (the root's: none); parents[i] < i. What per-path rules
+    (bad words, penalties) read a row by."""
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + [int(tokens[i])])
+    return paths
 
 
 def greedy_accept(tree: Tree, tokens: list[int], target_argmax: list[int]) -> tuple[list[int], int]:
