@@ -82,7 +82,11 @@ class GrammarCompiler:
     """One tokenizer's grammar compiler: specs -> matchers, compiled grammars cached (a schema compiles once)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError as e:  # a wheel install: `make setup` installs it (--no-deps: it would pull a CUDA torch)
+            raise GrammarError(f"structured outputs need xgrammar ({e}): pip install --no-deps xgrammar==0.2.8 "
+                               "apache-tvm-ffi==0.1.15.post2") from None
 
         self.xgr, self.vocab_size = xgr, vocab_size
         encoded = [""] * vocab_size
