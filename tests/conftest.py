@@ -163,16 +163,24 @@ def engines(target_dir, draft_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def head_dir(target_dir) -> Path:
     """The shipped EAGLE-3 head: the embedded target's default draft."""
+    import fcntl
+
+    from spectrt.build.draft import install_shipped
     from spectrt.runtime.engines.checkpoint import default_draft
     from spectrt.runtime.engines.eagle3 import is_eagle3
 
     head = default_draft(target_dir)
+    head.parent.mkdir(parents=True, exist_ok=True)
+    with open(head.parent / ".install-draft.lock", "w") as lock:  # one worker installs, the others wait for it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (head / "config.json").is_file():  # a clean clone: install it the way `make draft` does (seconds)
+            assert install_shipped(target_dir, head) is not None, "no shipped draft for the embedded target"
     assert is_eagle3(head), f"the embedded target's default draft {head} should be the shipped EAGLE-3 head"
     return head
 
 
 @pytest.fixture(scope="session")
-def head_engines(tmp_path_factory):
+def head_engines(head_dir, tmp_path_factory):
     """Graphs for the embedded target + its default draft (the shipped head), built the way a user builds them:
     `spectrt engines --no-plans` with no --target/--draft, in this process, with every training entry point made to
     fail (`spectrt engines` must train nothing). Yields (engines dir, what the command printed)."""
