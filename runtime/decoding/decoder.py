@@ -42,7 +42,14 @@ from spectrt.runtime.decoding.penalties import Penalties, penalize
 from spectrt.runtime.decoding.policy import Policy
 from spectrt.runtime.decoding.prefix import PrefixIndex
 from spectrt.runtime.decoding.propose import Candidates, DraftProposer, Eagle3Proposer, SuffixProposer
-from spectrt.runtime.decoding.sampling import SamplingParams, argmax_rows, sampling_probs, verify_sampled
+from spectrt.runtime.decoding.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    argmax_rows,
+    sampling_probs,
+    token_logprobs,
+    verify_sampled,
+)
 from spectrt.runtime.decoding.text import stop_token_end
 from spectrt.runtime.decoding.tree import AUTO, Tree, greedy_accept, path_tokens  # AUTO: a job's dynamic trees
 from spectrt.runtime.engines.engine import Engine, Segment, SegmentBuffers
@@ -137,6 +144,7 @@ class DecodeResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (end-of-sequence token or stop word) or "length" (max_new_tokens / max_seq_len)
     stats: DecodeStats
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token, if asked
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -159,10 +167,12 @@ class Job:
     bad_words: list[list[int]] = field(default_factory=list)  # never emitted (masked in the target distribution)
     grammar: GrammarState | None = None  # structured output: every verified row masked by its path's grammar state
     penalties: Penalties | None = None  # presence / frequency / repetition penalties, logit bias: per row, by its path
+    logprobs: int | None = None  # None: none; k: each emitted token's log-probability and the k best (`logprobs`)
     suffix: bool | None = None
     tag: object = None  # the caller's handle
     # decode state
     out: list[int] = field(default_factory=list)
+    logprob_rows: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token of out
     finish: str | None = None  # one of FINISH_REASONS once finished
     error: str | None = None  # why, for finish "error"
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -307,6 +317,8 @@ class Decoder:
             if any(not w or not all(0 <= t < self.vocab_size for t in w) for w in words):
                 raise ValueError(f"{name} must be non-empty token sequences within the vocabulary "
                                  f"[0, {self.vocab_size})")
+        if job.logprobs is not None and not 0 <= job.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {job.logprobs}")
         if isinstance(job.tree, Tree) and len(job.tree) > self.max_tree_tokens:
             raise ValueError(f"the tree has {len(job.tree)} nodes, more than max_tree_tokens={self.max_tree_tokens}")
         if job.tree is not None and not isinstance(job.tree, Tree) and job.tree != AUTO:
@@ -424,17 +436,18 @@ class Decoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, tree: Tree | None = None,
                  on_tokens=None, params: SamplingParams = GREEDY, children: str = "sample",
                  policy: Policy | None = None, grammar: GrammarState | None = None,
-                 penalties: Penalties | None = None) -> DecodeResult:
+                 penalties: Penalties | None = None, logprobs: int | None = None) -> DecodeResult:
         """One request, a batch of one. `tree` (with a draft): that static shape, plus suffix candidates if
         `policy.suffix`; `policy` alone: dynamic trees from the suffix index and (if `policy.draft`) the draft;
         neither: the target alone. `on_tokens(new_ids)` is called as tokens are accepted; `grammar`: a structured
         output the tokens follow (a fresh state: runtime/decoding/grammar.py); `penalties`: per-path penalties and
-        logit bias (runtime/decoding/penalties.py)."""
+        logit bias (runtime/decoding/penalties.py); `logprobs`: report each token's log-probability and that many
+        best alternatives (`DecodeResult.logprobs`)."""
         if self.active:
             raise RuntimeError("generate() runs one request on an idle decoder: use add/step for batches")
         job = Job(list(prompt_ids), max_new_tokens, tree if tree is not None else (AUTO if policy else None),
                   params, children, suffix=policy is not None and policy.suffix, grammar=grammar,
-                  penalties=penalties)
+                  penalties=penalties, logprobs=logprobs)
         served = self.controller.policy
         self.controller.policy = policy or served
         try:
@@ -450,7 +463,7 @@ class Decoder:
                 self.cancel(left)
         if job.exception is not None:
             raise job.exception
-        return DecodeResult(job.out, job.finish, job.stats)
+        return DecodeResult(job.out, job.finish, job.stats, job.logprob_rows)
 
     # ------------------------------------------------------------------------------------- one step
     def step(self) -> StepInfo:
@@ -708,6 +721,8 @@ class Decoder:
         cand, tree, order, tokens, token_list, features = v.cand, v.tree, v.order, v.tokens, v.token_ids, v.features
         job, trie, stats = cand.job, cand.trie, cand.job.stats
         logits, masked = v.logits, self._masked(job, tree, token_list)
+        if job.logprobs is not None:  # the reported distribution is the masked one: every mask is written
+            best = None
         if job.penalties is not None and job.penalties.active:  # before the masks: a masked entry stays -inf
             logits, best = penalize(logits, job.penalties, job.prompt_ids, job.out, tree.parents, token_list), None
         if masked is not None and (best is None or self._masks_any(masked, best)):
@@ -770,6 +785,8 @@ class Decoder:
         # accepted tokens it kept: a path past its end-of-sequence token, stop word or length limit is cut (what the
         # draft got right, the controller learned from the whole path above)
         stats.accepted.append(min(len(path) - 1, emitted))
+        if job.logprobs is not None and new:  # token j of `new` came from row path[j]
+            job.logprob_rows.extend(token_logprobs(logits, path[:len(new)], new, job.logprobs))
         job.out.extend(new)
         job.ids.extend(new)
         if job.grammar is not None and finish is None:

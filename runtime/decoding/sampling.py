@@ -116,6 +116,27 @@ def top_tokens_reference(logits: torch.Tensor, k: int) -> tuple[list[list[int]],
     return top.tolist(), probs.tolist()
 
 
+MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per emitted token: its log-probability under the row of `logits` that produced it and that row's `top` most
+    likely tokens (log-probability descending, ties to the lower id). `logits` are the target's after logit bias,
+    penalties and constraints, before temperature: the distribution the OpenAI API's `logprobs` report. Each row is
+    normalized alone, in fp32, so a row's values do not depend on how many rows its step verified: speculation
+    reports what the target alone reports."""
+    out = []
+    for row, token in zip(rows, tokens, strict=True):
+        lp = torch.log_softmax(logits[row].float(), -1)
+        entries = []
+        if top:
+            values, ids = torch.topk(lp, min(top + 8, lp.shape[0]))  # a margin for ties at the k-th value
+            entries = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda e: (-e[1], e[0]))[:top]
+        out.append((float(lp[token]), entries))
+    return out
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from, [..., V] -> [..., V]: temperature, then top-k, then top-p.
 
