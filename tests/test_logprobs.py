@@ -59,7 +59,8 @@ def test_speculation_reports_the_logprobs_of_the_target_alone(decoder, tokenizer
         if kind == "json":
             from spectrt.runtime.decoding.grammar import GrammarCompiler
 
-            grammar = GrammarCompiler(tokenizer, 49152, [2]).state(json.dumps({"type": "json_schema", "schema": SCHEMA}))
+            spec = json.dumps({"type": "json_schema", "schema": SCHEMA})
+            grammar = GrammarCompiler(tokenizer, 49152, [2]).state(spec)
         result = decoder.generate(list(ids), 32, tree, policy=policy, penalties=penalties, grammar=grammar,
                                   logprobs=5)
         return result

@@ -141,7 +141,9 @@ REFUSED = [
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"n": 2}, "n=2 is not supported"),
     ({"logit_bias": {"x": -100}}, "logit_bias must map token ids"),
-    ({"logprobs": True}, "logprobs=true is not supported"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
+    ({"logprobs": 1}, "logprobs must be true or false"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
     ({"repetition_penalty": 0}, r"repetition_penalty must be in \(0, 100\]"),
     ({"tools": [{"type": "function"}]}, "tools=.* is not supported"),
@@ -1105,3 +1107,32 @@ def test_penalties_and_logit_bias_served_equal_the_target_alone(client):
                                                 extra_body={**extra, "tree": tree}).choices[0].message.content
                  for tree in (None, "none")]
         assert texts[0] == texts[1] and texts[0] != plain.message.content, extra
+
+
+def test_logprobs_served_equal_the_target_alone_streamed_and_not(client):
+    """Chat `logprobs`/`top_logprobs` and completions' `logprobs`: the default tree reports the tokens and values of
+    `tree` "none" exactly, streamed == not streamed, the entries' bytes join to the text, the chosen token first."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    runs = {}
+    for tree in (None, "none"):
+        answer = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT, logprobs=True,
+                                                top_logprobs=3, extra_body={"tree": tree}).choices[0]
+        runs[tree] = answer
+        content = [e.model_dump() for e in answer.logprobs.content]
+        assert bytes(b for e in content for b in e["bytes"]).decode() == answer.message.content
+        for e in content:
+            assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token"] == e["token"]
+            assert e["top_logprobs"][0]["logprob"] == e["logprob"] <= 0
+    assert runs[None].logprobs == runs["none"].logprobs and runs[None].message.content == runs["none"].message.content
+    streamed = []
+    for chunk in client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT, logprobs=True,
+                                                top_logprobs=3, stream=True):
+        for choice in chunk.choices:
+            streamed += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+    assert streamed == runs[None].logprobs.content
+    text = client.completions.create(model="spectrt", prompt="The sea is", max_tokens=LIMIT, logprobs=2,
+                                     extra_body={"tree": None}).choices[0]
+    alone = client.completions.create(model="spectrt", prompt="The sea is", max_tokens=LIMIT, logprobs=2,
+                                      extra_body={"tree": "none"}).choices[0]
+    assert text.logprobs == alone.logprobs and "".join(text.logprobs.tokens) == text.text
+    assert text.logprobs.text_offset[0] == 0 and all(len(t) == 2 for t in text.logprobs.top_logprobs)

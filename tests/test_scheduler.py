@@ -23,13 +23,15 @@ class Sink:
     def __init__(self, rows: int = 1, gone: bool = False):
         self.events, self.finals, self.gone, self.rows = [], 0, gone, rows
         self.texts = [""] * rows
+        self.logprobs = [[] for _ in range(rows)]
         self.done = threading.Event()
 
     def cancelled(self) -> bool:
         return self.gone
 
-    def text(self, row, delta, tokens):
+    def text(self, row, delta, tokens, logprobs):
         self.events.append(("text", row, delta))
+        self.logprobs[row] += logprobs
         self.texts[row] += delta
 
     def row_done(self, row, result, last):
@@ -121,6 +123,24 @@ def test_streamed_text_equals_the_tokens_and_every_request_ends_once(target, dra
                                                                for r in rows for row in r)
 
 
+def test_logprobs_go_out_with_the_tokens_they_belong_to_once_each(target, draft, tokenizer, encode):
+    """A row asking for logprobs gets one entry per output token, in order, sent with the text they made, none past a
+    stop string; a row that did not ask gets none; a count past 20 is refused naming the field."""
+    sched = _scheduler(target, draft, tokenizer, max_active=2, stream_interval=4)
+    sinks = [Sink(), Sink()]
+    rows = [[_row(encode, tokenizer, max_tokens=30, tree=b"auto", logprobs=2, stop_words=[b"blue"])],
+            [_row(encode, tokenizer, max_tokens=12, tree=b"auto")]]
+    for r, s in zip(rows, sinks, strict=True):
+        _submit(sched, r, s)
+    _drive(sched, sinks)
+    result, job = sinks[0].result(), rows[0][0].job
+    assert [e[0] for e in sinks[0].logprobs[0]] == job.out[:result.output_tokens]
+    assert [e[1:] for e in sinks[0].logprobs[0]] == job.logprob_rows[:result.output_tokens]
+    assert all(len(e[2]) == 2 for e in sinks[0].logprobs[0]) and sinks[1].logprobs[0] == []
+    with pytest.raises(RequestError, match="logprobs must be in"):
+        _row(encode, tokenizer, logprobs=21)
+
+
 def test_stream_interval_sends_the_same_text_in_fewer_responses(target, draft, tokenizer, encode):
     """With stream_interval 4 a row's first text goes out alone (time to first token), every later response but
     its last covers >= 4 tokens, and the texts and token counts add up to what interval 1 streams, in fewer
@@ -131,8 +151,8 @@ def test_stream_interval_sends_the_same_text_in_fewer_responses(target, draft, t
         sinks = [Sink(), Sink()]
         counts = [[], []]
         for sink, got in zip(sinks, counts, strict=True):
-            def text(row, delta, tokens, sink=sink, got=got):
-                Sink.text(sink, row, delta, tokens)
+            def text(row, delta, tokens, logprobs, sink=sink, got=got):
+                Sink.text(sink, row, delta, tokens, logprobs)
                 got.append(tokens)
             sink.text = text
         rows = [[_row(encode, tokenizer, max_tokens=30, tree=b"auto")],
@@ -563,10 +583,10 @@ class Flaky(Sink):
         super().__init__(rows)
         self.raises = set(raises)
 
-    def text(self, row, delta, tokens):
+    def text(self, row, delta, tokens, logprobs):
         if "text" in self.raises:
             raise RuntimeError("text send failed")
-        super().text(row, delta, tokens)
+        super().text(row, delta, tokens, logprobs)
 
     def row_done(self, row, result, last):
         if "row_done" in self.raises:

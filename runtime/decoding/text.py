@@ -18,6 +18,8 @@ frontend's `stop` over streamed deltas: the text ends before the match, OpenAI's
 
 from __future__ import annotations
 
+from functools import cache
+
 CHECKPOINT_EVERY = 32  # tokens decoded per window before the window start moves up (keeps each decode short)
 CONTEXT_TOKENS = 8  # tokens kept in the window behind a moved checkpoint
 
@@ -167,3 +169,36 @@ class StopText:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet backwards: the character a byte-level BPE vocabulary writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenBytes:
+    """Each token's own bytes (the OpenAI API's logprobs `token` / `bytes`): a byte-level BPE piece mapped back through
+    its alphabet (a token may hold part of a UTF-8 character), else the token decoded alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.known = tokenizer, {}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self.known.get(token_id)
+        if found is None:
+            piece, table = self.tokenizer.convert_ids_to_tokens(token_id), _byte_decoder()
+            if piece and all(c in table for c in piece):
+                found = bytes(table[c] for c in piece)
+            else:
+                found = self.tokenizer.decode([token_id]).encode("utf-8")
+            self.known[token_id] = found
+        return found

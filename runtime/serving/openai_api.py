@@ -9,11 +9,11 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
   there itself and counts its tokens), `n` (1),
   `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens` (end-of-sequence only, as
   TensorRT-LLM's `min_length`: stop strings still apply), `ignore_eos`; the spectrt extension `tree` (per-request
-  token tree, e.g. "2,1" or "none").
-- accepted at their no-op values only, refused otherwise: `logit_bias` ({}), `logprobs` (false/null),
-  `top_logprobs` (0), `presence_penalty` / `frequency_penalty` (0), `repetition_penalty` (1), `tools` / `functions`
-  ([]), `tool_choice` / `function_call` ("none", "auto"), `response_format` ({"type": "text"}), `best_of` (1),
-  `echo` (false), `suffix` (""), `n` (1).
+  token tree, e.g. "2,1" or "none"); `response_format` / vLLM's `structured_outputs`, `presence_penalty` /
+  `frequency_penalty` / `repetition_penalty`, `logit_bias`; `logprobs` + `top_logprobs` (chat) and `logprobs`
+  (completions), the target's values at each returned token (`choice_logprobs`).
+- accepted at their no-op values only, refused otherwise: `tools` / `functions` ([]), `tool_choice` /
+  `function_call` ("none", "auto"), `best_of` (1), `echo` (false), `suffix` (""), `n` (1).
 - ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
   `safety_identifier`, and any field sent as null.
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
@@ -39,15 +39,16 @@ from dataclasses import dataclass, field
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],),
+    "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "n": (1,),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
           "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
-TEXT_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+TEXT_FIELDS = COMMON | {"prompt", "logprobs"}
+MAX_TOP_LOGPROBS = 20  # the model's bound (runtime/decoding/sampling.py)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
 SEED_MODULUS = 1 << 64  # the model's seed input is UINT64
 MAX_TOP_K = (1 << 31) - 1  # the model's top_k input is INT32
@@ -314,6 +315,14 @@ def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[d
     max_tokens = _integer(body, name)
     fields, stream, include_usage, stops = _common(body, served, limits, max_tokens, name)
     fields.update(text_input=render(messages), apply_chat_template=False)
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise bad("logprobs must be true or false (top_logprobs says how many alternatives)", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if logprobs:
+        fields["logprobs"] = top or 0
     return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"])
 
 
@@ -329,6 +338,9 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
         raise bad("prompt must be a non-empty string", "prompt")
     fields, stream, include_usage, stops = _common(body, served, limits, _integer(body, "max_tokens"))
     fields.update(text_input=prompt, apply_chat_template=False)
+    logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # legacy completions: the count of alternatives
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
     return Call("text", fields, stream, include_usage, stops, fields["max_tokens"])
 
 
@@ -355,6 +367,7 @@ class Outcome:
     completion_tokens: int = 0
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)  # the model's logprobs content entries, if asked
 
     def usage(self) -> dict:
         """OpenAI's usage; speculation as gateways read it for vLLM and SGLang: drafted tokens the target kept are
@@ -392,14 +405,31 @@ def finish_reason(outcome: Outcome) -> str:
     return outcome.finish_reason or "stop"
 
 
+def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | None:
+    """A choice's `logprobs` (None unless asked) from the model's content entries: chat {"content": entries};
+    completions the legacy {tokens, token_logprobs, top_logprobs, text_offset}, offsets counted from `offset` (the
+    characters of the text before these tokens)."""
+    if call.fields.get("logprobs") is None:
+        return None
+    if call.kind == "chat":
+        return {"content": entries}
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
     """The non-streaming answer (chat.completion or text_completion)."""
-    reason = finish_reason(outcome)
+    reason, logprobs = finish_reason(outcome), choice_logprobs(call, outcome.logprobs)
     if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": logprobs,
                   "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": outcome.text, "logprobs": logprobs, "finish_reason": reason}
     body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": outcome.usage()}
     metrics = speculative_metrics(outcome.perf)
@@ -412,7 +442,7 @@ class Chunks:
     """Server-sent events of one streamed answer: `data: <chunk>` lines, then `data: [DONE]`."""
 
     def __init__(self, call: Call, rid: str, created: int, model: str):
-        self.call, self.first = call, True
+        self.call, self.first, self.offset = call, True, 0  # offset: characters of token text streamed so far
         self.head = {"id": rid, "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
                      "created": created, "model": model}
 
@@ -422,12 +452,15 @@ class Chunks:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
         return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-    def text(self, delta: str) -> bytes:
+    def text(self, delta: str, logprobs: list[dict] | None = None) -> bytes:
+        """A chunk of text and, if asked, the logprobs of the tokens it came with."""
+        entries = choice_logprobs(self.call, logprobs or [], self.offset)
+        self.offset += sum(len(e["token"]) for e in logprobs or [])
         if self.call.kind == "chat":
             choice = {"index": 0, "delta": {"role": "assistant", "content": delta} if self.first else
-                      {"content": delta}, "logprobs": None, "finish_reason": None}
+                      {"content": delta}, "logprobs": entries, "finish_reason": None}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": None}
+            choice = {"index": 0, "text": delta, "logprobs": entries, "finish_reason": None}
         self.first = False
         return self._event([choice])
 

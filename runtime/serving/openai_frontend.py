@@ -85,6 +85,7 @@ class Piece:
     final: bool = False
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
+    logprobs: list[dict] = field(default_factory=list)  # the logprobs content entries of this response's tokens
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -100,6 +101,9 @@ class Piece:
         reason = result.as_numpy("finish_reason")
         if reason is not None and reason.size:
             piece.finish_reason = reason.reshape(-1)[0].decode()
+        logprobs = result.as_numpy("output_logprobs")
+        if logprobs is not None and logprobs.size:
+            piece.logprobs = json.loads(logprobs.reshape(-1)[0])
         for name in PERF_OUTPUTS:
             value = result.as_numpy(name)
             if value is not None and value.size:
@@ -451,8 +455,9 @@ class Frontend:
                         await response.write(Chunks.error(error))
                         return response
                 outcome.text += text
-                if chunks is not None and text:
-                    await response.write(chunks.text(text))
+                outcome.logprobs += piece.logprobs
+                if chunks is not None and (text or piece.logprobs):
+                    await response.write(chunks.text(text, piece.logprobs))
                 if piece.final:
                     break
                 stopped = stop.stopped

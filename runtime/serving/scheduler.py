@@ -49,8 +49,9 @@ class Sink(Protocol):
 
     def cancelled(self) -> bool: ...
 
-    def text(self, row: int, delta: str, tokens: int) -> None:
-        """A streamed text delta of one row and how many tokens it covers."""
+    def text(self, row: int, delta: str, tokens: int, logprobs: list) -> None:
+        """A streamed text delta of one row, how many tokens it covers, and their logprobs if the row asked
+        (`Job.logprobs`: (id, logprob, [(id, logprob), ...]) per token, in order, each token's once)."""
 
     def row_done(self, row: int, result: RowResult, last: bool) -> None:
         """One row finished; `last`: it is the request's final response."""
@@ -109,7 +110,8 @@ class Request:
     streams: list[TextStream] = field(default_factory=list)
     stops: list[StopStrings] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)  # per row: its final response was handled
-    held: list[list] = field(default_factory=list)  # per row: [text, tokens] decoded but not sent yet (stream_interval)
+    held: list[list] = field(default_factory=list)  # per row: [text, tokens, logprobs] not sent yet (stream_interval)
+    logprobs_held: list[int] = field(default_factory=list)  # per row: its tokens whose logprobs went to `held`
     remaining: int = 0
     active: int = 0  # rows holding a slot
     waiting: list[int] = field(default_factory=list)  # rows not admitted yet
@@ -285,7 +287,8 @@ class Scheduler:
         request.streams = [TextStream(self.tokenizer) for _ in request.rows]
         request.stops = [StopStrings(r.stop_strings) for r in request.rows]
         request.ended = [False] * len(request.rows)
-        request.held = [["", 0] for _ in request.rows]
+        request.held = [["", 0, []] for _ in request.rows]
+        request.logprobs_held = [0] * len(request.rows)
         for i, row in enumerate(request.rows):
             row.job.tag = (request, i)
         try:
@@ -394,6 +397,11 @@ class Scheduler:
         stream, stops = request.streams[i], request.stops[i]
         kept = len(stream.ids)
         delta = stream.push(new, stops if stops.stops else None)
+        if job.logprobs is not None:  # those of the tokens kept (a stop string cuts the rest), sent with text
+            start = request.logprobs_held[i]
+            request.held[i][2] += [(token, *row) for token, row in zip(
+                stream.ids[start:], job.logprob_rows[start:len(stream.ids)], strict=True)]
+            request.logprobs_held[i] = len(stream.ids)
         if delta:  # a stop string in the text cut it (and the tokens after it) before anything was sent
             self._text(request, i, delta, len(stream.ids) - kept)
         if stream.stopped:  # the row is done
@@ -420,10 +428,10 @@ class Scheduler:
 
     def _flush(self, request: Request, i: int) -> None:
         held = request.held[i]
-        if held[0] or held[1]:
-            text, tokens = held
-            held[0], held[1] = "", 0
-            self._send(request, "text", i, text, tokens)
+        if held[0] or held[1] or held[2]:
+            text, tokens, logprobs = held
+            held[0], held[1], held[2] = "", 0, []
+            self._send(request, "text", i, text, tokens, logprobs)
 
     def _row_finished(self, job: Job) -> None:
         request, i = job.tag

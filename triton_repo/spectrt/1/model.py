@@ -174,9 +174,10 @@ def error_response(message: str, code: str) -> pb_utils.InferenceResponse:
 class TritonSink:
     """One Triton request's response sender behind the scheduler's Sink interface."""
 
-    def __init__(self, sender, rows):
-        self.sender, self.rows = sender, rows
+    def __init__(self, sender, rows, logprob_json):
+        self.sender, self.rows, self.logprob_json = sender, rows, logprob_json
         self.stream = any(r.stream for r in rows)
+        self.logprobs = [[] for _ in rows]  # per row: its tokens' logprobs not sent yet (non-streaming: all)
         self.reported = [0] * len(rows)  # tokens per row counted in a streamed num_output_tokens so far
         self.texts = [""] * len(rows)
         self.results: list = [None] * len(rows)
@@ -184,8 +185,11 @@ class TritonSink:
     def cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
-    def _response(self, texts, rows, results=None, index=None, n_out=None, finish=None):
+    def _response(self, texts, rows, results=None, index=None, n_out=None, finish=None, logprobs=None):
         tensors = [pb_utils.Tensor("text_output", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))]
+        if logprobs is not None and any(r.job.logprobs is not None for r in rows):
+            tensors.append(pb_utils.Tensor("output_logprobs", np.array(
+                [[self.logprob_json(e).encode()] for e in logprobs], dtype=np.object_)))
         if results is not None and any(r.perf for r in rows):
             values = [{"acceptance_rate": r.accepted / r.proposed if r.proposed else 0.0,
                        "total_accepted_draft_tokens": r.accepted, "total_draft_tokens": r.proposed,
@@ -207,11 +211,14 @@ class TritonSink:
             tensors.append(pb_utils.Tensor("batch_index", np.array([[index]], dtype=np.int32)))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def text(self, row: int, delta: str, tokens: int) -> None:
+    def text(self, row: int, delta: str, tokens: int, logprobs: list) -> None:
         self.texts[row] += delta
+        self.logprobs[row] += logprobs
         if self.stream:
             index = row if len(self.rows) > 1 else None
-            self.sender.send(self._response([delta], [self.rows[row]], None, index, [tokens]))
+            self.sender.send(self._response([delta], [self.rows[row]], None, index, [tokens],
+                                            logprobs=[self.logprobs[row]]))
+            self.logprobs[row] = []
             self.reported[row] += tokens
 
     def row_done(self, row: int, result, last: bool) -> None:
@@ -219,13 +226,13 @@ class TritonSink:
         if self.stream:  # the final response of a row counts the tokens whose text was held back until now
             index = row if len(self.rows) > 1 else None
             rest = result.output_tokens - self.reported[row]
-            self.sender.send(self._response([""], [self.rows[row]], [result], index, [rest], [result.finish_reason]),
-                             flags=FINAL if last else 0)
+            self.sender.send(self._response([""], [self.rows[row]], [result], index, [rest], [result.finish_reason],
+                                            [self.logprobs[row]]), flags=FINAL if last else 0)
         elif last:
             texts = [t if r.exclude_input else r.prompt + t for r, t in zip(self.rows, self.texts, strict=True)]
             self.sender.send(self._response(texts, self.rows, self.results, None,
                                             [r.output_tokens for r in self.results],
-                                            [r.finish_reason for r in self.results]), flags=FINAL)
+                                            [r.finish_reason for r in self.results], self.logprobs), flags=FINAL)
 
     def fail(self, message: str, code: str) -> None:
         self.sender.send(error_response(message, code), flags=FINAL)
@@ -287,6 +294,7 @@ class TritonPythonModel:
         """The pipeline, limits, default tree, metrics and scheduler from the model parameters, warmed up (runs in
         the thread that will decode: `initialize`); returns what the load log line names."""
         from spectrt.runtime.decoding.pipeline import Pipeline
+        from spectrt.runtime.decoding.text import TokenBytes
         from spectrt.runtime.serving import requests as validator
         from spectrt.runtime.serving.client import HEALTH_PARAMETER
         from spectrt.runtime.serving.scheduler import Overloaded, Request, Scheduler, warm_up
@@ -319,6 +327,8 @@ class TritonPythonModel:
             max_request_seconds=_number(params, "max_request_seconds", 300.0, float),
             speculation=draft is not None or policy.suffix)
         self.chat_default = _truthy(params.get("chat_template", "true"))
+        token_bytes = TokenBytes(tokenizer)
+        self.logprob_json = lambda entries: validator.logprob_json(entries, token_bytes)
         try:
             self.default_tree = validator.parse_tree(tree or params.get("tree") or "auto", self.limits)
         except validator.RequestError as e:
@@ -443,7 +453,8 @@ class TritonPythonModel:
                                            self.chat_default, self.default_tree, self.pipe.grammar) for f in fields]
                 if len(made) != reserved:
                     self.scheduler.release(reserved - len(made))
-                self.scheduler.submit(self.Request(made, TritonSink(sender, made), request.request_id()))
+                self.scheduler.submit(self.Request(made, TritonSink(sender, made, self.logprob_json),
+                                                   request.request_id()))
             except self.Overloaded as e:
                 self._error(sender, str(e), "unavailable")
             except validator.RequestError as e:
