@@ -38,6 +38,7 @@ from spectrt.runtime.serving.openai_api import (
     parse_completion,
     speculative_metrics,
     upstream_error,
+    upstream_rows,
 )
 from spectrt.runtime.serving.openai_frontend import Frontend, Triton
 from spectrt.runtime.serving.serve import SHM_DIR, TritonServer, free_port
@@ -139,7 +140,7 @@ REFUSED = [
     ({"temperature": 10 ** 400}, r"temperature must be in \[0, 2\], got 1000000000"),  # was an OverflowError: 500
     ({"top_p": -(10 ** 400)}, r"top_p must be in \(0, 1\]"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
-    ({"n": 2}, "n=2 is not supported"),
+    ({"n": 9}, r"n must be in \[1, 8\]"),
     ({"logit_bias": {"x": -100}}, "logit_bias must map token ids"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, r"top_logprobs must be in \[0, 20\]"),
@@ -458,7 +459,8 @@ def test_a_graceful_stop_drains_open_answers_then_ends_them_properly():
 
     cancelled = []
 
-    async def generate(fields, rid):  # the model: `short` answers end after 3 pieces, the rest never end
+    async def generate(rows, rid):  # the model: `short` answers end after 3 pieces, the rest never end
+        fields = rows[0]
         try:
             for i in range(3 if fields["max_tokens"] == 3 else 10**6):
                 await asyncio.sleep(0.02)
@@ -1136,3 +1138,34 @@ def test_logprobs_served_equal_the_target_alone_streamed_and_not(client):
                                       extra_body={"tree": "none"}).choices[0]
     assert text.logprobs == alone.logprobs and "".join(text.logprobs.tokens) == text.text
     assert text.logprobs.text_offset[0] == 0 and all(len(t) == 2 for t in text.logprobs.top_logprobs)
+
+
+@pytest.mark.unit
+def test_n_choices_are_rows_each_with_its_own_seed():
+    call = _chat(n=3, seed=2 ** 64 - 2, temperature=0.8)
+    rows = upstream_rows(call, 5.0)
+    assert [r["seed"] for r in rows] == [2 ** 64 - 2, 2 ** 64 - 1, 0] and call.n == 3
+    assert all({k: v for k, v in r.items() if k != "seed"} == {k: v for k, v in rows[0].items() if k != "seed"}
+               for r in rows)
+    assert upstream_rows(_chat(), 5.0) == [upstream_rows(_chat(), 5.0)[0]]
+
+
+def test_n_choices_served_equal_single_requests_streamed_and_not(client):
+    """n=3 with a seed: choice i is the answer to the same request with n=1 and seed + i (sampled: three answers, not
+    three copies); streamed, each index's deltas join to the same text; usage counts every choice's tokens."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    args = {"model": "spectrt", "messages": messages, "max_tokens": LIMIT, "temperature": 1.0}
+    many = client.chat.completions.create(n=3, seed=11, **args)
+    texts = [c.message.content for c in sorted(many.choices, key=lambda c: c.index)]
+    assert [c.index for c in many.choices] == [0, 1, 2] and len(set(texts)) > 1
+    singles = [client.chat.completions.create(seed=11 + i, **args) for i in range(3)]
+    assert texts == [one.choices[0].message.content for one in singles]
+    assert many.usage.completion_tokens == sum(one.usage.completion_tokens for one in singles)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    parts, reasons = {}, {}
+    for chunk in client.chat.completions.create(n=3, seed=11, stream=True, **args):
+        for choice in chunk.choices:
+            parts[choice.index] = parts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert [parts[i] for i in range(3)] == texts and set(reasons) == {0, 1, 2}

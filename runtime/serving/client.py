@@ -84,21 +84,24 @@ _GRPC_TYPES = {"text_input": "BYTES", "tree": "BYTES", "children": "BYTES", "max
                "repetition_penalty": "FP32", "logprobs": "INT32"}
 
 
-def grpc_inputs(fields: dict, types: dict[str, str] | None = None) -> list:
-    """tritonclient InferInputs of shape [1, 1] (batch of one; a list value, e.g. stop_words, is [1, n]), the dtypes
-    the model declares unless `types` says."""
+def grpc_inputs(fields: dict | list[dict], types: dict[str, str] | None = None) -> list:
+    """tritonclient InferInputs of shape [1, 1] (batch of one; a list value, e.g. stop_words, is [1, n]), or one row per
+    dict of a list of them (the same names in each: the OpenAI frontend's `n` choices), the dtypes the model declares
+    unless `types` says."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import triton_to_np_dtype
 
+    rows = fields if isinstance(fields, list) else [fields]
     inputs = []
-    for name, value in fields.items():
+    for name in rows[0]:
         dtype = (types or {}).get(name) or _GRPC_TYPES.get(name, "BYTES")
-        values = list(value) if isinstance(value, list | tuple) else [value]
+        values = [list(row[name]) if isinstance(row[name], list | tuple) else [row[name]] for row in rows]
         if dtype == "BYTES":
-            data = np.array([[v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]], dtype=np.object_)
+            data = np.array([[v if isinstance(v, bytes) else str(v).encode("utf-8") for v in row] for row in values],
+                            dtype=np.object_)
         else:
-            data = np.array([values], dtype=triton_to_np_dtype(dtype))
+            data = np.array(values, dtype=triton_to_np_dtype(dtype))
         tensor = grpcclient.InferInput(name, list(data.shape), dtype)
         tensor.set_data_from_numpy(data)
         inputs.append(tensor)

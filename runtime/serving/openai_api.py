@@ -6,14 +6,14 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
 - honoured: `model` (must be the served name), `messages` (system/developer/user/assistant turns, text content),
   `prompt` (one string), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (strings:
   the text ends before the first one; each also goes to the model as a stop word, so the model ends the answer
-  there itself and counts its tokens), `n` (1),
+  there itself and counts its tokens), `n` (1 to 8 choices: rows of one model request, choice i seeded seed + i),
   `stream`, `stream_options.include_usage`; the vLLM extensions `top_k`, `min_tokens` (end-of-sequence only, as
   TensorRT-LLM's `min_length`: stop strings still apply), `ignore_eos`; the spectrt extension `tree` (per-request
   token tree, e.g. "2,1" or "none"); `response_format` / vLLM's `structured_outputs`, `presence_penalty` /
   `frequency_penalty` / `repetition_penalty`, `logit_bias`; `logprobs` + `top_logprobs` (chat) and `logprobs`
   (completions), the target's values at each returned token (`choice_logprobs`).
 - accepted at their no-op values only, refused otherwise: `tools` / `functions` ([]), `tool_choice` /
-  `function_call` ("none", "auto"), `best_of` (1), `echo` (false), `suffix` (""), `n` (1).
+  `function_call` ("none", "auto"), `best_of` (1), `echo` (false), `suffix` ("").
 - ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
   `safety_identifier`, and any field sent as null.
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
@@ -41,14 +41,15 @@ IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
     "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "n": (1,),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
+COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
           "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 TEXT_FIELDS = COMMON | {"prompt", "logprobs"}
 MAX_TOP_LOGPROBS = 20  # the model's bound (runtime/decoding/sampling.py)
+MAX_N = 8  # choices of one request: rows of one model request (its config's max_batch_size)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
 SEED_MODULUS = 1 << 64  # the model's seed input is UINT64
 MAX_TOP_K = (1 << 31) - 1  # the model's top_k input is INT32
@@ -95,6 +96,7 @@ class Call:
     include_usage: bool
     stop: list[str] = field(default_factory=list)
     max_tokens: int = 0
+    n: int = 1  # choices: rows of one model request, each with its own seed (`upstream_rows`)
 
 
 # --------------------------------------------------------------------------- requests
@@ -323,7 +325,7 @@ def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[d
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
         fields["logprobs"] = top or 0
-    return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"])
+    return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1)
 
 
 def parse_completion(body: dict, served: str, limits: Limits) -> Call:
@@ -341,14 +343,18 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
     logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # legacy completions: the count of alternatives
     if logprobs is not None:
         fields["logprobs"] = logprobs
-    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"])
+    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1)
 
 
-def upstream_fields(call: Call, seconds: float) -> dict:
-    """What the frontend always asks of the model: a stream of text deltas with token counts and perf metrics, ended
-    by the model itself once the `seconds` left of the request's deadline have passed."""
-    return {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
+def upstream_rows(call: Call, seconds: float) -> list[dict]:
+    """What the frontend always asks of the model, a row per choice: a stream of text deltas with token counts and
+    perf metrics, ended by the model itself once the `seconds` left of the request's deadline have passed. Choice i
+    of a seeded request draws from seed + i: n samples, not n copies, reproducible all the same."""
+    base = {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True, "timeout_seconds": seconds}
+    if "seed" not in base:
+        return [base] * call.n
+    return [{**base, "seed": (base["seed"] + i) % SEED_MODULUS} for i in range(call.n)]
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -358,22 +364,40 @@ def upstream_fields(call: Call, seconds: float) -> dict:
 
 
 @dataclass
-class Outcome:
-    """What the model's responses added up to."""
+class Choice:
+    """What the model's responses for one choice (row) added up to."""
 
     text: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
     completion_tokens: int = 0
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)  # the model's logprobs content entries, if asked
 
+
+@dataclass
+class Outcome:
+    """What the model's responses added up to: the prompt's counts and each choice's."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])
+
+    @property
+    def perf(self) -> dict:
+        """The choices' perf counts summed (one request's speculation, however many rows decoded it)."""
+        total: dict = {}
+        for choice in self.choices:
+            for name, value in choice.perf.items():
+                total[name] = total.get(name, 0) + value
+        return total
+
     def usage(self) -> dict:
-        """OpenAI's usage; speculation as gateways read it for vLLM and SGLang: drafted tokens the target kept are
-        `accepted_prediction_tokens`, the others `rejected_prediction_tokens` (OpenAI's Predicted Outputs fields)."""
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+        """OpenAI's usage (completion tokens of every choice, the prompt once); speculation as gateways read it for
+        vLLM and SGLang: drafted tokens the target kept are `accepted_prediction_tokens`, the others
+        `rejected_prediction_tokens` (OpenAI's Predicted Outputs fields)."""
+        completion = sum(c.completion_tokens for c in self.choices)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion,
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         metrics = speculative_metrics(self.perf)
         if metrics is not None:
@@ -399,10 +423,10 @@ def speculative_metrics(perf: dict) -> dict | None:
             "num_spec_steps": int(passes), "num_accepted_draft_tokens": accepted, "num_draft_tokens": drafted}
 
 
-def finish_reason(outcome: Outcome) -> str:
-    """The answer's finish_reason: the model's (the frontend refuses a final response without one, and sets "stop"
+def finish_reason(choice: Choice) -> str:
+    """A choice's finish_reason: the model's (the frontend refuses a final response without one, and sets "stop"
     where it ended the answer at a stop string itself)."""
-    return outcome.finish_reason or "stop"
+    return choice.finish_reason or "stop"
 
 
 def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | None:
@@ -423,15 +447,17 @@ def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | 
 
 
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
-    """The non-streaming answer (chat.completion or text_completion)."""
-    reason, logprobs = finish_reason(outcome), choice_logprobs(call, outcome.logprobs)
-    if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": logprobs,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": outcome.text, "logprobs": logprobs, "finish_reason": reason}
+    """The non-streaming answer (chat.completion or text_completion), a choice per row."""
+    choices = []
+    for index, choice in enumerate(outcome.choices):
+        reason, logprobs = finish_reason(choice), choice_logprobs(call, choice.logprobs)
+        if call.kind == "chat":
+            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                            "logprobs": logprobs, "finish_reason": reason})
+        else:
+            choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
     body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": outcome.usage()}
+            "model": model, "choices": choices, "usage": outcome.usage()}
     metrics = speculative_metrics(outcome.perf)
     if metrics is not None:
         body["metrics"] = {"speculative_decoding": metrics}
@@ -442,7 +468,9 @@ class Chunks:
     """Server-sent events of one streamed answer: `data: <chunk>` lines, then `data: [DONE]`."""
 
     def __init__(self, call: Call, rid: str, created: int, model: str):
-        self.call, self.first, self.offset = call, True, 0  # offset: characters of token text streamed so far
+        self.call = call
+        self.first = [True] * call.n  # per choice: no chunk sent yet (a chat choice's first delta names the role)
+        self.offset = [0] * call.n  # per choice: characters of token text streamed so far (completions' text_offset)
         self.head = {"id": rid, "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
                      "created": created, "model": model}
 
@@ -452,27 +480,29 @@ class Chunks:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
         return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
-    def text(self, delta: str, logprobs: list[dict] | None = None) -> bytes:
-        """A chunk of text and, if asked, the logprobs of the tokens it came with."""
-        entries = choice_logprobs(self.call, logprobs or [], self.offset)
-        self.offset += sum(len(e["token"]) for e in logprobs or [])
+    def _choice(self, index: int, delta: str, logprobs: dict | None, reason: str | None) -> dict:
         if self.call.kind == "chat":
-            choice = {"index": 0, "delta": {"role": "assistant", "content": delta} if self.first else
-                      {"content": delta}, "logprobs": entries, "finish_reason": None}
+            message = {"role": "assistant", "content": delta} if self.first[index] else (
+                {"content": delta} if delta or reason is None else {})
+            choice = {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": entries, "finish_reason": None}
-        self.first = False
-        return self._event([choice])
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
+        self.first[index] = False
+        return choice
 
-    def finish(self, outcome: Outcome) -> bytes:
-        """The last chunks: the finish reason, then (include_usage) usage and metrics, then [DONE]."""
-        reason = finish_reason(outcome)
-        if self.call.kind == "chat":
-            choice = {"index": 0, "delta": {"role": "assistant", "content": ""} if self.first else {},
-                      "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
-        out = self._event([choice])
+    def text(self, delta: str, logprobs: list[dict] | None = None, index: int = 0) -> bytes:
+        """A chunk of one choice's text and, if asked, the logprobs of the tokens it came with."""
+        entries = choice_logprobs(self.call, logprobs or [], self.offset[index])
+        self.offset[index] += sum(len(e["token"]) for e in logprobs or [])
+        return self._event([self._choice(index, delta, entries, None)])
+
+    def finish(self, choice: Choice, index: int = 0) -> bytes:
+        """One choice's last chunk: its finish reason."""
+        return self._event([self._choice(index, "", None, finish_reason(choice))])
+
+    def done(self, outcome: Outcome) -> bytes:
+        """After every choice finished: (include_usage) usage and metrics, then [DONE]."""
+        out = b""
         if self.call.include_usage:
             metrics = speculative_metrics(outcome.perf)
             extra = {"metrics": {"speculative_decoding": metrics}} if metrics is not None else {}

@@ -49,6 +49,7 @@ from spectrt.runtime.serving.client import HEALTH_PARAMETER, PERF_OUTPUTS, grpc_
 from spectrt.runtime.serving.openai_api import (
     ApiError,
     Call,
+    Choice,
     Chunks,
     Limits,
     Outcome,
@@ -57,7 +58,7 @@ from spectrt.runtime.serving.openai_api import (
     parse_chat,
     parse_completion,
     upstream_error,
-    upstream_fields,
+    upstream_rows,
 )
 from tritonclient.utils import InferenceServerException
 
@@ -86,6 +87,7 @@ class Piece:
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)  # the logprobs content entries of this response's tokens
+    index: int = 0  # the choice (the model's row, `batch_index`) it belongs to
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -101,6 +103,9 @@ class Piece:
         reason = result.as_numpy("finish_reason")
         if reason is not None and reason.size:
             piece.finish_reason = reason.reshape(-1)[0].decode()
+        index = result.as_numpy("batch_index")
+        if index is not None and index.size:
+            piece.index = int(index.reshape(-1)[0])
         logprobs = result.as_numpy("output_logprobs")
         if logprobs is not None and logprobs.size:
             piece.logprobs = json.loads(logprobs.reshape(-1)[0])
@@ -427,9 +432,11 @@ class Frontend:
 
     async def _answer(self, request: web.Request, call: Call, rid: str, sent: list,
                       until: float) -> web.StreamResponse:
-        created, stop, outcome = int(time.time()), StopText(call.stop), Outcome()
+        created, outcome = int(time.time()), Outcome(choices=[Choice() for _ in range(call.n)])
+        stops = [StopText(call.stop) for _ in range(call.n)]
+        ended = [False] * call.n  # per choice: its last response (the one with its finish_reason) arrived
         seconds = min(max(until - time.monotonic(), 1e-3), self.triton.limits.max_request_seconds)
-        pieces = self.triton.generate(upstream_fields(call, seconds), rid)  # the model ends it at the deadline too
+        pieces = self.triton.generate(upstream_rows(call, seconds), rid)  # the model ends it at the deadline too
         try:
             piece = await pieces.__anext__()  # the model's first answer (text or refusal) before any header
             chunks = Chunks(call, rid, created, self.served) if call.stream else None
@@ -438,29 +445,41 @@ class Frontend:
                 await response.prepare(request)
                 sent.append(response)
             while True:
-                outcome.prompt_tokens = piece.prompt_tokens or outcome.prompt_tokens
-                outcome.cached_tokens = piece.cached_tokens or outcome.cached_tokens
-                outcome.completion_tokens += piece.tokens
-                text = stop.feed(piece.text)  # "" once a stop string matched
-                if piece.final:
-                    text += stop.flush()
-                    outcome.finish_reason, outcome.perf = piece.finish_reason, piece.perf
-                    if piece.finish_reason not in ("stop", "length") and not stop.stopped:
-                        # every answer the model ends says why: this one was cut off upstream (it used to reach
-                        # clients as a 200 with the text so far and "stop")
-                        error = ApiError(502, "the model ended the answer without a finish_reason: it may be cut "
-                                         "short; retry the request", None, "upstream_error")
-                        if chunks is None:
-                            raise error
-                        await response.write(Chunks.error(error))
-                        return response
-                outcome.text += text
-                outcome.logprobs += piece.logprobs
-                if chunks is not None and (text or piece.logprobs):
-                    await response.write(chunks.text(text, piece.logprobs))
-                if piece.final:
-                    break
-                stopped = stop.stopped
+                index = piece.index
+                choice, stop = outcome.choices[index], stops[index]
+                last = piece.final or piece.finish_reason is not None  # this choice's last response
+                if stop.stopped and not last:
+                    # after a stop string the choice's last response (its counts and metrics) follows at once: the
+                    # model got every stop string as a stop word and ended the answer there itself, its token count
+                    # with the token that completed it. More text instead means a model that goes on (one that
+                    # predates matching stop words on its text): it is dropped, and once every choice is stopped or
+                    # ended the request is cancelled; usage then counts the tokens of the responses read
+                    if all(s.stopped or e for s, e in zip(stops, ended, strict=True)):
+                        break
+                else:
+                    outcome.prompt_tokens = piece.prompt_tokens or outcome.prompt_tokens
+                    outcome.cached_tokens = piece.cached_tokens or outcome.cached_tokens
+                    choice.completion_tokens += piece.tokens
+                    text = stop.feed(piece.text)  # "" once a stop string matched
+                    if last:
+                        ended[index] = True
+                        text += stop.flush()
+                        choice.finish_reason, choice.perf = piece.finish_reason, piece.perf
+                        if piece.finish_reason not in ("stop", "length") and not stop.stopped:
+                            # every answer the model ends says why: this one was cut off upstream (it used to reach
+                            # clients as a 200 with the text so far and "stop")
+                            error = ApiError(502, "the model ended the answer without a finish_reason: it may be "
+                                             "cut short; retry the request", None, "upstream_error")
+                            if chunks is None:
+                                raise error
+                            await response.write(Chunks.error(error))
+                            return response
+                    choice.text += text
+                    choice.logprobs += piece.logprobs
+                    if chunks is not None and (text or piece.logprobs):
+                        await response.write(chunks.text(text, piece.logprobs, index))
+                    if piece.final:
+                        break
                 try:
                     piece = await pieces.__anext__()
                 except ApiError as e:
@@ -468,21 +487,17 @@ class Frontend:
                         raise
                     await response.write(Chunks.error(e))
                     return response
-                # after a stop string the model's final response (its counts and metrics) follows at once: it got
-                # every stop string as a stop word and ended the answer there itself, its token count with the token
-                # that completed it. More text instead means a model that goes on (one that predates matching stop
-                # words on its text): cancel it; usage then counts every token of the responses read, so those past
-                # the stop string in the response that completed it too
-                if stopped and not piece.final:
-                    break
         finally:
             await pieces.aclose()  # cancels the upstream request unless it finished
-        if stop.stopped:
-            outcome.finish_reason = "stop"
+        for choice, stop in zip(outcome.choices, stops, strict=True):
+            if stop.stopped:
+                choice.finish_reason = "stop"
         if chunks is None:
             return web.json_response(completion_body(call, rid, created, self.served, outcome),
                                      dumps=_dumps)
-        await response.write(chunks.finish(outcome))
+        for index, choice in enumerate(outcome.choices):
+            await response.write(chunks.finish(choice, index))
+        await response.write(chunks.done(outcome))
         await response.write_eof()
         return response
 
