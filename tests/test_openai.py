@@ -60,7 +60,8 @@ CHAT = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "
 
 
 def _chat(**body):
-    return parse_chat({"model": "spectrt", "messages": CHAT, **body}, "spectrt", LIMITS, lambda m: json.dumps(m))
+    render = lambda messages, functions: json.dumps(messages if not functions else [messages, functions])  # noqa: E731
+    return parse_chat({"model": "spectrt", "messages": CHAT, **body}, "spectrt", LIMITS, render)
 
 
 @pytest.mark.unit
@@ -128,9 +129,9 @@ def test_completion_prompt_is_sent_as_is():
 REFUSED = [
     ({"messages": "hi"}, "messages must be a non-empty list"),
     ({"messages": []}, "messages must be a non-empty list"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "role must be one of"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role must be one of"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "only text parts"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "tool_calls is not"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "tool_calls must be"),
     ({"model": None}, "model is required"),
     ({"max_tokens": 0}, r"max_tokens must be in \[1, 48\]"),
     ({"max_tokens": LIMIT + 1}, r"max_tokens must be in \[1, 48\].*got 49"),
@@ -147,7 +148,14 @@ REFUSED = [
     ({"logprobs": 1}, "logprobs must be true or false"),
     ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
     ({"repetition_penalty": 0}, r"repetition_penalty must be in \(0, 100\]"),
-    ({"tools": [{"type": "function"}]}, "tools=.* is not supported"),
+    ({"tools": [{"type": "function"}]}, "tools must be a list of"),
+    ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, 'tool_choice names "g", which is not among tools'),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "send tool_choice or response_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+     r"function: {name, arguments \(JSON text\)}"),
     ({"stop": ["a"] * 17}, "more than 16"),
     ({"stop": [""]}, "each stop string"),
     ({"stop": 3}, "stop must be a string"),
@@ -1169,3 +1177,79 @@ def test_n_choices_served_equal_single_requests_streamed_and_not(client):
             if choice.finish_reason:
                 reasons[choice.index] = choice.finish_reason
     assert [parts[i] for i in range(3)] == texts and set(reasons) == {0, 1, 2}
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+@pytest.mark.unit
+def test_tools_become_a_grammar_a_prompt_and_tool_calls():
+    """A forced call (named or "required") is a JSON-schema structured output of {"name", "arguments"}; the functions
+    reach the prompt; an answer that is such a call comes back as `tool_calls` ("auto" too), streamed as one delta."""
+    from spectrt.runtime.serving.openai_api import Choice, Chunks, Outcome, completion_body, tool_prompt
+
+    named = _chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+    spec = json.loads(named.fields["structured_output"])
+    assert spec["schema"]["properties"]["name"] == {"const": "add"} and named.tools == "required"
+    assert json.loads(named.fields["text_input"])[1] == [WEATHER["function"], ADD["function"]]
+    required = _chat(tools=[WEATHER, ADD], tool_choice="required")
+    assert len(json.loads(required.fields["structured_output"])["schema"]["anyOf"]) == 2
+    auto = _chat(tools=[WEATHER])
+    assert auto.tools == "auto" and "structured_output" not in auto.fields
+    assert _chat(tools=[WEATHER], tool_choice="none").fields["text_input"] == json.dumps(CHAT)
+    system = tool_prompt([{"role": "user", "content": "hi"}], [WEATHER["function"]])[0]
+    assert system["role"] == "system" and '"get_weather"' in system["content"]
+
+    answer = Choice(text='{"name": "add", "arguments": {"a": 2, "b": 3}}', finish_reason="stop")
+    body = completion_body(named, "r", 0, "spectrt", Outcome(choices=[answer]))
+    message, = (c["message"] for c in body["choices"])
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+    call, = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'} and call["id"].startswith("call_")
+    text = Choice(text="It is sunny.", finish_reason="stop")
+    assert completion_body(auto, "r", 0, "spectrt", Outcome(choices=[text]))["choices"][0]["message"]["content"] \
+        == "It is sunny."
+
+    def stream(call, choice, deltas):
+        chunks = Chunks(call, "r", 0, "spectrt")
+        raw = b"".join(chunks.text(d) for d in deltas) + chunks.finish(choice)
+        return [json.loads(e.removeprefix(b"data: ")) for e in raw.split(b"\n\n") if e]
+
+    events = stream(named, answer, ['{"name": "add", ', '"arguments": {"a": 2, "b": 3}}'])
+    assert events[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "add"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls" and len(events) == 2
+    events = stream(auto, text, ["It is ", "sunny."])  # "auto": text once it cannot be a call
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "It is sunny."
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    history = chat_messages({"messages": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}]})
+    assert history[1]["content"] == '{"name": "add", "arguments": {"a": 2, "b": 3}}' and history[2]["role"] == "tool"
+
+
+def test_a_named_tool_call_is_served_the_same_under_speculation(client):
+    """With the real SDK: a named tool's call validates against its schema and equals `tree` "none"'s; "required"
+    picks one of the tools; streamed, the SDK's accumulated call is the same."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    calls = {}
+    for tree in (None, "none"):
+        answer = client.chat.completions.create(
+            model="spectrt", messages=messages, max_tokens=LIMIT, tools=[WEATHER, ADD],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, extra_body={"tree": tree})
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls[tree] = choice.message.tool_calls[0].function
+    assert calls[None] == calls["none"] and calls[None].name == "get_weather"
+    assert set(json.loads(calls[None].arguments)) == {"city"}
+    required = client.chat.completions.create(model="spectrt", messages=messages, max_tokens=LIMIT,
+                                              tools=[WEATHER, ADD], tool_choice="required").choices[0]
+    assert required.message.tool_calls[0].function.name in ("get_weather", "add")
+    streamed = [d.function for chunk in client.chat.completions.create(
+        model="spectrt", messages=messages, max_tokens=LIMIT, tools=[WEATHER, ADD], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert [(f.name, f.arguments) for f in streamed] == [(calls[None].name, calls[None].arguments)]

@@ -12,8 +12,9 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
   token tree, e.g. "2,1" or "none"); `response_format` / vLLM's `structured_outputs`, `presence_penalty` /
   `frequency_penalty` / `repetition_penalty`, `logit_bias`; `logprobs` + `top_logprobs` (chat) and `logprobs`
   (completions), the target's values at each returned token (`choice_logprobs`).
-- accepted at their no-op values only, refused otherwise: `tools` / `functions` ([]), `tool_choice` /
-  `function_call` ("none", "auto"), `best_of` (1), `echo` (false), `suffix` ("").
+  `tools` + `tool_choice` (`_tools`: a forced call is a JSON-schema structured output; `tool_calls` from the answer).
+- accepted at their no-op values only, refused otherwise: `functions` ([]), `function_call` ("none", "auto"),
+  `best_of` (1), `echo` (false), `suffix` ("").
 - ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
   `safety_identifier`, and any field sent as null.
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
@@ -33,20 +34,22 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_PROMPT = ("You can call functions. To call one, answer with only a JSON object {\"name\": <the function's name>, "
+               "\"arguments\": <its arguments as a JSON object>}. The functions:\n")
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
-    "tools": ([],), "functions": ([],),
-    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "functions": ([],), "function_call": ("none", "auto"),
     "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
           "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
 TEXT_FIELDS = COMMON | {"prompt", "logprobs"}
 MAX_TOP_LOGPROBS = 20  # the model's bound (runtime/decoding/sampling.py)
 MAX_N = 8  # choices of one request: rows of one model request (its config's max_batch_size)
@@ -97,6 +100,8 @@ class Call:
     stop: list[str] = field(default_factory=list)
     max_tokens: int = 0
     n: int = 1  # choices: rows of one model request, each with its own seed (`upstream_rows`)
+    tools: str = "none"  # "none": text; "auto": a tool call if the answer is one; "required": always a call
+    tool_names: tuple[str, ...] = ()  # the functions a call may name
 
 
 # --------------------------------------------------------------------------- requests
@@ -302,21 +307,103 @@ def chat_messages(body: dict) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "messages")
+        calls = message.get("tool_calls") if role == "assistant" else None
         for key, value in message.items():
-            if key not in ("role", "content", "name") and value not in (None, [], "", {}):
-                raise bad(f"messages[{i}].{key} is not supported by spectrt (text turns only)", "messages")
-        out.append({"role": ROLES[role], "content": _content(message, i)})
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id") and value not in (None, [], "",
+                                                                                                     {}):
+                raise bad(f"messages[{i}].{key} is not supported by spectrt (text turns and tool calls only)",
+                          "messages")
+        if calls:  # an earlier call, as the model writes one (TOOL_PROMPT): the next turn reads what it asked
+            try:
+                content = "\n".join(json.dumps({"name": c["function"]["name"],
+                                                "arguments": json.loads(c["function"]["arguments"] or "{}")})
+                                     for c in calls)
+            except (TypeError, KeyError, ValueError):
+                raise bad(f"messages[{i}].tool_calls must be [{{id, type, function: {{name, arguments (JSON text)}}}}]",
+                          "messages") from None
+        else:
+            content = _content(message, i)
+        out.append({"role": ROLES[role], "content": content})
     return out
 
 
-def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[dict]], str]) -> Call:
-    """A /v1/chat/completions body -> Call; `render` applies the target's chat template to the messages."""
+def _function_schema(function: dict) -> dict:
+    """A call of `function` as the model writes it: {"name": its name, "arguments": what its parameters allow}."""
+    return {"type": "object", "properties": {"name": {"const": function["name"]},
+                                             "arguments": function.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _tools(body: dict) -> tuple[list[dict], str, str | None]:
+    """`tools` / `tool_choice` -> (the functions the model is shown, the mode "none" | "auto" | "required", the
+    structured output that forces a call: "required" any of them, a named function that one)."""
+    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
+        raise bad('tools must be a list of {"type": "function", "function": {"name", "parameters": JSON Schema}}',
+                  "tools")
+    functions = [t["function"] for t in tools]
+    if choice is None:
+        choice = "auto" if functions else "none"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        named = [f for f in functions if f["name"] == name]
+        if not named:
+            raise bad(f"tool_choice names {json.dumps(name)}, which is not among tools", "tool_choice")
+        return functions, "required", json.dumps({"type": "json_schema", "schema": _function_schema(named[0])})
+    if choice not in ("none", "auto", "required"):
+        raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+                  "tool_choice")
+    if choice != "none" and not functions:
+        raise bad(f'tool_choice "{choice}" needs tools', "tool_choice")
+    if choice == "none":
+        return [], "none", None
+    if choice == "auto":
+        return functions, "auto", None
+    schemas = [_function_schema(f) for f in functions]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return functions, "required", json.dumps({"type": "json_schema", "schema": schema})
+
+
+def tool_prompt(messages: list[dict], functions: list[dict]) -> list[dict]:
+    """The messages with the functions and how to call them in the system turn: for a chat template that does not
+    render `tools` itself."""
+    note = TOOL_PROMPT + json.dumps(functions, ensure_ascii=False)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + note}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+def tool_calls(text: str, names: tuple[str, ...]) -> list[dict] | None:
+    """The answer as OpenAI `tool_calls` if it is one call of a named function ({"name", "arguments"}), else None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments"), dict) \
+            or set(value) != {"name", "arguments"}:
+        return None
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": value["name"], "arguments": json.dumps(value["arguments"], ensure_ascii=False)}}]
+
+
+def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[dict], list[dict]], str]) -> Call:
+    """A /v1/chat/completions body -> Call; `render(messages, functions)` applies the target's chat template to the
+    messages (and the functions the model may call)."""
     _check_fields(body, CHAT_FIELDS)
     messages = chat_messages(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, name)
     fields, stream, include_usage, stops = _common(body, served, limits, max_tokens, name)
-    fields.update(text_input=render(messages), apply_chat_template=False)
+    functions, mode, forced = _tools(body)
+    if forced is not None:
+        if "structured_output" in fields:
+            raise bad("a forced tool call is already a structured output: send tool_choice or response_format",
+                      "tool_choice")
+        fields["structured_output"] = forced
+    fields.update(text_input=render(messages, functions), apply_chat_template=False)
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise bad("logprobs must be true or false (top_logprobs says how many alternatives)", "logprobs")
@@ -325,7 +412,8 @@ def parse_chat(body: dict, served: str, limits: Limits, render: Callable[[list[d
         raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
         fields["logprobs"] = top or 0
-    return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1)
+    return Call("chat", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1,
+                mode, tuple(f["name"] for f in functions))
 
 
 def parse_completion(body: dict, served: str, limits: Limits) -> Call:
@@ -446,14 +534,24 @@ def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | 
             "text_offset": offsets}
 
 
+def answered_calls(call: Call, choice: Choice) -> list[dict] | None:
+    """A chat choice's `tool_calls` where tools were offered and the answer, ended by the model, is a call."""
+    if call.tools == "none" or choice.finish_reason not in (None, "stop"):
+        return None
+    return tool_calls(choice.text, call.tool_names)
+
+
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
     """The non-streaming answer (chat.completion or text_completion), a choice per row."""
     choices = []
     for index, choice in enumerate(outcome.choices):
         reason, logprobs = finish_reason(choice), choice_logprobs(call, choice.logprobs)
         if call.kind == "chat":
-            choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                            "logprobs": logprobs, "finish_reason": reason})
+            calls = answered_calls(call, choice)
+            message = {"role": "assistant", "content": choice.text} if calls is None else \
+                {"role": "assistant", "content": None, "tool_calls": calls}
+            choices.append({"index": index, "message": message, "logprobs": logprobs,
+                            "finish_reason": reason if calls is None else "tool_calls"})
         else:
             choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
     body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,
@@ -469,6 +567,9 @@ class Chunks:
 
     def __init__(self, call: Call, rid: str, created: int, model: str):
         self.call = call
+        # per choice: text held back while it may be a tool call (sent as tool_calls, or as text once it cannot be)
+        self.holding = [call.kind == "chat" and call.tools != "none"] * call.n
+        self.held = [""] * call.n
         self.first = [True] * call.n  # per choice: no chunk sent yet (a chat choice's first delta names the role)
         self.offset = [0] * call.n  # per choice: characters of token text streamed so far (completions' text_offset)
         self.head = {"id": rid, "object": "chat.completion.chunk" if call.kind == "chat" else "text_completion",
@@ -494,11 +595,28 @@ class Chunks:
         """A chunk of one choice's text and, if asked, the logprobs of the tokens it came with."""
         entries = choice_logprobs(self.call, logprobs or [], self.offset[index])
         self.offset[index] += sum(len(e["token"]) for e in logprobs or [])
+        if self.holding[index]:
+            self.held[index] += delta
+            start = self.held[index].lstrip()
+            if self.call.tools == "required" or not start or start.startswith("{"):
+                return self._event([self._choice(index, "", entries, None)]) if entries else b""
+            self.holding[index], delta, self.held[index] = False, self.held[index], ""  # "auto": text after all
         return self._event([self._choice(index, delta, entries, None)])
 
     def finish(self, choice: Choice, index: int = 0) -> bytes:
-        """One choice's last chunk: its finish reason."""
-        return self._event([self._choice(index, "", None, finish_reason(choice))])
+        """One choice's last chunks: a held-back tool call (or the text it turned out to be), its finish reason."""
+        out, reason = b"", finish_reason(choice)
+        if self.holding[index]:
+            calls = answered_calls(self.call, choice)
+            if calls is not None:
+                first, self.first[index] = self.first[index], False
+                delta = {"role": "assistant"} if first else {}
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                out += self._event([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                reason = "tool_calls"
+            elif self.held[index]:
+                out += self._event([self._choice(index, self.held[index], None, None)])
+        return out + self._event([self._choice(index, "", None, reason)])
 
     def done(self, outcome: Outcome) -> bytes:
         """After every choice finished: (include_usage) usage and metrics, then [DONE]."""

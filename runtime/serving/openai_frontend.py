@@ -57,6 +57,7 @@ from spectrt.runtime.serving.openai_api import (
     parse_body,
     parse_chat,
     parse_completion,
+    tool_prompt,
     upstream_error,
     upstream_rows,
 )
@@ -248,11 +249,20 @@ class ChatTemplate:
         ids = self.tokenizer("x").input_ids
         self.strip_bos = bos if bos and ids and ids[0] == self.tokenizer.bos_token_id else None
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], functions: list[dict] | None = None) -> str:
+        """The prompt text; `functions` the model may call, in the template's own `tools` where it renders them,
+        else described in the system turn (`tool_prompt`)."""
         if not self.tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+        tools = None
+        if functions:
+            if "tools" in self.tokenizer.chat_template:
+                tools = [{"type": "function", "function": f} for f in functions]
+            else:
+                messages = tool_prompt(messages, functions)
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as e:  # the template's own checks (e.g. roles that must alternate)
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
         if self.strip_bos and text.startswith(self.strip_bos):
