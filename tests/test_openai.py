@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import os
 import re
 import signal
@@ -192,7 +193,8 @@ def test_an_unknown_model_is_404_not_found():
 @pytest.mark.unit
 def test_completion_bodies_refused():
     for body, message in (({"prompt": [1, 2, 3]}, "token-id prompts"), ({"prompt": ["a", "b"]}, "batches"),
-                          ({"prompt": "  "}, "non-empty"), ({"prompt": "x", "echo": True}, "echo=true"),
+                          ({"prompt": "  "}, "non-empty"),
+                          ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "send stream false"),
                           ({"prompt": "x", "messages": []}, "unrecognized request argument: messages")):
         with pytest.raises(type(bad(""))) as refused:
             parse_completion({"model": "spectrt", **body}, "spectrt", LIMITS)
@@ -1253,3 +1255,24 @@ def test_a_named_tool_call_is_served_the_same_under_speculation(client):
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
         for c in chunk.choices for d in (c.delta.tool_calls or [])]
     assert [(f.name, f.arguments) for f in streamed] == [(calls[None].name, calls[None].arguments)]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1, temperature 0): the text and tokens start with
+    the prompt's, the first token's logprob is null, and a prompt token's logprob is the one the model reported when
+    it generated that token after the same prefix (prefix-cache reuse is off for such a request: every row counted)."""
+    prefix = "The capital of France is"
+    first = client.completions.create(model="spectrt", prompt=prefix, max_tokens=1, logprobs=1, temperature=0)
+    token, logprob = first.choices[0].logprobs.tokens[0], first.choices[0].logprobs.token_logprobs[0]
+    for _ in range(2):  # the second time its prefix is cached
+        echoed = client.completions.create(model="spectrt", prompt=prefix + token, max_tokens=1, logprobs=1,
+                                           temperature=0, echo=True).choices[0]
+        lp = echoed.logprobs
+        assert echoed.text.startswith(prefix + token) and "".join(lp.tokens) == echoed.text
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and all(
+            v is not None and v <= 0 for v in lp.token_logprobs[1:])
+        at = len(lp.tokens) - 2  # the prompt's last token: the one `first` generated
+        assert lp.tokens[at] == token and math.isclose(lp.token_logprobs[at], logprob, rel_tol=1e-5, abs_tol=1e-6)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[at] == len(prefix)
+    plain = client.completions.create(model="spectrt", prompt=prefix, max_tokens=4, echo=True, temperature=0)
+    assert plain.choices[0].text.startswith(prefix) and plain.choices[0].logprobs is None

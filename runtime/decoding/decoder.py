@@ -168,11 +168,13 @@ class Job:
     grammar: GrammarState | None = None  # structured output: every verified row masked by its path's grammar state
     penalties: Penalties | None = None  # presence / frequency / repetition penalties, logit bias: per row, by its path
     logprobs: int | None = None  # None: none; k: each emitted token's log-probability and the k best (`logprobs`)
+    prompt_logprobs: bool = False  # also the prompt's tokens' (after the first), `logprobs` best each: no prefix reuse
     suffix: bool | None = None
     tag: object = None  # the caller's handle
     # decode state
     out: list[int] = field(default_factory=list)
     logprob_rows: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token of out
+    prompt_logprob_rows: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # prompt[1:]
     finish: str | None = None  # one of FINISH_REASONS once finished
     error: str | None = None  # why, for finish "error"
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -343,10 +345,11 @@ class Decoder:
         # a seeded sampled static tree draws its tokens alike whatever the cache holds: the target reuses only what
         # the draft holds too (a draft catching up decodes plain steps, which draw otherwise)
         seeded = drafts and isinstance(job.tree, Tree) and not job.params.greedy and job.params.seed is not None
-        job.slot, cached = self._take_slot(job.prompt_ids, drafts, seeded)
+        job.slot, cached = self._take_slot(job.prompt_ids, drafts, seeded, reuse=not job.prompt_logprobs)
         self.controller.start(job)
         job.ids = list(job.prompt_ids)
         job.out, job.finish, job.error, job.decoding = [], None, None, False
+        job.logprob_rows, job.prompt_logprob_rows = [], []
         job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids), cached_tokens=cached)
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
         job.draft_gen = torch.Generator().manual_seed(2 * seed)  # independent drafting / verifying streams
@@ -356,7 +359,8 @@ class Decoder:
             self.suffix.start(job.slot, job.ids)
         self.active.append(job)
 
-    def _take_slot(self, prompt_ids: list[int], drafts: bool, bounded: bool = False) -> tuple[int, int]:
+    def _take_slot(self, prompt_ids: list[int], drafts: bool, bounded: bool = False,
+                   reuse: bool = True) -> tuple[int, int]:
         """(the free slot a new request decodes in, prompt tokens whose KV it already holds), its caches set up;
         `drafts`: the request reads the draft, whose features of the prefix then bound what the target reuses (an
         EAGLE-3 head; a sliced draft catches up lazily unless `bounded`: `DraftProposer.reuse`); a request that never
@@ -371,7 +375,7 @@ class Decoder:
         index gives up (`PrefixIndex.victim`: empty, else least recently used), so a shared prefix stays for the
         next request and an active request's prompt can serve a concurrent one."""
         free, index = self.free, self.prefix
-        found = index.match(prompt_ids[:-1]) if index is not None else None
+        found = index.match(prompt_ids[:-1]) if index is not None and reuse else None
         if found is None:
             slot = index.victim(free) if index is not None else free[-1]
             src, length = slot, 0
@@ -597,15 +601,20 @@ class Decoder:
         layers = self.drafter.feature_layers if self.drafter is not None else None
         features = [None] * len(segments)
         start = time.perf_counter()
-        # no logits for prefill chunks: nobody reads them (the prompt's last token is the first step's root)
-        logit_rows = [0] * len(chunks) + [None] * len(plans)
+        # no logits for prefill chunks unless the prompt's logprobs were asked (the prompt's last token is the first
+        # step's root)
+        logit_rows = [None if job.prompt_logprobs else 0 for job, _ in chunks] + [None] * len(plans)
         if layers and segments:  # the head's inputs come out of the same target forward
             logits, features = self.target.forward_features(segments, layers, logit_rows)
         else:
             logits = self.target.forward_many(segments, logit_rows) if segments else []
         self.clock.target += time.perf_counter() - start
-        for (job, t), feats in zip(chunks, features[:len(chunks)], strict=True):
+        for (job, t), feats, lg in zip(chunks, features[:len(chunks)], logits[:len(chunks)], strict=True):
             cache = self.target_caches[job.slot]
+            if job.prompt_logprobs:  # row j of the chunk predicts prompt token n + j + 1
+                n = cache.length
+                job.prompt_logprob_rows += token_logprobs(lg, list(range(t)), job.ids[n + 1:n + t + 1],
+                                                          job.logprobs or 0)
             if feats is not None and self.controller.drafts(job):
                 self.drafter.take(job.slot, cache.length, feats)
             cache.commit(t)

@@ -81,7 +81,7 @@ _GRPC_TYPES = {"text_input": "BYTES", "tree": "BYTES", "children": "BYTES", "max
                "timeout_seconds": "FP32", "stream": "BOOL", "return_perf_metrics": "BOOL",
                "return_num_input_tokens": "BOOL", "return_num_output_tokens": "BOOL", "exclude_input_in_output": "BOOL",
                "apply_chat_template": "BOOL", "presence_penalty": "FP32", "frequency_penalty": "FP32",
-               "repetition_penalty": "FP32", "logprobs": "INT32"}
+               "repetition_penalty": "FP32", "logprobs": "INT32", "prompt_logprobs": "BOOL"}
 
 
 def grpc_inputs(fields: dict | list[dict], types: dict[str, str] | None = None) -> list:

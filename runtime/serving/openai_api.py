@@ -11,10 +11,11 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
   TensorRT-LLM's `min_length`: stop strings still apply), `ignore_eos`; the spectrt extension `tree` (per-request
   token tree, e.g. "2,1" or "none"); `response_format` / vLLM's `structured_outputs`, `presence_penalty` /
   `frequency_penalty` / `repetition_penalty`, `logit_bias`; `logprobs` + `top_logprobs` (chat) and `logprobs`
-  (completions), the target's values at each returned token (`choice_logprobs`).
+  (completions), the target's values at each returned token (`choice_logprobs`); `echo` (completions: the prompt
+  before the answer, with `logprobs` its tokens' logprobs too, the first null: lm-eval's loglikelihood requests).
   `tools` + `tool_choice` (`_tools`: a forced call is a JSON-schema structured output; `tool_calls` from the answer).
 - accepted at their no-op values only, refused otherwise: `functions` ([]), `function_call` ("none", "auto"),
-  `best_of` (1), `echo` (false), `suffix` ("").
+  `best_of` (1), `suffix` ("").
 - ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
   `safety_identifier`, and any field sent as null.
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
@@ -44,13 +45,13 @@ TOOL_PROMPT = ("You can call functions. To call one, answer with only a JSON obj
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
     "functions": ([],), "function_call": ("none", "auto"),
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
 }
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
           "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-TEXT_FIELDS = COMMON | {"prompt", "logprobs"}
+TEXT_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 MAX_TOP_LOGPROBS = 20  # the model's bound (runtime/decoding/sampling.py)
 MAX_N = 8  # choices of one request: rows of one model request (its config's max_batch_size)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
@@ -102,6 +103,7 @@ class Call:
     n: int = 1  # choices: rows of one model request, each with its own seed (`upstream_rows`)
     tools: str = "none"  # "none": text; "auto": a tool call if the answer is one; "required": always a call
     tool_names: tuple[str, ...] = ()  # the functions a call may name
+    echo: str | None = None  # completions' `echo`: the prompt, returned before the answer
 
 
 # --------------------------------------------------------------------------- requests
@@ -431,7 +433,16 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
     logprobs = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # legacy completions: the count of alternatives
     if logprobs is not None:
         fields["logprobs"] = logprobs
-    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise bad("echo must be true or false", "echo")
+    if echo and logprobs is not None:
+        if stream:
+            raise bad("echo with logprobs is answered whole (the prompt's logprobs come with the answer's end): "
+                      "send stream false", "echo")
+        fields["prompt_logprobs"] = True  # lm-eval's loglikelihood: the prompt's tokens' logprobs
+    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1,
+                echo=prompt if echo else None)
 
 
 def upstream_rows(call: Call, seconds: float) -> list[dict]:
@@ -460,6 +471,7 @@ class Choice:
     finish_reason: str | None = None
     perf: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)  # the model's logprobs content entries, if asked
+    prompt_logprobs: list[dict] = field(default_factory=list)  # the prompt's entries (`echo` with logprobs)
 
 
 @dataclass
@@ -530,7 +542,8 @@ def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | 
         offsets.append(offset)
         offset += len(entry["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else
+                             {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets}
 
 
@@ -553,7 +566,10 @@ def completion_body(call: Call, rid: str, created: int, model: str, outcome: Out
             choices.append({"index": index, "message": message, "logprobs": logprobs,
                             "finish_reason": reason if calls is None else "tool_calls"})
         else:
-            choices.append({"index": index, "text": choice.text, "logprobs": logprobs, "finish_reason": reason})
+            if call.echo is not None:
+                logprobs = choice_logprobs(call, choice.prompt_logprobs + choice.logprobs)
+            choices.append({"index": index, "text": (call.echo or "") + choice.text, "logprobs": logprobs,
+                            "finish_reason": reason})
     body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": outcome.usage()}
     metrics = speculative_metrics(outcome.perf)

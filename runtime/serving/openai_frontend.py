@@ -89,6 +89,7 @@ class Piece:
     perf: dict = field(default_factory=dict)
     logprobs: list[dict] = field(default_factory=list)  # the logprobs content entries of this response's tokens
     index: int = 0  # the choice (the model's row, `batch_index`) it belongs to
+    prompt_logprobs: list[dict] = field(default_factory=list)  # final responses of rows that asked
 
     @classmethod
     def of(cls, result) -> Piece:
@@ -107,9 +108,10 @@ class Piece:
         index = result.as_numpy("batch_index")
         if index is not None and index.size:
             piece.index = int(index.reshape(-1)[0])
-        logprobs = result.as_numpy("output_logprobs")
-        if logprobs is not None and logprobs.size:
-            piece.logprobs = json.loads(logprobs.reshape(-1)[0])
+        for name, attr in (("output_logprobs", "logprobs"), ("output_prompt_logprobs", "prompt_logprobs")):
+            value = result.as_numpy(name)
+            if value is not None and value.size:
+                setattr(piece, attr, json.loads(value.reshape(-1)[0]))
         for name in PERF_OUTPUTS:
             value = result.as_numpy(name)
             if value is not None and value.size:
@@ -454,6 +456,9 @@ class Frontend:
                 response = web.StreamResponse(headers=SSE_HEADERS)
                 await response.prepare(request)
                 sent.append(response)
+                if call.echo is not None:  # the prompt first, in each choice
+                    for index in range(call.n):
+                        await response.write(chunks.text(call.echo, None, index))
             while True:
                 index = piece.index
                 choice, stop = outcome.choices[index], stops[index]
@@ -475,6 +480,7 @@ class Frontend:
                         ended[index] = True
                         text += stop.flush()
                         choice.finish_reason, choice.perf = piece.finish_reason, piece.perf
+                        choice.prompt_logprobs = piece.prompt_logprobs
                         if piece.finish_reason not in ("stop", "length") and not stop.stopped:
                             # every answer the model ends says why: this one was cut off upstream (it used to reach
                             # clients as a 200 with the text so far and "stop")

@@ -11,8 +11,9 @@ Schema (tensorrtllm_backend's, so existing clients work): `text_input` (required
 `bad_words`, `stop_words`, `exclude_input_in_output`, `return_perf_metrics`, `return_num_input_tokens`,
 `return_num_output_tokens`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`; spectrt extensions `tree`,
 `children`, `apply_chat_template`, `timeout_seconds`, `structured_output`, `logit_bias`, `logprobs` (the count of
-top alternatives per emitted token, 0 to 20; absent: none). A row that asks for logprobs gets them in each response's
-`output_logprobs` (`logprob_json`: the OpenAI API's logprobs content entries for that response's tokens).
+top alternatives per emitted token, 0 to 20; absent: none), `prompt_logprobs` (the prompt's tokens' too). A row that
+asks for logprobs gets them in each response's `output_logprobs` (`logprob_json`: the OpenAI API's logprobs content
+entries for that response's tokens), its prompt's in its final response's `output_prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ FIELDS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           "pad_id", "beam_width", "min_length", "bad_words", "stop_words", "exclude_input_in_output",
           "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens", "tree", "children",
           "apply_chat_template", "timeout_seconds", "structured_output", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "logit_bias", "logprobs")
+          "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs")
 
 
 class RequestError(ValueError):
@@ -243,6 +244,9 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
     logprobs = _number(fields, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (top alternatives per token), got {logprobs}")
+    prompt_logprobs = _flag(fields, "prompt_logprobs", False)
+    if prompt_logprobs and logprobs is None:
+        logprobs = 0
     state = None
     if fields.get("structured_output") is not None:
         spec = _text(fields["structured_output"], "structured_output")
@@ -253,7 +257,7 @@ def make_row(fields: Mapping, limits: Limits, encode: Callable[[str, bool], list
         except ValueError as e:  # GrammarError: the spec's problem, named
             raise RequestError(str(e)) from None
     job = Job(ids, max_tokens, tree, params, children, None if end_id is None else {end_id}, min_length,
-              token_words["stop_words"], token_words["bad_words"], state, penalties, logprobs)
+              token_words["stop_words"], token_words["bad_words"], state, penalties, logprobs, prompt_logprobs)
     return Row(job, prompt, stream=_flag(fields, "stream", False),
                exclude_input=_flag(fields, "exclude_input_in_output", True),
                perf=_flag(fields, "return_perf_metrics", False), n_in=_flag(fields, "return_num_input_tokens", False),
@@ -267,11 +271,13 @@ FLOOR_LOGPROB = -9999.0  # a masked token's -inf, as JSON can carry it (vLLM's v
 def logprob_json(entries: list[tuple[int, float, list[tuple[int, float]]]],
                  token_bytes: Callable[[int], bytes]) -> str:
     """`output_logprobs` of one response: per token (id, logprob, top alternatives), the OpenAI API's logprobs
-    content entry {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}."""
+    content entry {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; a logprob None (a prompt's first
+    token: nothing before it to predict it) gives logprob and top_logprobs null."""
 
     def entry(token: int, logprob: float) -> dict:
         raw = token_bytes(token)
         return {"token": raw.decode("utf-8", "replace"), "logprob": max(logprob, FLOOR_LOGPROB), "bytes": list(raw)}
 
-    return json.dumps([{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                       for token, lp, top in entries])
+    return json.dumps([{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]} if lp is not None else
+                       {"token": token_bytes(token).decode("utf-8", "replace"), "logprob": None,
+                        "bytes": list(token_bytes(token)), "top_logprobs": None} for token, lp, top in entries])

@@ -99,6 +99,7 @@ class RowResult:
     target_passes: int
     seconds: float
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (not prefilled)
+    prompt_logprobs: list = field(default_factory=list)  # (id, logprob, top) per prompt token, if the row asked
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -465,8 +466,10 @@ class Scheduler:
         self.metrics.count("requests")
         if stats.target_passes:  # one observation per request: a histogram IPC per target pass cost up to 1,024
             self.metrics.observe("tau", tokens / stats.target_passes)  # round trips on the decode thread (N8)
+        prompt = [] if not job.prompt_logprobs else [(job.prompt_ids[0], None, [])] + [
+            (token, *row) for token, row in zip(job.prompt_ids[1:], job.prompt_logprob_rows, strict=True)]
         result = RowResult(stream.text, job.finish, tokens, stats.proposed, accepted, stats.target_passes,
-                           time.monotonic() - request.arrived, stats.cached_tokens)
+                           time.monotonic() - request.arrived, stats.cached_tokens, prompt)
         last = request.remaining == 0
         if last:
             request.done = True

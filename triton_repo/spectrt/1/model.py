@@ -187,6 +187,9 @@ class TritonSink:
 
     def _response(self, texts, rows, results=None, index=None, n_out=None, finish=None, logprobs=None):
         tensors = [pb_utils.Tensor("text_output", np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))]
+        if results is not None and any(r.job.prompt_logprobs for r in rows):  # final responses only
+            tensors.append(pb_utils.Tensor("output_prompt_logprobs", np.array(
+                [[self.logprob_json(r.prompt_logprobs).encode()] for r in results], dtype=np.object_)))
         if logprobs is not None and any(r.job.logprobs is not None for r in rows):
             tensors.append(pb_utils.Tensor("output_logprobs", np.array(
                 [[self.logprob_json(e).encode()] for e in logprobs], dtype=np.object_)))
