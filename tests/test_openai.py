@@ -195,6 +195,9 @@ def test_completion_bodies_refused():
     for body, message in (({"prompt": [1, 2, 3]}, "token-id prompts"), ({"prompt": ["a", "b"]}, "batches"),
                           ({"prompt": "  "}, "non-empty"),
                           ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "send stream false"),
+                          ({"prompt": "x", "best_of": 2, "n": 3}, "best_of (2) must be at least n (3)"),
+                          ({"prompt": "x", "best_of": 2, "stream": True}, "best_of > n is answered whole"),
+                          ({"prompt": "x", "best_of": 9}, "best_of must be in [1, 8]"),
                           ({"prompt": "x", "messages": []}, "unrecognized request argument: messages")):
         with pytest.raises(type(bad(""))) as refused:
             parse_completion({"model": "spectrt", **body}, "spectrt", LIMITS)
@@ -1276,3 +1279,15 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client):
         assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[at] == len(prefix)
     plain = client.completions.create(model="spectrt", prompt=prefix, max_tokens=4, echo=True, temperature=0)
     assert plain.choices[0].text.startswith(prefix) and plain.choices[0].logprobs is None
+
+
+def test_best_of_returns_the_rows_of_best_mean_logprob(client):
+    """best_of 3, n 1, seeded: the answer is, of the three rows the same request decodes with n 3 (seeds s, s+1, s+2),
+    the one of the highest mean token logprob; usage counts all three; logprobs not asked are not returned."""
+    args = {"model": "spectrt", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    rows = client.completions.create(n=3, logprobs=0, **args)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in rows.choices]
+    best = client.completions.create(best_of=3, **args)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == rows.choices[means.index(max(means))].text
+    assert best.usage.completion_tokens == rows.usage.completion_tokens

@@ -12,10 +12,11 @@ gRPC edge around them. Request fields, and what each becomes (README, "OpenAI-co
   token tree, e.g. "2,1" or "none"); `response_format` / vLLM's `structured_outputs`, `presence_penalty` /
   `frequency_penalty` / `repetition_penalty`, `logit_bias`; `logprobs` + `top_logprobs` (chat) and `logprobs`
   (completions), the target's values at each returned token (`choice_logprobs`); `echo` (completions: the prompt
-  before the answer, with `logprobs` its tokens' logprobs too, the first null: lm-eval's loglikelihood requests).
+  before the answer, with `logprobs` its tokens' logprobs too, the first null: lm-eval's loglikelihood requests),
+  `best_of` (completions: `best_choices`).
   `tools` + `tool_choice` (`_tools`: a forced call is a JSON-schema structured output; `tool_calls` from the answer).
 - accepted at their no-op values only, refused otherwise: `functions` ([]), `function_call` ("none", "auto"),
-  `best_of` (1), `suffix` ("").
+  `suffix` ("").
 - ignored: `user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`, `prompt_cache_key`,
   `safety_identifier`, and any field sent as null.
 - anything else: refused (400, `unrecognized request argument`), as the OpenAI API itself does.
@@ -45,13 +46,13 @@ TOOL_PROMPT = ("You can call functions. To call one, answer with only a JSON obj
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 NOOP = {  # field: the values that change nothing (accepted); any other value is refused
     "functions": ([],), "function_call": ("none", "auto"),
-    "best_of": (1,), "suffix": ("",),
+    "suffix": ("",),
 }
 COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k",
           "min_tokens", "ignore_eos", "tree", "response_format", "structured_outputs", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logit_bias"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice"}
-TEXT_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+TEXT_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of"}
 MAX_TOP_LOGPROBS = 20  # the model's bound (runtime/decoding/sampling.py)
 MAX_N = 8  # choices of one request: rows of one model request (its config's max_batch_size)
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # at most 1024 bytes a string: within the model's stop words (requests.Limits)
@@ -104,6 +105,12 @@ class Call:
     tools: str = "none"  # "none": text; "auto": a tool call if the answer is one; "required": always a call
     tool_names: tuple[str, ...] = ()  # the functions a call may name
     echo: str | None = None  # completions' `echo`: the prompt, returned before the answer
+    best_of: int = 1  # completions: rows decoded, the n of best mean logprob returned (`best_choices`)
+    scored: bool = False  # logprobs asked of the model only to rank best_of's rows: not returned
+
+    @property
+    def rows(self) -> int:
+        return max(self.n, self.best_of)
 
 
 # --------------------------------------------------------------------------- requests
@@ -436,13 +443,22 @@ def parse_completion(body: dict, served: str, limits: Limits) -> Call:
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise bad("echo must be true or false", "echo")
+    n = _integer(body, "n", 1, MAX_N) or 1
+    best_of = _integer(body, "best_of", 1, MAX_N) or n
+    if best_of < n:
+        raise bad(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    scored = best_of > n and logprobs is None
+    if best_of > n:
+        if stream:
+            raise bad("best_of > n is answered whole (the best are known at the end): send stream false", "best_of")
+        fields.setdefault("logprobs", 0)  # each row's logprobs rank it
     if echo and logprobs is not None:
         if stream:
             raise bad("echo with logprobs is answered whole (the prompt's logprobs come with the answer's end): "
                       "send stream false", "echo")
         fields["prompt_logprobs"] = True  # lm-eval's loglikelihood: the prompt's tokens' logprobs
-    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"], _integer(body, "n", 1, MAX_N) or 1,
-                echo=prompt if echo else None)
+    return Call("text", fields, stream, include_usage, stops, fields["max_tokens"], n, echo=prompt if echo else None,
+                best_of=best_of, scored=scored)
 
 
 def upstream_rows(call: Call, seconds: float) -> list[dict]:
@@ -452,8 +468,8 @@ def upstream_rows(call: Call, seconds: float) -> list[dict]:
     base = {**call.fields, "stream": True, "exclude_input_in_output": True, "return_perf_metrics": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True, "timeout_seconds": seconds}
     if "seed" not in base:
-        return [base] * call.n
-    return [{**base, "seed": (base["seed"] + i) % SEED_MODULUS} for i in range(call.n)]
+        return [base] * call.rows
+    return [{**base, "seed": (base["seed"] + i) % SEED_MODULUS} for i in range(call.rows)]
 
 
 # --------------------------------------------------------------------------- stop strings
@@ -533,7 +549,7 @@ def choice_logprobs(call: Call, entries: list[dict], offset: int = 0) -> dict | 
     """A choice's `logprobs` (None unless asked) from the model's content entries: chat {"content": entries};
     completions the legacy {tokens, token_logprobs, top_logprobs, text_offset}, offsets counted from `offset` (the
     characters of the text before these tokens)."""
-    if call.fields.get("logprobs") is None:
+    if call.fields.get("logprobs") is None or call.scored:
         return None
     if call.kind == "chat":
         return {"content": entries}
@@ -554,10 +570,22 @@ def answered_calls(call: Call, choice: Choice) -> list[dict] | None:
     return tool_calls(choice.text, call.tool_names)
 
 
+def best_choices(call: Call, rows: list[Choice]) -> list[Choice]:
+    """The n choices returned: every row, or best_of's n rows of the highest mean token logprob (OpenAI's "best"),
+    best first (a row with no tokens ranks last)."""
+    if call.rows == call.n:
+        return rows
+
+    def mean(choice: Choice) -> float:
+        return sum(e["logprob"] for e in choice.logprobs) / len(choice.logprobs) if choice.logprobs else -math.inf
+
+    return sorted(rows, key=mean, reverse=True)[:call.n]
+
+
 def completion_body(call: Call, rid: str, created: int, model: str, outcome: Outcome) -> dict:
     """The non-streaming answer (chat.completion or text_completion), a choice per row."""
     choices = []
-    for index, choice in enumerate(outcome.choices):
+    for index, choice in enumerate(best_choices(call, outcome.choices)):
         reason, logprobs = finish_reason(choice), choice_logprobs(call, choice.logprobs)
         if call.kind == "chat":
             calls = answered_calls(call, choice)

@@ -444,9 +444,9 @@ class Frontend:
 
     async def _answer(self, request: web.Request, call: Call, rid: str, sent: list,
                       until: float) -> web.StreamResponse:
-        created, outcome = int(time.time()), Outcome(choices=[Choice() for _ in range(call.n)])
-        stops = [StopText(call.stop) for _ in range(call.n)]
-        ended = [False] * call.n  # per choice: its last response (the one with its finish_reason) arrived
+        created, outcome = int(time.time()), Outcome(choices=[Choice() for _ in range(call.rows)])
+        stops = [StopText(call.stop) for _ in range(call.rows)]
+        ended = [False] * call.rows  # per choice: its last response (the one with its finish_reason) arrived
         seconds = min(max(until - time.monotonic(), 1e-3), self.triton.limits.max_request_seconds)
         pieces = self.triton.generate(upstream_rows(call, seconds), rid)  # the model ends it at the deadline too
         try:
