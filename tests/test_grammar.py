@@ -112,9 +112,10 @@ def test_constrained_speculation_equals_constrained_ar(head_pair, compiler, toke
     assert runs["2,1"][0] == runs["ar"][0] and runs["policy"][0] == runs["ar"][0]
     assert runs["2,1"][1] > 0 and runs["2,1"][2] > 0  # forbidden guesses dropped, allowed ones accepted
     assert runs["ar"][3] == 0  # the target alone stays the target alone
-    if spec["type"] == "json_schema":  # `"age": ` after a string value: forced, verified for free, all accepted
+    if spec["type"] == "json_schema":  # `", "age": ` after a string value: forced text, candidates, mostly accepted
         for name in ("2,1", "policy"):
-            assert runs[name][3] > 0 and runs[name][2] >= runs[name][3]
+            assert runs[name][3] > 0 and runs[name][2] >= runs[name][3] // 2
+            assert runs[name][4].target_passes < runs["ar"][4].target_passes
     text = tokenizer.decode(runs["ar"][0], skip_special_tokens=True)
     if spec["type"] == "regex":
         assert re.fullmatch(spec["pattern"], text)

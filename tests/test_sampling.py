@@ -777,7 +777,7 @@ FOLLOWS = {0: {1, 2, 3, 4}, 1: {0, 2, 5}, 2: {0, 1, 3, 4, 5}, 3: {4}, 4: {0, 1, 
 
 
 class LastTokenGrammar:
-    """GrammarState's interface (tree_masks, advance, pruned, forced) for FOLLOWS."""
+    """GrammarState's interface (tree_masks, advance, jump_tokens, pruned, forced) for FOLLOWS."""
 
     def __init__(self, last: int):
         self.last, self.pruned, self.forced = last, 0, 0
@@ -795,6 +795,10 @@ class LastTokenGrammar:
         for t in tokens:
             assert t in FOLLOWS[self.last], f"token {t} may not follow {self.last}"
             self.last = t
+
+    def jump_tokens(self, path) -> list[int]:
+        """What the grammar forces after `path`: 4 after 3 (the one forced text of this vocabulary)."""
+        return [4] if (path[-1] if path else self.last) == 3 else []
 
 
 def constrained_joint(params: SamplingParams) -> torch.Tensor:

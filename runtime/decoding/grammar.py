@@ -101,6 +101,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(encoded, base.vocab_type, vocab_size=vocab_size, stop_token_ids=stops,
                                  add_prefix_space=base.add_prefix_space)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
         self.cache: dict[GrammarSpec, object] = {}
         self.lock = threading.Lock()  # the validator (serving threads) compiles; one compile at a time
 
@@ -128,17 +129,17 @@ class GrammarCompiler:
     def state(self, spec: GrammarSpec | str) -> GrammarState:
         """A fresh matcher for one request (`spec` or the request field's JSON text)."""
         spec = parse_spec(spec) if isinstance(spec, str) else spec
-        return GrammarState(self.xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, spec)
+        return GrammarState(self.xgr.GrammarMatcher(self.compile(spec)), self.vocab_size, spec, self.encode)
 
 
 class GrammarState:
     """One request's matcher over its committed output (see the module doc)."""
 
-    def __init__(self, matcher, vocab_size: int, spec: GrammarSpec):
-        self.matcher, self.vocab_size, self.spec = matcher, vocab_size, spec
+    def __init__(self, matcher, vocab_size: int, spec: GrammarSpec, encode=None):
+        self.matcher, self.vocab_size, self.spec, self.encode = matcher, vocab_size, spec, encode
         self.words = -(-vocab_size // 32)
         self.pruned = 0  # drafted nodes dropped before verification because the grammar forbids them
-        self.forced = 0  # nodes added because the grammar allows only their token (jump-forward)
+        self.forced = 0  # nodes added because the grammar forces their text (jump-forward candidates)
 
     def tree_masks(self, parents: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """[n, words] int32: row i allows the tokens that may follow node i's path (parents[0] is the root's -1)."""
@@ -155,6 +156,24 @@ class GrammarState:
         self.matcher.traverse_draft_tree(first_child, next_sibling, np.asarray(tokens, dtype=np.int64), masks,
                                          time_threshold=-1.0)
         return masks
+
+    def jump_tokens(self, path: Sequence[int]) -> list[int]:
+        """The tokens of the text the grammar forces after `path` (tokens past the committed output), as the
+        tokenizer writes that text alone (`{"name": "` after an opening brace: one text, many tokenizations, so no
+        single token is forced); [] where nothing is. The matcher is replayed along the path and rolled back."""
+        matcher, accepted = self.matcher, 0
+        if self.encode is None or matcher.is_terminated():
+            return []
+        try:
+            for token in path:
+                if not matcher.accept_token(int(token)) or matcher.is_terminated():
+                    return []
+                accepted += 1
+            text = matcher.find_jump_forward_string()
+        finally:
+            if accepted:  # a refused token left the history as it was: undo only the accepted ones
+                matcher.rollback(accepted)
+        return self.encode(text) if text else []
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit emitted tokens (each one the constrained distribution allowed)."""

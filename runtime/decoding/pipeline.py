@@ -136,12 +136,13 @@ class Pipeline:
     def generate(self, prompt: str, max_new_tokens: int = 128, tree: Tree | Policy | str | None = AUTO,
                  chat: bool = True, on_text: Callable[[str], None] | None = None,
                  params: SamplingParams = GREEDY, children: str = "sample",
-                 structured_output: str | GrammarSpec | None = None, penalties: Penalties | None = None
+                 structured_output: str | GrammarSpec | GrammarState | None = None,
+                 penalties: Penalties | None = None
                  ) -> Generation:
         """Generate; `tree`: "auto" (the pipeline's policy), a Policy, a static Tree or expansion string
         ("2,1"), or None to run the target alone (the autoregressive baseline); `structured_output`: what the output
-        follows (runtime/decoding/grammar.py `parse_spec`'s JSON, e.g. '{"type": "json_object"}'), exactly under
-        speculation."""
+        follows (runtime/decoding/grammar.py `parse_spec`'s JSON, e.g. '{"type": "json_object"}', or a fresh state from
+        `grammar`, whose counters the caller reads after), exactly under speculation."""
         policy = None
         if isinstance(tree, str):
             tree = parse_tree_arg(tree)
@@ -159,7 +160,8 @@ class Pipeline:
         result = self.decoder.generate(self.encode(prompt, chat), max_new_tokens, tree,
                                        on_tokens=on_tokens if stream is not None else None, params=params,
                                        children=children, policy=policy,
-                                       grammar=None if structured_output is None else self.grammar(structured_output),
+                                       grammar=structured_output if isinstance(structured_output, GrammarState)
+                                       else None if structured_output is None else self.grammar(structured_output),
                                        penalties=penalties)
         if stream is not None and (rest := stream.finish()):
             on_text(rest)
