@@ -1,5 +1,6 @@
 """docs/benchmarks.md's result tables, generated from bench/results/<cpu class>/bench_*.json, shared_cpu_*.json
-(scripts/shared_cpu.py) and aiperf_*.json (NVIDIA AIPerf's summary of a served run, its command in the file).
+(scripts/shared_cpu.py), structured_*.json (scripts/structured_bench.py) and aiperf_*.json (NVIDIA AIPerf's summary of
+a served run, its command in the file).
 
 `spectrt bench` writes one current result per configuration and CPU class (runtime/decoding/bench.py
 results_dir); this script renders every class's newest results as one section per class, a table per precision
@@ -97,13 +98,32 @@ def aiperf(results: Path, cpu_class: str) -> list[str]:
     return lines + [""]
 
 
+def structured(results: Path, cpu_class: str) -> list[str]:
+    """One class's structured-output runs (scripts/structured_bench.py), in process and served: a row per config."""
+    runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(results.glob("*/structured_*.json"))]
+    runs = [r for r in runs if r["cpu"]["class"] == cpu_class]
+    if not runs:
+        return []
+    first = runs[0]
+    lines = [f"**Structured outputs** (`scripts/structured_bench.py [--served]`): {first['prompts']} JSON-schema "
+             f"extraction prompts × {first['rounds']} rounds, {first['max_new_tokens']} tokens, greedy, interleaved, "
+             "decode time", "", "| where | precision | config | tok/s | vs constrained AR | outputs equal | measured |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        where = "served" if r.get("served") else "in process"
+        for row in r["results"]:
+            lines.append(f"| {where} | {r['dtype']} | {row['config']} | {row['tokens_per_second']:.1f} | "
+                         f"{row['vs_constrained_ar']:.2f}× | {r['outputs_equal']} | {r['time']} |")
+    return lines + [""]
+
+
 def render(results: Path = RESULTS) -> str:
     out = [BEGIN]
     for cpu_class, reports in load(results).items():
         out += ["", f"### {cpu_class}, {reports[0]['cpu'].get('cores', '?')} cores", ""]
         for report in reports:
             out += table(report) + [""]
-        out += shared_cpu(results, cpu_class) + aiperf(results, cpu_class)
+        out += structured(results, cpu_class) + shared_cpu(results, cpu_class) + aiperf(results, cpu_class)
     return "\n".join(out).rstrip() + "\n" + END
 
 

@@ -5,7 +5,11 @@ constrained without speculation (`tree` None), constrained with the default poli
 policy (what the constraint costs speculation). Decode time only; greedy outputs of the two constrained runs must be
 equal. Writes bench/results/<cpu class>/structured_<dtype>.json and prints a table.
 
-    .venv/bin/python scripts/structured_bench.py [--dtype auto] [--tokens 96] [--rounds 2]
+    .venv/bin/python scripts/structured_bench.py [--dtype auto] [--tokens 96] [--rounds 2] [--served]
+
+`--served`: the same through `spectrt serve`'s OpenAI endpoint (the SDK, `response_format` json_schema, the `tree`
+extension "none" for AR), streamed: decode time from the first content chunk to the last, tokens from usage;
+structured_served_<dtype>.json.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench" / "results")
+    p.add_argument("--served", action="store_true", help="through spectrt serve's OpenAI endpoint")
     args = p.parse_args()
+    if args.served:
+        return served(args)
     from spectrt.runtime.decoding.bench import machine_record, results_dir
     from spectrt.runtime.decoding.pipeline import Pipeline
     from spectrt.runtime.engines.checkpoint import default_draft, resolve_target
@@ -86,6 +93,73 @@ def main() -> None:
     for row in rows:
         print(f"| {row['config']} | {row['tokens_per_second']} | {row['vs_constrained_ar']:.2f}× | "
               f"{row['forced_share']:.1%} |")
+    print(f"constrained outputs equal: {report['outputs_equal']}; worst prompt {report['worst_prompt']}×; -> {out}")
+
+
+def served(args: argparse.Namespace) -> None:
+    """The benchmark through a real server: one tritonserver + the OpenAI frontend, requests one at a time."""
+    import time
+
+    import openai
+    from spectrt.runtime.decoding.bench import machine_record, results_dir
+    from spectrt.runtime.engines.checkpoint import default_draft, resolve_target
+    from spectrt.runtime.engines.engine import resolve_dtype
+    from spectrt.runtime.serving.serve import TritonServer
+
+    target = resolve_target()
+    dtype = resolve_dtype(args.dtype, "torch", target)
+    params = {"target_dir": target, "draft_dir": default_draft(target), "dtype": dtype, "max_seq_len": 1024,
+              "prefix_cache": "false"}
+    configs = {"constrained AR": ("none", True), "constrained, default policy": (None, True),
+               "unconstrained, default policy": (None, False)}
+    totals = {name: [0, 0.0] for name in configs}
+    equal, worst = 0, float("inf")
+    with TritonServer(params, instances=1, openai_port=0, ready_timeout=600) as server:
+        client = openai.OpenAI(base_url=server.openai_url, api_key="unused", timeout=600)
+
+        def run(prompt: str, tree: str | None, schema: dict | None) -> tuple[str, int, float]:
+            extra = {"tree": tree} if tree else {}
+            fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}} \
+                if schema else {}
+            first = last = None
+            text, tokens = "", 0
+            for chunk in client.chat.completions.create(
+                    model=server.served_name, messages=[{"role": "user", "content": prompt}], max_tokens=args.tokens,
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra, **fmt):
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        last = time.perf_counter()
+                        first = first or last
+                        text += choice.delta.content
+            return text, tokens, (last - first) if first is not None else 0.0
+
+        run(PROMPTS[0][1], None, SCHEMAS[PROMPTS[0][0]])  # warm-up
+        for r in range(args.rounds):
+            for schema, prompt in PROMPTS:
+                outs = {}
+                for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+                    tree, constrained = configs[name]
+                    text, tokens, seconds = run(prompt, tree, SCHEMAS[schema] if constrained else None)
+                    outs[name] = (text, tokens - 1, seconds)  # decode: the tokens after the first one
+                    totals[name][0] += tokens - 1
+                    totals[name][1] += seconds
+                ar, spec = outs["constrained AR"], outs["constrained, default policy"]
+                equal += ar[0] == spec[0]
+                worst = min(worst, (spec[1] / spec[2]) / (ar[1] / ar[2]))
+    rate = {name: t / s for name, (t, s) in totals.items()}
+    rows = [{"config": name, "tokens_per_second": round(rate[name], 1),
+             "vs_constrained_ar": round(rate[name] / rate["constrained AR"], 2)} for name in configs]
+    report = {"dtype": dtype, "served": "spectrt serve, OpenAI endpoint, streamed, one request at a time",
+              "prompts": len(PROMPTS), "rounds": args.rounds, "max_new_tokens": args.tokens,
+              "outputs_equal": f"{equal}/{len(PROMPTS) * args.rounds}", "worst_prompt": round(worst, 2),
+              **machine_record(), "results": rows}
+    out = results_dir(args.out) / f"structured_served_{dtype}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"| config (served) | {dtype} tok/s | vs constrained AR |\n|---|---|---|")
+    for row in rows:
+        print(f"| {row['config']} | {row['tokens_per_second']} | {row['vs_constrained_ar']:.2f}× |")
     print(f"constrained outputs equal: {report['outputs_equal']}; worst prompt {report['worst_prompt']}×; -> {out}")
 
 

@@ -164,7 +164,15 @@ def test_shared_cpu_runs_render_under_their_class(tmp_path):
         "cpu": cpu, "label": "server X", "server": "x serve", "aiperf": "0.13.0", "command": "aiperf profile",
         "time": "t", "metrics": {"output_token_throughput": {"avg": 61.0}, "inter_token_latency": metric,
                                  "time_to_first_token": metric}}))
+    rows = [{"config": "constrained AR", "tokens_per_second": 80.0, "vs_constrained_ar": 1.0},
+            {"config": "constrained, default policy", "tokens_per_second": 140.0, "vs_constrained_ar": 1.75}]
+    for name, served in (("structured_bf16.json", None), ("structured_served_bf16.json", "spectrt serve")):
+        (folder / name).write_text(json.dumps({"cpu": cpu, "dtype": "bf16", "prompts": 6, "rounds": 2,
+                                               "max_new_tokens": 96, "outputs_equal": "12/12", "time": "t",
+                                               "results": rows, **({"served": served} if served else {})}))
     page = bench_tables.render(tmp_path / "results")
+    assert "| in process | bf16 | constrained, default policy | 140.0 | 1.75× | 12/12 | t |" in page
+    assert "| served | bf16 | constrained AR | 80.0 | 1.00× | 12/12 | t |" in page
     assert "| server X | all | 200.0 | 1 | 120.0 | 0.60× |" in page
     assert "| server Y | CPUs 0 | 100.0 | 0 | – | – |" in page
     assert "| server X (`x serve`) | 61.0 | 50 / 40 | 50 / 40 |" in page
