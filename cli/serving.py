@@ -83,6 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated web origins (e.g. http://localhost:3000, or *) whose pages may call the "
                         "OpenAI endpoint from a browser (CORS); default none")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="tritonserver restarts after a python stub died (segfault, OOM kill) allowed in 10 minutes; "
+                        "past them the deployment stops (0: stop at the first)")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="keep the deployed repository and server.log in a new spectrt-triton-* subdirectory of this "
                         "directory (nothing else in it is touched; default: a temporary directory, removed at stop)")
@@ -123,7 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               console=args.log, log_verbose=args.log_verbose, admin_key=args.admin_key,
                               openai_port=args.openai_port, openai_host=openai_host,
                               openai_timeout=args.openai_timeout, api_key=args.api_key,
-                              allowed_origins=args.allowed_origins)
+                              allowed_origins=args.allowed_origins, max_restarts=args.max_restarts)
     except ServeError as e:
         print(f"spectrt serve: error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -1291,3 +1292,148 @@ def test_best_of_returns_the_rows_of_best_mean_logprob(client):
     assert len(best.choices) == 1 and best.choices[0].logprobs is None
     assert best.choices[0].text == rows.choices[means.index(max(means))].text
     assert best.usage.completion_tokens == rows.usage.completion_tokens
+
+
+def test_a_killed_python_stub_is_healed_without_an_operator(stub_target):
+    """SIGKILL of the python stub while 4 OpenAI streams decode (Triton never restarts a decoupled stub, and stays
+    "ready"): every stream ends with an error event within seconds, the health endpoints say not ready while the
+    server is down, the supervisor restarts tritonserver (a log line, spectrt_server_restarts_total 1), and the same
+    endpoint serves again with no operator action."""
+    import threading
+
+    from spectrt.runtime.serving.supervise import stubs
+
+    proc, info = _launch_long(stub_target)
+    try:
+        port = int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))
+        client = openai.OpenAI(base_url=info["openai"], api_key="unused", max_retries=0, timeout=120)
+        started, ended = threading.Barrier(5), {}
+
+        def stream(i: int) -> None:
+            chunks = 0
+            try:
+                for _chunk in client.chat.completions.create(
+                        model=info["model"], messages=[{"role": "user", "content": f"story {i}"}], max_tokens=3000,
+                        extra_body={"min_tokens": 3000}, stream=True):
+                    chunks += 1
+                    if chunks == 1:
+                        started.wait(60)
+                ended[i] = ("finished", time.monotonic())
+            except openai.APIError as e:
+                ended[i] = (f"error: {e}", time.monotonic())
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(120)  # every stream is decoding
+        stub, = stubs(info["pid"])
+        os.kill(stub, signal.SIGKILL)
+        killed, health = time.monotonic(), []
+        for t in threads:
+            t.join(60)
+        assert len(ended) == 4 and all(kind.startswith("error") for kind, _ in ended.values()), ended
+        assert max(at for _, at in ended.values()) - killed < 30
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # (the frontend's /health, Triton's ready) until both are up again
+            health.append((_health(port), _triton_ready(info["http"])))
+            if health[-1] == (200, True):
+                break
+            time.sleep(0.2)
+        assert health[-1] == (200, True) and (503, False) in health, health
+        answer = client.chat.completions.create(model=info["model"], messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert scrape_metrics(SimpleNamespace(metrics_url=info["metrics"]))["spectrt_server_restarts_total"] == 1
+        log = (Path(info["run_dir"]) / "server.log").read_text(errors="replace")
+        assert f"python stub(s) [{stub}] died: restarting tritonserver (restart 1" in log
+        _soak_through_a_stub_kill(client, info)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    _wait_for(lambda: _state(info["supervisor_pid"]) is None and not Path(info["run_dir"]).exists(), 120)
+    assert not list(SHM_DIR.glob(info["shm_prefix"] + "*")), "shared-memory regions left in /dev/shm"
+
+
+def _soak_through_a_stub_kill(client, info: dict) -> None:
+    """16 streams x 20 greedy requests, the stub killed once the first 80 ended: every request gets exactly one
+    ending (its answer, or an error while the server was down: these clients do not retry), and every answer is its
+    own prompt's (as answered before the kill: no tokens crossed between requests)."""
+    import threading
+
+    from spectrt.runtime.serving.supervise import stubs
+
+    prompts = [f"Count to {i} in words." for i in range(16)]
+
+    def ask(prompt: str) -> str:
+        parts = []
+        for chunk in client.chat.completions.create(model=info["model"], messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=16, temperature=0, stream=True):
+            parts += [c.delta.content or "" for c in chunk.choices]
+        return "".join(parts)
+
+    want = {p: ask(p) for p in prompts}
+    outcomes: list[tuple[str, str]] = []
+    lock, answered = threading.Lock(), threading.Event()
+
+    def worker(prompt: str) -> None:
+        for _ in range(20):
+            try:
+                got = ("answer", ask(prompt) == want[prompt])
+            except openai.APIError as e:
+                got = ("error", str(e))
+            with lock:
+                outcomes.append(got)
+                if len(outcomes) == 80:
+                    answered.set()
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    assert answered.wait(300)
+    os.kill(next(iter(stubs(_serving_pid(info)))), signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    assert len(outcomes) == 320, f"{320 - len(outcomes)} requests never ended"
+    answers = [ok for kind, ok in outcomes if kind == "answer"]
+    assert all(answers) and len(answers) >= 80  # no answer another request's; errors only while it was down
+    _wait_for(lambda: _health(int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))) == 200, 120)
+    assert ask(prompts[0]) == want[prompts[0]]
+
+
+def _serving_pid(info: dict) -> int:
+    """The current tritonserver's PID: the supervisor's child that is not the frontend (it changes at a restart)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != info["openai_pid"]:
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == info["supervisor_pid"] and fields[0] not in "ZX":
+                return int(entry.name)
+    raise AssertionError("no tritonserver under the supervisor")
+
+
+def _triton_ready(http: str) -> bool:
+    try:
+        return urllib.request.urlopen(f"{http}/v2/health/ready", timeout=5).status == 200
+    except OSError:
+        return False
+
+
+def _launch_long(target: Path) -> tuple[subprocess.Popen, dict]:
+    """`_launch` with room for long answers (streams that still decode when something is killed)."""
+    proc, info, _ = launch_serve(target, "--openai-port", "0", "--max-tokens-limit", "4000", "--max-seq-len", "4096")
+    return proc, info
+
+
+def test_past_max_restarts_a_dead_stub_stops_the_deployment(stub_target):
+    """`--max-restarts 0`: the first stub death stops the deployment (the launcher exits 1, a log line says why), for
+    whatever runs it (systemd, Kubernetes) to decide; nothing is left behind."""
+    from spectrt.runtime.serving.supervise import stubs
+
+    proc, info, _ = launch_serve(stub_target, "--openai-port", "0", "--max-restarts", "0")
+    os.kill(next(iter(stubs(info["pid"]))), signal.SIGKILL)
+    assert proc.wait(timeout=120) == 1
+    assert "0 restarts in the last 600 s already, stopping the deployment" in proc.stderr.read()
+    _assert_all_gone(info)

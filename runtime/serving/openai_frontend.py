@@ -61,6 +61,7 @@ from spectrt.runtime.serving.openai_api import (
     upstream_error,
     upstream_rows,
 )
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE
 from tritonclient.utils import InferenceServerException
 
 LOG = logging.getLogger("spectrt.openai")
@@ -125,7 +126,17 @@ class Triton:
     """The deployed model over gRPC: one channel, one bidirectional stream per request."""
 
     def __init__(self, url: str, model: str):
-        self.client = grpcaio.InferenceServerClient(url)
+        # tritonclient's own channel options (message sizes, keepalive), plus a reconnect within 2 s of a restarted
+        # server (spectrt serve's supervisor restarts one whose python stub died): gRPC's backoff grows to 120 s
+        keepalive = grpcaio.KeepAliveOptions()
+        self.client = grpcaio.InferenceServerClient(url, channel_args=[
+            ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)])
         self.model = model
         self.limits: Limits | None = None
         self.checked = -math.inf  # when the model was last asked whether it can serve

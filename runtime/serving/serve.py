@@ -196,7 +196,8 @@ class TritonServer:
                  ready_timeout: float = 180.0, exit_timeout: int = 10, run_dir: Path | None = None,
                  log_verbose: int = 0, console: bool = False, admin_key: str | None = None,
                  openai_port: int | None = None, openai_host: str | None = None, openai_timeout: float = 600.0,
-                 tokenizer: Path | None = None, api_key: str | None = None, allowed_origins: str = ""):
+                 tokenizer: Path | None = None, api_key: str | None = None, allowed_origins: str = "",
+                 max_restarts: int = 3):
         # Path values are made absolute here (the deployed copy lives elsewhere); strings are written as given,
         # and the model resolves relative ones against the model repository's parent directory
         self.params = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in (params or {}).items()}
@@ -219,6 +220,9 @@ class TritonServer:
         self.drain_seconds = float(self.params.get("drain_seconds") or 5.0)
         self.api_key = api_key  # the OpenAI endpoint's; handed over in a file of the run dir, not on a command line
         self.allowed_origins = allowed_origins  # the OpenAI endpoint's CORS origins (comma-separated)
+        if max_restarts < 0:
+            raise ServeError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.max_restarts = max_restarts  # server restarts after a python stub died, per 10 minutes (supervise.py)
         self.tokenizer = Path(tokenizer).resolve() if tokenizer else None
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.served_name):  # a folder of the repository
             raise ServeError(f"--model-name {self.served_name!r} is not a model name: use letters, digits and ._- "
@@ -327,6 +331,7 @@ class TritonServer:
             spec = {"command": self.command(), "cwd": str(self.run_dir),
                     "log": None if self.console else str(self.log_path), "shm_prefix": self.shm_prefix,
                     "remove_dir": None if self.run_parent else str(self.run_dir), "exit_timeout": self.exit_timeout,
+                    "max_restarts": self.max_restarts, "ready_url": f"{self.http_url}/v2/health/ready",
                     "frontend": None if self.openai_port is None else {
                         "command": self.frontend_command(), "grace": self.drain_seconds + 5,
                         "log": None if self.console else str(self.run_dir / "openai.log")}}

@@ -18,13 +18,20 @@ it stops, an interpreter crash. So this small process (standard library only, ru
   (SIGTERM: its open answers get the drain, then a stream still open ends with an error event and its connection
   closes, which cancels its request upstream; SIGKILL to its group after `grace` seconds), and if
   either process exits on its own the other is stopped too: the deployment is up as a whole or not at all.
+- A python backend stub that dies (a segfault, the OOM killer) is never restarted by tritonserver 2.51 for a
+  decoupled model: its requests hang and the server stays "ready" for good. So the stubs (tritonserver's children)
+  are watched: when one that ran dies, the server's whole group is killed at once (its open streams end: the
+  frontend answers each with an error, and every health endpoint says not ready) and a fresh server starts on the
+  same ports, with SPECTRT_SERVER_RESTARTS in its environment (the model counts it). At most `max_restarts` in
+  RESTART_WINDOW seconds; past that the deployment stops, for whatever runs it to decide.
 
 Argument: one JSON object {command, cwd, log (file or null: inherit stdout), shm_prefix, remove_dir (or null),
-exit_timeout, report_fd, frontend (null or {command, log, grace: seconds from its SIGTERM to SIGKILL})}. On
-report_fd it writes "pid N" once the server runs ("frontend_pid N" once the frontend does), "frontend_exit CODE"
-once the frontend is stopped and reaped, and "exit CODE" once the server has exited and its group is reaped; the run
-directory goes only after the launcher's "stop" (or death), so that a launcher whose server died can still read the
-log.
+exit_timeout, report_fd, frontend (null or {command, log, grace: seconds from its SIGTERM to SIGKILL}),
+max_restarts, ready_url (the server's /v2/health/ready: stubs are watched once it first answers)}. On report_fd it
+writes "pid N" once the server runs (again after each restart, preceded by "restart K"), "frontend_pid N" once the
+frontend does, "frontend_exit CODE" once the frontend is stopped and reaped, and "exit CODE" once the server has
+exited and its group is reaped; the run directory goes only after the launcher's "stop" (or death), so that a
+launcher whose server died can still read the log.
 """
 
 from __future__ import annotations
@@ -38,9 +45,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+STUB_NAME = "triton_python_b"  # the python backend stub's comm (triton_python_backend_stub, cut to 15 characters)
+RESTART_WINDOW = 600.0  # seconds over which max_restarts counts
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the preexec hook only calls into it
 
 
@@ -91,6 +101,42 @@ def stop(proc: subprocess.Popen, exit_timeout: float) -> int:
     return code
 
 
+def stubs(server: int) -> set[int]:
+    """The live python backend stubs of tritonserver `server` (its children named STUB_NAME; a zombie is dead)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if name == STUB_NAME and int(fields[1]) == server and fields[0] not in "ZX":
+            found.add(int(entry.name))
+    return found
+
+
+def _ready(url: str | None) -> bool:
+    """tritonserver's /v2/health/ready answers 200 (no url: never, so no stub is watched)."""
+    if not url:
+        return False
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def kill_now(proc: subprocess.Popen) -> int:
+    """SIGKILL the server's group at once (a dead stub's requests are lost already) and reap it and its stubs."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return stop(proc, 0)
+
+
 def stop_frontend(proc: subprocess.Popen, grace: float = 5.0) -> int:
     """SIGTERM (its open streams are cancelled upstream), `grace` seconds, then SIGKILL its group; reap it."""
     if not _exited(proc.pid):
@@ -117,9 +163,14 @@ def main(spec: dict) -> int:
     code = front = None
     try:
         parent = os.getpid()
-        proc = subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT if log else None, start_new_session=True,
-                                preexec_fn=lambda: _die_with(parent))
+
+        def start_server(restarts: int) -> subprocess.Popen:
+            env = {**os.environ, "SPECTRT_SERVER_RESTARTS": str(restarts)}
+            return subprocess.Popen(spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT if log else None, start_new_session=True, env=env,
+                                    preexec_fn=lambda: _die_with(parent))
+
+        proc, restarts, recent = start_server(0), 0, []
         _say(report, f"pid {proc.pid}")
         if front_spec:
             front = subprocess.Popen(front_spec["command"], cwd=spec["cwd"], stdin=subprocess.DEVNULL,
@@ -128,9 +179,34 @@ def main(spec: dict) -> int:
             _say(report, f"frontend_pid {front.pid}")
         with selectors.DefaultSelector() as sel:
             sel.register(sys.stdin.fileno(), selectors.EVENT_READ)  # "stop", or EOF when the launcher is gone
-            while (not stopping and not _exited(proc.pid) and not (front and _exited(front.pid))
-                   and not sel.select(timeout=0.2)):
-                pass
+            watched: set[int] | None = None  # stubs seen running since the server was first ready
+            while True:
+                dead = set()
+                while (not stopping and not _exited(proc.pid) and not (front and _exited(front.pid))
+                       and not sel.select(timeout=0.2)):
+                    if watched is None:  # loading: Triton runs (and ends) a stub of its own to read the config
+                        watched = stubs(proc.pid) if _ready(spec.get("ready_url")) else None
+                        continue
+                    alive = stubs(proc.pid)
+                    dead, watched = watched - alive, watched | alive
+                    if dead:
+                        break
+                if not dead or stopping or _exited(proc.pid):
+                    break
+                now = time.monotonic()
+                recent = [t for t in recent if now - t < RESTART_WINDOW] + [now]
+                if len(recent) > spec.get("max_restarts", 3):
+                    _log(log, f"python stub(s) {sorted(dead)} died: {len(recent) - 1} restarts in the last "
+                              f"{RESTART_WINDOW:g} s already, stopping the deployment")
+                    break
+                restarts += 1
+                _log(log, f"python stub(s) {sorted(dead)} died: restarting tritonserver (restart {restarts}; its "
+                          "open requests end with an error)")
+                kill_now(proc)
+                sweep_shm(spec["shm_prefix"])
+                proc, watched = start_server(restarts), None
+                _say(report, f"restart {restarts}")
+                _say(report, f"pid {proc.pid}")
             if front is not None:
                 _say(report, f"frontend_exit {stop_frontend(front, front_spec.get('grace', 5.0))}")
             code = stop(proc, spec["exit_timeout"])
@@ -154,6 +230,16 @@ def main(spec: dict) -> int:
         except OSError:
             pass
     return 0
+
+
+def _log(log, line: str) -> None:
+    """A line in the server's log (or this process's stderr where the server writes to the console)."""
+    text = f"spectrt supervisor: {line}\n"
+    if log is not None:
+        log.write(text.encode())
+        log.flush()
+    else:
+        sys.stderr.write(text)
 
 
 def _say(report, line: str) -> None:

@@ -61,6 +61,8 @@ COUNTERS = {  # scheduler metric -> (Prometheus name, help)
     "step_fallbacks": ("spectrt_batch_step_fallbacks_total", "Batched steps whose forward failed, each row then "
                        "retried alone"),
     "scheduler_restarts": ("spectrt_scheduler_restarts_total", "Scheduler threads restarted after a crash"),
+    "server_restarts": ("spectrt_server_restarts_total", "tritonserver restarts by spectrt serve's supervisor after "
+                        "a python stub died (its count when this server started)"),
     "send_failed": ("spectrt_send_failures_total", "Responses the sender refused (that request alone ended)"),
     "step_tokens": ("spectrt_step_tokens_total", "Tokens emitted by batched steps (per step: / batch_steps_total)"),
     "step_tree_tokens": ("spectrt_step_tree_tokens_total", "Target rows spent on trees, roots included (per step: "
@@ -343,6 +345,7 @@ class TritonPythonModel:
                 raise pb_utils.TritonModelException(f"spectrt {self.instance}: {e}") from None
         self.drain_seconds = _number(params, "drain_seconds", 5.0, float)
         self.metrics = TritonMetrics(model_name)
+        self.metrics.count("server_restarts", int(os.environ.get("SPECTRT_SERVER_RESTARTS") or 0))  # supervise.py
         self.scheduler = Scheduler(decoder, tokenizer, self.metrics, _number(params, "max_queue_size", 64),
                                    _number(params, "max_queue_seconds", 30.0, float),
                                    _number(params, "stream_interval", STREAM_INTERVAL),
