@@ -628,3 +628,43 @@ def test_edge_inputs_in_sequence_each_get_one_final_response(server, session, pi
                 assert r.text == expected, list(fields)
         finally:
             r.close()
+
+
+@pytest.mark.unit
+def test_the_models_python_logs_go_to_tritons_log_at_their_level(monkeypatch):
+    """The stub configures no logging: without a handler the scheduler's warnings and a failed request's traceback
+    went to Python's last-resort handler (bare stderr lines). `route_logs` sends them to Triton's logger by level."""
+    import importlib.util
+    import logging
+    import sys
+    import types
+
+    said = []
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    fake.Logger = types.SimpleNamespace(**{f"log_{level}": (lambda text, level=level: said.append((level, text)))
+                                           for level in ("info", "warn", "error")})
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    path = Path(__file__).resolve().parent.parent / "triton_repo" / "spectrt" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("spectrt_triton_model_under_test", path)
+    model = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, model)  # its dataclasses look their module up
+    spec.loader.exec_module(model)
+    root = logging.getLogger("spectrt")
+    saved = root.handlers[:], root.level, root.propagate
+    try:
+        model.route_logs()
+        model.route_logs()  # once a process
+        assert sum(isinstance(h, model.TritonLogHandler) for h in root.handlers) == 1
+        log = logging.getLogger("spectrt.scheduler")
+        log.info("admitted %d", 3)
+        log.warning("a step failed")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            log.exception("request 'r' failed")
+        log.debug("not at INFO")
+        assert [level for level, _ in said] == ["info", "warn", "error"]
+        assert said[0][1] == "spectrt.scheduler: admitted 3" and "ValueError: boom" in said[2][1]
+    finally:
+        root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]

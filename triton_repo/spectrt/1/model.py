@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import locale
+import logging
 import os
 import threading
 import time
@@ -246,8 +247,39 @@ class TritonSink:
         self.sender.send(flags=FINAL)
 
 
+class TritonLogHandler(logging.Handler):
+    """The runtime's Python log records (the scheduler's warnings, a failed request's traceback) into Triton's own
+    log (server.log), at their level. Why: the stub configures no logging, so they went to Python's last-resort
+    handler, bare messages on stderr with no time, level or model."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+            if record.levelno >= logging.ERROR:
+                pb_utils.Logger.log_error(text)
+            elif record.levelno >= logging.WARNING:
+                pb_utils.Logger.log_warn(text)
+            else:
+                pb_utils.Logger.log_info(text)
+        except Exception:
+            self.handleError(record)
+
+
+def route_logs() -> logging.Logger:
+    """Send the `spectrt` loggers' records at INFO and above to Triton's log (once a process)."""
+    root = logging.getLogger("spectrt")
+    if not any(isinstance(h, TritonLogHandler) for h in root.handlers):
+        handler = TritonLogHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+    return root
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        route_logs()
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("spectrt needs model_transaction_policy { decoupled: true }")
