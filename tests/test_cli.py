@@ -162,6 +162,31 @@ def test_two_gguf_files_of_one_name_convert_apart(tmp_path):
         convert_gguf(a, first)
 
 
+def test_a_gguf_ends_generation_at_its_end_of_turn_tokens_as_llama_cpp(tmp_path, target_dir):
+    """A GGUF whose turns end with a token other than its EOS (Llama 3's <|eot_id|>) ended no chat turn: the
+    conversion adds llama.cpp's end-of-generation ids (its eot/eom keys, control tokens of those texts) to
+    generation_config.json, which every EOS set reads; a conversion made before gets them at its next use."""
+    from gguf import GGUFWriter
+    from spectrt.runtime.engines.checkpoint import eos_ids, gguf_eog_ids, write_eog
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "turns.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_token_list(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "hi", "<|im_end|>"])
+    writer.add_token_types([3, 3, 3, 1, 1])  # the last: an ordinary token that only looks like one
+    writer.add_eos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_eog_ids(path) == [1, 2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "bos_token_id": 0}))
+    write_eog(tmp_path, gguf_eog_ids(path))
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": [1, 2], "bos_token_id": 0}
+    # the embedded SmolLM2: <|im_end|> (its EOS) and <|endoftext|>, as llama.cpp stops on them
+    assert eos_ids(target_dir, AutoTokenizer.from_pretrained(target_dir)) == {0, 2}
+
+
 def test_unusable_model_paths(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_target(tmp_path / "missing")

@@ -64,6 +64,42 @@ def _gguf_source(gguf: Path) -> dict:
     return {"path": str(Path(gguf).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+# What llama.cpp ends a generation at besides the GGUF's EOS id (llama-vocab.cpp): its end-of-turn / end-of-message
+# ids, and the vocabulary's control tokens with these texts. Why: a GGUF whose turns end with a token other than its
+# EOS (Llama 3's <|eot_id|> where EOS is <|end_of_text|>) never ended a chat turn here.
+EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+                       "<|return|>", "<|call|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"})
+CONTROL_TYPES = (3, 4)  # gguf's token types CONTROL and USER_DEFINED
+
+
+def gguf_eog_ids(gguf: Path) -> list[int]:
+    """The token ids that end a generation of a GGUF model, as llama.cpp reads them (EOG_KEYS, EOG_TEXTS)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    ids = {int(reader.fields[k].parts[reader.fields[k].data[0]][0]) for k in EOG_KEYS if k in reader.fields}
+    tokens, types = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is not None:
+        for i, part in enumerate(tokens.data):
+            text = bytes(tokens.parts[part]).decode("utf-8", "replace")
+            if text in EOG_TEXTS and (types is None or int(types.parts[types.data[i]][0]) in CONTROL_TYPES):
+                ids.add(i)
+    return sorted(ids)
+
+
+def write_eog(checkpoint: Path, ids: list[int]) -> None:
+    """Add `ids` to the checkpoint's generation_config.json `eos_token_id` (what `eos_ids` reads), atomically."""
+    path = Path(checkpoint) / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    eos = config.get("eos_token_id")
+    known = {eos} if isinstance(eos, int) else set(eos or [])
+    config["eos_token_id"] = sorted(known | set(ids))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def gguf_checkpoint_dir(gguf: Path, artifacts: Path) -> Path:
     """Where a GGUF file's conversion lives: `<artifacts>/<stem>`, unless that holds another GGUF's conversion
     (then `<stem>-<hash of its path>`). Why: a second file with the same name (llama.cpp's default `ggml-model-f16`)
@@ -80,8 +116,17 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantize a GGUF LLaMA-family model into a fp32 Hugging Face checkpoint (done once, then cached; again when
     the file changed since)."""
     record = out_dir / GGUF_SOURCE
+    source = _gguf_source(gguf)
+    recorded = json.loads(record.read_text()) if record.is_file() else None
     if (out_dir / "config.json").is_file() and any(out_dir.glob("*.safetensors")) and \
-            (not record.is_file() or json.loads(record.read_text()) == _gguf_source(gguf)):
+            (recorded is None or {k: recorded.get(k) for k in source} == source):
+        if recorded is not None and "eog" not in recorded:  # converted before the end-of-generation ids were added
+            try:
+                recorded["eog"] = gguf_eog_ids(gguf)
+            except Exception:  # an unreadable file: that conversion keeps the ids it has  # noqa: BLE001
+                return out_dir
+            write_eog(out_dir, recorded["eog"])
+            record.write_text(json.dumps(recorded) + "\n")
         return out_dir
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -98,7 +143,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / GGUF_SOURCE).write_text(json.dumps(_gguf_source(gguf)) + "\n")
+    eog = gguf_eog_ids(gguf)
+    write_eog(tmp, eog)
+    (tmp / GGUF_SOURCE).write_text(json.dumps({**source, "eog": eog}) + "\n")
     if out_dir.exists():  # an older conversion of this path: the file changed since
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
