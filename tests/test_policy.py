@@ -554,3 +554,25 @@ def test_the_gates_costs_follow_the_loops_policy():
     controller.policy = second
     cost = controller._drafting_cost(300, 4)
     assert [owner for owner, _ in controller._costs.values()] == [second] and cost.levels == 2
+
+
+@pytest.mark.unit
+def test_a_precision_nobody_tuned_borrows_this_machines_tuned_policy(tmp_path):
+    """`--dtype fp32` after `make demo` (which tunes bf16): the untuned default's curve (another machine's) priced
+    trees too cheap and lost to AR on a prompt; the policy tuned here for bf16 is used instead, with a warning naming
+    the command that tunes fp32, and its expected rate on this machine's measured curve is at least AR's."""
+    from spectrt.runtime.decoding.pipeline import default_policy
+    from spectrt.runtime.decoding.policy import policy_path, rank_policies
+
+    verify = CostCurve({1: 10.2, 2: 12.6, 4: 13.7, 8: 17.9, 16: 34.2})  # measured on this class (bf16, ms)
+    draft = CostCurve({1: 1.1, 2: 1.2, 4: 1.3, 8: 1.8, 16: 2.6})
+    acceptance = [[0.55, 0.15], [0.5, 0.12], [0.45, 0.1]]
+    best, rate = rank_policies(verify, draft, acceptance, [2, 4, 8], [1, 2, 3], [1, 2])[0]
+    target, head = tmp_path / "model", tmp_path / "model-draft"
+    policy_path(tmp_path, target.name, head.name, "bf16").write_text(json.dumps({"policy": best.to_json()}))
+    with pytest.warns(UserWarning, match=r"no speculation policy tuned for fp32 here: using the one tuned for bf16 .*"
+                                         r"`spectrt tune --dtype fp32`"):
+        borrowed = default_policy(target, head, "fp32", tmp_path)
+    assert borrowed == best and rate >= 1 / verify(1)
+    assert default_policy(target, head, "bf16", tmp_path) == best  # its own precision: no warning needed
+    assert default_policy(target, tmp_path / "other-draft", "fp32", tmp_path) == Policy()  # another draft's: none

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +25,34 @@ from spectrt.runtime.engines.eagle3 import Eagle3Head, is_eagle3
 from spectrt.runtime.engines.engine import DTYPES, check_draft_matches, draft_dtype, load_engine, resolve_dtype
 from transformers import AutoTokenizer
 
+BORROW_ORDER = ("bf16", "bf16dot", "fp32")  # whose tuned policy a precision without one borrows, first found first
+
 
 def default_policy(target: Path, draft: Path | None, dtype: str, artifacts: Path = DEFAULT_ARTIFACTS) -> Policy:
     """The policy `spectrt tune` saved for this target/draft/dtype (in `artifacts`, else next to the target:
-    a served model's working directory is not the user's), else the untuned default (draft-less
-    speculation with suffix candidates when there is no draft)."""
-    for where in (Path(artifacts), Path(target).parent):
-        tuned = load_policy(policy_path(where, Path(target).name, Path(draft).name if draft else None, dtype))
+    a served model's working directory is not the user's); else one tuned for another precision of the same models
+    on this machine (`BORROW_ORDER`), with a warning naming the command that tunes this one; else the untuned default
+    (draft-less speculation with suffix candidates when there is no draft).
+
+    Why borrow: `make demo` tunes the default precision only, and the untuned default's cost curve (another
+    machine's) priced trees too cheap on AVX2, so `--dtype fp32` lost to its own AR on a prompt (0.76x). A policy
+    tuned here carries this machine's measured curve and draft acceptance; bf16's is the conservative one to lend:
+    its one-row forward is the cheaper (half the weight bytes), so each tree row costs more against it than in fp32.
+    """
+    names = Path(target).name, Path(draft).name if draft else None
+    wheres = (Path(artifacts), Path(target).parent)
+    for where in wheres:
+        tuned = load_policy(policy_path(where, *names, dtype))
         if tuned is not None:
             return tuned
+    for other in (d for d in BORROW_ORDER if d != dtype):
+        for where in wheres:
+            tuned = load_policy(policy_path(where, *names, other))
+            if tuned is not None:
+                warnings.warn(f"no speculation policy tuned for {dtype} here: using the one tuned for {other} "
+                              f"({policy_path(where, *names, other)}); `spectrt tune --dtype {dtype}` tunes one",
+                              stacklevel=2)
+                return tuned
     return Policy() if draft is not None else Policy(budget=16, depth=0, draft=False)
 
 
