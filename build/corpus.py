@@ -234,10 +234,11 @@ def generate_distill_data(
             spent_path.write_text(json.dumps({"generation_s": round(spent_total + generation_s, 3)}))
 
         batch = cfg.eval_batch_size if eval_set else cfg.gen_batch_size
-        for request, ids, finish in generate(engine, requests, set(eos), batch, admit=lambda: not out_of_time()):
-            # the end-of-sequence token is part of the answer (the draft learns where answers end); with several,
-            # the one that ended it is not known, and the answer keeps none
-            ended = [eos[0]] if finish == "stop" and len(eos) == 1 else []
+        for request, ids, finish, end in generate(engine, requests, set(eos), batch,
+                                                  admit=lambda: not out_of_time()):
+            # the end-of-sequence token is part of the answer (the draft learns where answers end): the one that
+            # ended it, of several (a GGUF's end-of-generation ids, Llama 3's generation_config)
+            ended = [end] if finish == "stop" and end is not None else []
             cache[request.tag] = known[request.tag] = _record(request.prompt_ids, ids + ended)
             generated_tokens += len(ids) + len(ended)
             bar.update(1)

@@ -82,6 +82,10 @@ def source_sha256(checkpoint: Path) -> str:
     return h.hexdigest()
 
 
+def _id_set(ids) -> set:
+    return set(ids) if isinstance(ids, list) else {ids}
+
+
 def _special_ids(checkpoint: Path) -> dict:
     """bos/eos ids as each of config.json and generation_config.json states them."""
     ids = {}
@@ -112,6 +116,8 @@ def check_pair(target: Path, draft: Path, max_seq_len: int, max_tree_tokens: int
         raise EngineBuildError(f"refusing to build engines: {e}") from e
     t_ids, d_ids = _special_ids(target), _special_ids(draft)
     for k in sorted(t_ids.keys() & d_ids.keys()):
+        if k.startswith("eos") and _id_set(d_ids[k]) <= _id_set(t_ids[k]):
+            continue  # ends where the target does (a target's later-added end-of-generation ids: a GGUF's)
         if t_ids[k] != d_ids[k]:
             raise EngineBuildError(f"refusing to build engines: draft {k} {d_ids[k]} differs from the target's "
                                    f"{t_ids[k]}: use a draft made from this target (`spectrt draft`)")

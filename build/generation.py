@@ -32,11 +32,11 @@ class Request:
 
 
 def generate(target: Engine, requests: Sequence[Request], eos_ids: set[int], batch: int = DEFAULT_BATCH,
-             admit: Callable[[], bool] = lambda: True) -> Iterator[tuple[Request, list[int], str]]:
-    """Yield (request, output ids, finish reason) as requests finish, admitting them in order as slots free up
-    while `admit()` says so (a deadline: once it says no, what runs finishes and nothing new starts, so no
-    generated token is thrown away). The output leaves out the end-of-sequence token (finish "stop") as every
-    surface of the loop does."""
+             admit: Callable[[], bool] = lambda: True) -> Iterator[tuple[Request, list[int], str, int | None]]:
+    """Yield (request, output ids, finish reason, the end-of-sequence token that ended it or None) as requests
+    finish, admitting them in order as slots free up while `admit()` says so (a deadline: once it says no, what runs
+    finishes and nothing new starts, so no generated token is thrown away). The output leaves out the end-of-sequence
+    token (finish "stop") as every surface of the loop does; which of several ended it comes apart."""
     if not requests:
         return
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -51,4 +51,4 @@ def generate(target: Engine, requests: Sequence[Request], eos_ids: set[int], bat
         for job in info.finished:
             if job.finish == "error":
                 raise RuntimeError(f"generation failed: {job.error}") from job.exception
-            yield job.tag, list(job.out), job.finish
+            yield job.tag, list(job.out), job.finish, job.end_token

@@ -111,7 +111,7 @@ def synthesize(target: Path, count: int, seed: int = 0, histories: Sequence[Conv
         requests = [Request(pre_query_ids(tokenizer, h, start), SamplingParams(TEMPERATURE, top_p=TOP_P, seed=s),
                             MAX_USER_TOKENS, tag=index + i)
                     for i, (h, s, start) in enumerate(zip(todo, seeds, starts, strict=True))]
-        done = {request.tag: (ids, finish) for request, ids, finish in generate(engine, requests, end)}
+        done = {request.tag: (ids, finish) for request, ids, finish, _ in generate(engine, requests, end)}
         for i, history in enumerate(todo):  # the seed's order, whatever order they finished in
             ids, finish = done[index + i]
             text = (starts[i] + tokenizer.decode(ids, skip_special_tokens=True)).strip()

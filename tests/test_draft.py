@@ -683,7 +683,9 @@ def test_batched_generation_equals_each_request_alone(target_dir):
     requests = [Request(p, q, 20, tag=i) for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
     # request 1's prompt and seed again, admitted when a slot frees (its prompt's KV may be reused): the same answer
     requests += [Request(prompts[1], params[1], 20, tag=3)]
-    batched = {r.tag: (ids, finish) for r, ids, finish in generate(engine, requests, {2}, batch=3)}
+    finished = list(generate(engine, requests, {2}, batch=3))
+    assert all(end == (2 if finish == "stop" else None) for _, _, finish, end in finished)  # which one ended it
+    batched = {r.tag: (ids, finish) for r, ids, finish, _ in finished}
     assert sorted(batched) == [0, 1, 2, 3]
     for r in requests:
         alone = Decoder(engine, None, {2}, max_seq_len=64).generate(r.prompt_ids, 20, params=r.params)

@@ -176,6 +176,7 @@ class Job:
     logprob_rows: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per token of out
     prompt_logprob_rows: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # prompt[1:]
     finish: str | None = None  # one of FINISH_REASONS once finished
+    end_token: int | None = None  # the end-of-sequence token that ended it (finish "stop"), of several the one emitted
     error: str | None = None  # why, for finish "error"
     stats: DecodeStats = field(default_factory=DecodeStats)
     slot: int = -1
@@ -348,7 +349,7 @@ class Decoder:
         job.slot, cached = self._take_slot(job.prompt_ids, drafts, seeded, reuse=not job.prompt_logprobs)
         self.controller.start(job)
         job.ids = list(job.prompt_ids)
-        job.out, job.finish, job.error, job.decoding = [], None, None, False
+        job.out, job.finish, job.error, job.decoding, job.end_token = [], None, None, False, None
         job.logprob_rows, job.prompt_logprob_rows = [], []
         job.stats = DecodeStats(prompt_tokens=len(job.prompt_ids), cached_tokens=cached)
         seed = job.params.seed if job.params.seed is not None else random.SystemRandom().randrange(2**62)
@@ -810,6 +811,7 @@ class Decoder:
         if stop_end is not None:
             new, finish, emitted = new[:stop_end], "stop", stop_end
         elif eos_at is not None:
+            job.end_token = new[eos_at]
             new, finish, emitted = new[:eos_at], "stop", eos_at + 1
         stats.emitted_tokens += emitted
         # accepted tokens it kept: a path past its end-of-sequence token, stop word or length limit is cut (what the
