@@ -234,6 +234,12 @@ def test_metrics_count_speculative_work(server, session):
     assert delta["spectrt_time_to_first_token_seconds_count"] == 1
     # each step's wall time and its target forward's (served vs in-process step costs): one within the other
     assert 0 < delta["spectrt_target_forward_seconds_total"] <= delta["spectrt_step_seconds_total"]
+    # the Gateway API Inference Extension's queue and KV gauges (an InferencePool's endpoint picker reads them)
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+    for label in ('request_type="scheduled"', 'request_type="waiting"'):
+        assert re.search(r'^nv_trt_llm_request_metrics\{[^}]*' + label + r'[^}]*\} 0$', text, re.M), label
+    assert re.search(r'^nv_trt_llm_kv_cache_block_metrics\{[^}]*kv_cache_block_type="fraction"[^}]*\} 0$', text,
+                     re.M)
 
 
 def _released(server) -> float:

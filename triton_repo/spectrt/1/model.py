@@ -78,6 +78,14 @@ PER_STEP = {"steps", "step_tokens", "step_tree_tokens", "step_seconds", "target_
 FLUSH_SECONDS = 0.5
 GAUGES = {"active": ("spectrt_active_requests", "Rows holding a decoding slot (active batch size)"),
           "queued": ("spectrt_queued_requests", "Rows waiting for a decoding slot")}
+# The same load under the names the Gateway API Inference Extension's endpoint picker reads from a Triton server
+# (TensorRT-LLM's), so an InferencePool routes to this model by queue and KV use: gauge -> (family, label, value)
+GATEWAY = {"active": ("nv_trt_llm_request_metrics", {"request_type": "scheduled"}),
+           "queued": ("nv_trt_llm_request_metrics", {"request_type": "waiting"}),
+           "kv_fraction": ("nv_trt_llm_kv_cache_block_metrics", {"kv_cache_block_type": "fraction"})}
+GATEWAY_DOCS = {"nv_trt_llm_request_metrics": "Rows scheduled (decoding) and waiting (the Gateway API Inference "
+                "Extension's queue metric)", "nv_trt_llm_kv_cache_block_metrics": "Share of the static KV slots "
+                "in use (the Gateway API Inference Extension's KV metric)"}
 HISTOGRAMS = {
     "tau": ("spectrt_tau", "Each finished request's tokens per target pass (tau); the mean over all tokens is "
             "spectrt_tokens_generated_total / spectrt_target_passes_total",
@@ -102,7 +110,7 @@ class TritonMetrics:
     cancelled, refused) sends everything at once: a client holding its final response reads exact counters.
     """
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, slots: int = 8):
         labels = {"model": model, "version": "1"}
         self.families, self.metrics = [], {}  # a family must outlive its metrics: keep them all
         for kind, table in ((pb_utils.MetricFamily.COUNTER, COUNTERS), (pb_utils.MetricFamily.GAUGE, GAUGES),
@@ -111,6 +119,12 @@ class TritonMetrics:
                 self.families.append(pb_utils.MetricFamily(name=name, description=doc, kind=kind))
                 extra = {"buckets": buckets[0]} if buckets else {}
                 self.metrics[key] = self.families[-1].Metric(labels=labels, **extra)
+        gateway = {}
+        for name, doc in GATEWAY_DOCS.items():
+            self.families.append(pb_utils.MetricFamily(name=name, description=doc, kind=pb_utils.MetricFamily.GAUGE))
+            gateway[name] = self.families[-1]
+        self.gateway = {key: gateway[name].Metric(labels={**labels, **label}) for key, (name, label) in GATEWAY.items()}
+        self.slots = max(slots, 1)
         self.pending: dict[str, float] = {}
         self.gauges: dict[str, float] = {}
         self.flushed = time.monotonic()
@@ -133,6 +147,10 @@ class TritonMetrics:
                 return
             self.gauges[name] = value
         self.metrics[name].set(value)
+        if name in self.gateway:
+            self.gateway[name].set(value)
+        if name == "active":  # the static KV pool: one slot per active row
+            self.gateway["kv_fraction"].set(value / self.slots)
 
     def flush(self) -> None:
         with self.lock:
@@ -144,7 +162,7 @@ class TritonMetrics:
     def close(self) -> None:
         if self.metrics:
             self.flush()
-        self.metrics, self.families = {}, []  # metrics first, then their families
+        self.metrics, self.gateway, self.families = {}, {}, []  # metrics first, then their families
 
 
 def _number(params: dict[str, str], key: str, default, kind=int):
@@ -376,7 +394,7 @@ class TritonPythonModel:
             except RuntimeError as e:  # not READY: every request would fail the same way
                 raise pb_utils.TritonModelException(f"spectrt {self.instance}: {e}") from None
         self.drain_seconds = _number(params, "drain_seconds", 5.0, float)
-        self.metrics = TritonMetrics(model_name)
+        self.metrics = TritonMetrics(model_name, decoder.max_active)
         self.metrics.count("server_restarts", int(os.environ.get("SPECTRT_SERVER_RESTARTS") or 0))  # supervise.py
         self.scheduler = Scheduler(decoder, tokenizer, self.metrics, _number(params, "max_queue_size", 64),
                                    _number(params, "max_queue_seconds", 30.0, float),
