@@ -1396,7 +1396,8 @@ def _soak_through_a_stub_kill(client, info: dict) -> None:
     assert len(outcomes) == 320, f"{320 - len(outcomes)} requests never ended"
     answers = [ok for kind, ok in outcomes if kind == "answer"]
     assert all(answers) and len(answers) >= 80  # no answer another request's; errors only while it was down
-    _wait_for(lambda: _health(int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))) == 200, 120)
+    port = int(info["openai"].rsplit(":", 1)[1].removesuffix("/v1"))
+    _wait_for(lambda: _triton_ready(info["http"]) and _health(port) == 200, 120)
     assert ask(prompts[0]) == want[prompts[0]]
 
 

@@ -231,8 +231,11 @@ class Triton:
                     raise ApiError(500, "the model's stream ended without a final response", None,
                                    "internal_error") from None
                 except grpc.RpcError as e:
-                    raise ApiError(503, f"Triton is unavailable: {e.details() if hasattr(e, 'details') else e}",
-                                   None, "unavailable") from None
+                    message = f"Triton is unavailable: {e.details() if hasattr(e, 'details') else e}"
+                    # health says so at once: a cached "ready" answered /health 200 for up to READY_CACHE_SECONDS
+                    # after the server went away (a restart after a python stub died)
+                    self.trouble, self.checked = (message, "unavailable"), time.monotonic()
+                    raise ApiError(503, message, None, "unavailable") from None
                 if error is not None:
                     raise upstream_error(error.message())
                 piece = Piece.of(result)

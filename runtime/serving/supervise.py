@@ -185,7 +185,12 @@ def main(spec: dict) -> int:
                 while (not stopping and not _exited(proc.pid) and not (front and _exited(front.pid))
                        and not sel.select(timeout=0.2)):
                     if watched is None:  # loading: Triton runs (and ends) a stub of its own to read the config
-                        watched = stubs(proc.pid) if _ready(spec.get("ready_url")) else None
+                        if not _ready(spec.get("ready_url")):
+                            continue
+                        watched = stubs(proc.pid)
+                        if not watched:  # ready, yet no stub: it died before this first look (a PID not known)
+                            dead = {0}
+                            break
                         continue
                     alive = stubs(proc.pid)
                     dead, watched = watched - alive, watched | alive
@@ -195,13 +200,15 @@ def main(spec: dict) -> int:
                     break
                 now = time.monotonic()
                 recent = [t for t in recent if now - t < RESTART_WINDOW] + [now]
+                which = f"python stub(s) {sorted(dead)}" if 0 not in dead else \
+                    "the python stub (gone before it was seen)"
                 if len(recent) > spec.get("max_restarts", 3):
-                    _log(log, f"python stub(s) {sorted(dead)} died: {len(recent) - 1} restarts in the last "
-                              f"{RESTART_WINDOW:g} s already, stopping the deployment")
+                    _log(log, f"{which} died: {len(recent) - 1} restarts in the last {RESTART_WINDOW:g} s already, "
+                              "stopping the deployment")
                     break
                 restarts += 1
-                _log(log, f"python stub(s) {sorted(dead)} died: restarting tritonserver (restart {restarts}; its "
-                          "open requests end with an error)")
+                _log(log, f"{which} died: restarting tritonserver (restart {restarts}; its open requests end with "
+                          "an error)")
                 kill_now(proc)
                 sweep_shm(spec["shm_prefix"])
                 proc, watched = start_server(restarts), None
