@@ -586,7 +586,8 @@ def completion_body(call: Call, rid: str, created: int, model: str, outcome: Out
     """The non-streaming answer (chat.completion or text_completion), a choice per row."""
     choices = []
     for index, choice in enumerate(best_choices(call, outcome.choices)):
-        reason, logprobs = finish_reason(choice), choice_logprobs(call, choice.logprobs)
+        entries = choice.prompt_logprobs + choice.logprobs if call.echo is not None else choice.logprobs
+        reason, logprobs = finish_reason(choice), choice_logprobs(call, entries)
         if call.kind == "chat":
             calls = answered_calls(call, choice)
             message = {"role": "assistant", "content": choice.text} if calls is None else \
@@ -594,8 +595,6 @@ def completion_body(call: Call, rid: str, created: int, model: str, outcome: Out
             choices.append({"index": index, "message": message, "logprobs": logprobs,
                             "finish_reason": reason if calls is None else "tool_calls"})
         else:
-            if call.echo is not None:
-                logprobs = choice_logprobs(call, choice.prompt_logprobs + choice.logprobs)
             choices.append({"index": index, "text": (call.echo or "") + choice.text, "logprobs": logprobs,
                             "finish_reason": reason})
     body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion", "created": created,

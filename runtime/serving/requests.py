@@ -274,10 +274,10 @@ def logprob_json(entries: list[tuple[int, float, list[tuple[int, float]]]],
     content entry {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}; a logprob None (a prompt's first
     token: nothing before it to predict it) gives logprob and top_logprobs null."""
 
-    def entry(token: int, logprob: float) -> dict:
+    def entry(token: int, logprob: float | None) -> dict:
         raw = token_bytes(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": max(logprob, FLOOR_LOGPROB), "bytes": list(raw)}
+        return {"token": raw.decode("utf-8", "replace"), "logprob": None if logprob is None else
+                max(logprob, FLOOR_LOGPROB), "bytes": list(raw)}
 
-    return json.dumps([{**entry(token, lp), "top_logprobs": [entry(t, v) for t, v in top]} if lp is not None else
-                       {"token": token_bytes(token).decode("utf-8", "replace"), "logprob": None,
-                        "bytes": list(token_bytes(token)), "top_logprobs": None} for token, lp, top in entries])
+    return json.dumps([{**entry(token, lp), "top_logprobs": None if lp is None else [entry(t, v) for t, v in top]}
+                       for token, lp, top in entries])
